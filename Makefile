@@ -1,0 +1,32 @@
+# Every target creates and fills .venv itself, so on a fresh machine `make demo` and
+# `make test` are the only two commands needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of this torch lies on the machines' disk; installing it before the package
+# keeps pip from resolving `torch` to a multi-GB CUDA build (DESIGN §6).
+TORCH_SPEC ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) training/demo.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache outputs

@@ -1,0 +1,36 @@
+"""hf-linear-attn: linear attention as a Hugging Face `transformers` model.
+
+Importing the package registers `LinearAttentionConfig` (model_type "linear_attention") and
+both model classes with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, so checkpoints
+load with the Auto classes without `trust_remote_code`. Saved checkpoints also carry the code
+(`auto_map`) so they load with `trust_remote_code=True` where this package is not installed.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_linear_attention import LinearAttentionConfig
+from .modeling_linear_attention import (
+    LinearAttentionForCausalLM,
+    LinearAttentionModel,
+    LinearAttentionPreTrainedModel,
+)
+from .ops import linear_attention, window_attention
+
+__version__ = "0.1.0"
+
+AutoConfig.register(LinearAttentionConfig.model_type, LinearAttentionConfig, exist_ok=True)
+AutoModel.register(LinearAttentionConfig, LinearAttentionModel, exist_ok=True)
+AutoModelForCausalLM.register(LinearAttentionConfig, LinearAttentionForCausalLM, exist_ok=True)
+# Mark the classes so save_pretrained copies their code files next to the weights.
+LinearAttentionConfig.register_for_auto_class()
+LinearAttentionModel.register_for_auto_class("AutoModel")
+LinearAttentionForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "LinearAttentionConfig",
+    "LinearAttentionForCausalLM",
+    "LinearAttentionModel",
+    "LinearAttentionPreTrainedModel",
+    "linear_attention",
+    "window_attention",
+]

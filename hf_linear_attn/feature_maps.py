@@ -1,0 +1,124 @@
+"""Kernel feature maps φ for linear attention, applied per head to queries and keys after RoPE.
+
+Every map takes `[B, T, H, D]` and returns `[B, T, H, K]` where K is `output_dim`. The learned
+maps (`t2r`, `hedgehog`) hold one weight matrix per head and start as the identity so that a
+freshly converted model begins close to its teacher's dot products.
+
+`query_scale` is the factor the attention applies to φ(q): 1/√K for the plain maps (as for
+dot-product attention), 1 for maps whose outputs are already calibrated (`hedgehog` outputs
+probabilities, `taylor` folds 1/√D into its features). With `normalize=True` the factor cancels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ELUFeatureMap(nn.Module):
+    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive, so the normaliser never vanishes."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.output_dim = head_dim
+        self.query_scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.elu(x) + 1.0
+
+
+class ReLUFeatureMap(nn.Module):
+    """φ(x) = relu(x)."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.output_dim = head_dim
+        self.query_scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x)
+
+
+class IdentityFeatureMap(nn.Module):
+    """φ(x) = x: plain (un-kernelised) linear attention, as in GLA / RetNet with decay."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.output_dim = head_dim
+        self.query_scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class TaylorFeatureMap(nn.Module):
+    """Second-order Taylor map (as in Based): φ(q)·φ(k) = 1 + s + s²/2 with s = q·k/√D ≈ exp(s).
+
+    φ(x) = [1, x / D^¼, vec(x xᵀ) / (√2 · √D)], so K = 1 + D + D². Keep D small (≤ 32).
+    """
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.output_dim = 1 + head_dim + head_dim * head_dim
+        self.query_scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.head_dim
+        first = x / d**0.25  # [B, T, H, D]
+        second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2.0 * d)  # [B, T, H, D*D]
+        ones = torch.ones_like(x[..., :1])
+        return torch.cat([ones, first, second], dim=-1)
+
+
+class T2RFeatureMap(nn.Module):
+    """Learned φ(x) = relu(x W_h + b_h) per head (Kasai et al. 2021, "T2R"); K = feature_dim."""
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads, head_dim, feature_dim))  # [H, D, F]
+        self.bias = nn.Parameter(torch.empty(num_heads, feature_dim))  # [H, F]
+        self.output_dim = feature_dim
+        self.query_scale = feature_dim**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(torch.einsum("bthd,hdf->bthf", x, self.weight) + self.bias)
+
+
+class HedgehogFeatureMap(nn.Module):
+    """Learned spiky map (Zhang et al. 2024, as LoLCATs uses it): z = x W_h per head,
+    φ(x) = [softmax(z), softmax(-z)] with the two halves normalised separately; K = 2·feature_dim.
+
+    The softmax is taken in fp32: its outputs are probabilities whose products carry the
+    attention weights, and bf16 rounding there visibly blurs the "spikes".
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads, head_dim, feature_dim))  # [H, D, F]
+        self.output_dim = 2 * feature_dim
+        self.query_scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.einsum("bthd,hdf->bthf", x, self.weight).float()
+        return torch.cat([z.softmax(dim=-1), (-z).softmax(dim=-1)], dim=-1).to(x.dtype)
+
+
+def build_feature_map(name: str, num_heads: int, head_dim: int, feature_dim: int | None) -> nn.Module:
+    """The feature map called `name` (a `LinearAttentionConfig.feature_map` value) for one layer."""
+    if name == "elu":
+        return ELUFeatureMap(head_dim)
+    if name == "relu":
+        return ReLUFeatureMap(head_dim)
+    if name == "identity":
+        return IdentityFeatureMap(head_dim)
+    if name == "taylor":
+        return TaylorFeatureMap(head_dim)
+    if name == "t2r":
+        return T2RFeatureMap(num_heads, head_dim, feature_dim or head_dim)
+    if name == "hedgehog":
+        return HedgehogFeatureMap(num_heads, head_dim, feature_dim or head_dim)
+    raise ValueError(f"unknown feature_map {name!r}; allowed: elu, relu, identity, taylor, t2r, hedgehog")

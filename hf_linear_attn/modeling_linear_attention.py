@@ -1,0 +1,467 @@
+"""LinearAttentionModel / LinearAttentionForCausalLM: a Llama-style decoder with linear attention.
+
+One file per model, in the spirit of transformers' `modeling_llama.py`. Shapes are written
+`[B, T, H, D]`: batch, time, heads, head dim. The attention math lives in `ops.py` (one
+functional entry point, several backends); this file only projects, applies RoPE and feature
+maps, builds decays, and handles padding.
+
+Padding rule (DESIGN §4): at pad positions φ(k), v and the log-decay are zeroed *after* the
+feature map and gate, so a pad step leaves the recurrent state exactly unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .configuration_linear_attention import LinearAttentionConfig
+from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
+from .ops import linear_attention, window_attention
+
+# GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
+# (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.
+GATE_LOGIT_NORMALIZER = 16.0
+
+NOT_YET_CACHED = (
+    "LinearAttentionForCausalLM does not have a recurrent-state cache yet (LinearAttentionCache is "
+    "the next milestone), so it cannot run with use_cache=True or a cache/past_key_values argument. "
+    "Call generate(..., use_cache=False) or the model with use_cache=False; outputs are exact."
+)
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_linear_attention.LinearAttentionConfig",
+    "AutoModel": "modeling_linear_attention.LinearAttentionModel",
+    "AutoModelForCausalLM": "modeling_linear_attention.LinearAttentionForCausalLM",
+}
+
+
+class LinearAttentionRMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in fp32 (as Llama's)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class LinearAttentionRotaryEmbedding(nn.Module):
+    """cos/sin tables for RoPE, any `rope_type` transformers knows (default, llama3, yarn, ...).
+
+    The class name and the `original_inv_freq` buffer follow transformers' convention so that
+    `PreTrainedModel._init_weights` recomputes these non-persistent buffers after a meta-device load.
+    """
+
+    def __init__(self, config: LinearAttentionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: LinearAttentionConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids [B, T] -> cos, sin [B, T, D], in x's dtype.
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, T, H, D] with cos/sin [B, T, D] (Llama's half-split convention)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+class LinearAttentionMLP(nn.Module):
+    """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: LinearAttentionConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections shared by both attention kinds, with optional q/k RMSNorm and RoPE.
+
+    `project` returns q [B, T, H, D] and k, v [B, T, H, D] with KV heads repeated to H (GQA),
+    so everything downstream works per query head.
+    """
+
+    def __init__(self, config: LinearAttentionConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_out_bias)
+        if config.use_qk_norm:
+            self.q_norm = LinearAttentionRMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = LinearAttentionRMSNorm(d, eps=config.rms_norm_eps)
+
+    def project(
+        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=2)
+            v = v.repeat_interleave(groups, dim=2)
+        return q, k, v
+
+
+class LinearAttention(AttentionProjections):
+    """Linear attention (optionally decayed) or the sliding-window softmax + linear hybrid."""
+
+    def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
+        super().__init__(config)
+        self.layer_idx = layer_idx
+        self.config = config
+        h, heads = config.hidden_size, config.num_attention_heads
+        self.feature_map_q = build_feature_map(config.feature_map, heads, config.head_dim, config.feature_dim)
+        self.feature_map_k = build_feature_map(config.feature_map, heads, config.head_dim, config.feature_dim)
+        self.key_dim = self.feature_map_q.output_dim  # K: key side of the state
+        if config.decay == "scalar":
+            self.decay_proj = nn.Linear(h, heads, bias=True)
+        elif config.decay == "vector":
+            self.decay_proj = nn.Sequential(
+                nn.Linear(h, config.decay_low_rank_dim, bias=False),
+                nn.Linear(config.decay_low_rank_dim, heads * self.key_dim, bias=True),
+            )
+        if config.window_size > 0:
+            # γ_h = sigmoid(window_gate[h]) weighs the softmax part against the linear part.
+            self.window_gate = nn.Parameter(torch.zeros(heads))
+        if config.output_norm:
+            self.o_norm = LinearAttentionRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
+        """log a_t ≤ 0: None, [B, T, H] (fixed, scalar) or [B, T, H, K] (vector), in fp32."""
+        b, t, _ = x.shape
+        heads = self.num_heads
+        if self.config.decay == "none":
+            return None
+        if self.config.decay == "fixed":
+            # RetNet: γ_h = 1 - 2^(-5-h), a constant per head (computed, not stored: nothing to load).
+            exponents = -5.0 - torch.arange(heads, device=x.device, dtype=torch.float32)
+            return torch.log1p(-torch.exp2(exponents)).expand(b, t, heads)
+        gate = self.decay_proj(x).float()
+        log_a = F.logsigmoid(gate) / GATE_LOGIT_NORMALIZER
+        if self.config.decay == "vector":
+            return log_a.view(b, t, heads, self.key_dim)
+        return log_a
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D]
+        q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(k)  # [B, T, H, K]
+        log_decay = self.log_decay(hidden_states)
+        if key_mask is not None:
+            # Pads leave the state untouched: zero φ(k), v and log a after the maps (elu(0)+1 = 1).
+            keep = key_mask[:, :, None, None]
+            k_feat = k_feat * keep.to(k_feat.dtype)
+            v = v * keep.to(v.dtype)
+            if log_decay is not None:
+                log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
+        backend = self.config.linear_attention_backend
+        if self.config.window_size > 0:
+            o = window_attention(
+                q, k, v, q_feat, k_feat, self.window_gate,
+                window_size=self.config.window_size,
+                num_sink_tokens=self.config.num_sink_tokens,
+                scale=self.head_dim**-0.5,
+                key_padding_mask=key_mask,
+                # The window hybrid's oracle is its quadratic reference form.
+                backend="reference" if backend in ("recurrent", "parallel") else backend,
+            )
+        else:
+            o, _ = linear_attention(
+                q_feat, k_feat, v, log_decay,
+                scale=self.feature_map_q.query_scale,
+                normalize=self.config.normalize,
+                backend=backend,
+            )
+        if hasattr(self, "o_norm"):
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(b, t, -1))
+
+
+class SoftmaxAttention(AttentionProjections):
+    """Ordinary causal softmax attention, for the layers listed in `config.softmax_layers`."""
+
+    def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
+        super().__init__(config)
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = hidden_states.shape
+        q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, H, T, D]
+        if key_mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+            allowed = causal & key_mask[:, None, None, :]  # [B, 1, T, T]
+            # A pad query has no real key to its left; let it see itself so softmax stays finite.
+            allowed = allowed | torch.eye(t, dtype=torch.bool, device=q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class LinearAttentionDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
+        super().__init__()
+        attention_cls = SoftmaxAttention if layer_idx in config.softmax_layers else LinearAttention
+        self.self_attn = attention_cls(config, layer_idx)
+        self.mlp = LinearAttentionMLP(config)
+        self.input_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, key_mask
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LinearAttentionPreTrainedModel(PreTrainedModel):
+    config_class = LinearAttentionConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LinearAttentionDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # Learned feature maps start as the identity (rectangular when F != D): a converted
+        # model's φ(q)·φ(k) then begins as a monotone function of the teacher's q·k.
+        if isinstance(module, (T2RFeatureMap, HedgehogFeatureMap)):
+            heads, d, f = module.weight.shape
+            init.copy_(module.weight, torch.eye(d, f).expand(heads, d, f))
+            if isinstance(module, T2RFeatureMap):
+                init.zeros_(module.bias)
+        elif isinstance(module, LinearAttention) and hasattr(module, "window_gate"):
+            init.zeros_(module.window_gate)  # γ = 0.5
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # A DynamicCache would hold growing K/V for layers that have none; never let generate make one.
+        return False
+
+    def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: D102 - same as PreTrainedModel
+        # transformers writes only the class being saved into `auto_map`; a Hub checkpoint must
+        # resolve all three Auto classes with trust_remote_code=True.
+        self.config.auto_map = dict(AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def _validated_key_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """The 2-D padding mask as bool [B, T] (True = real token), or None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of shape [batch, seq_len] = {[batch, length]} "
+            f"(1 = real token, 0 = pad); got shape {list(attention_mask.shape)}."
+        )
+    mask = attention_mask.bool()
+    if bool(mask.all()):
+        return None
+    # Allowed: left padding (0…0 1…1) and right padding (1…1 0…0). A 0 between two 1s is a hole.
+    as_int = mask.int()
+    changes = (as_int[:, 1:] != as_int[:, :-1]).sum(dim=1)
+    starts_real = mask[:, 0]
+    left_padded = (~starts_real) & (changes <= 1)
+    right_padded = starts_real & (changes <= 1)
+    if not bool((left_padded | right_padded).all()):
+        raise ValueError(
+            "attention_mask has holes (a 0 between real tokens) or pads on both sides; only left "
+            "padding (0…0 1…1) or right padding (1…1 0…0) is supported."
+        )
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError("attention_mask has a row with no real token (all zeros).")
+    return mask
+
+
+class LinearAttentionModel(LinearAttentionPreTrainedModel):
+    def __init__(self, config: LinearAttentionConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            LinearAttentionDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LinearAttentionRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast | tuple:
+        """input_ids [B, T] (or inputs_embeds [B, T, hidden]) -> last_hidden_state [B, T, hidden].
+
+        `attention_mask` is the usual 2-D padding mask (left or right padding). Without
+        `position_ids`, positions count real tokens only, so a left-padded row sees the same
+        RoPE angles as the same prompt unpadded.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if use_cache or cache is not None or past_key_values is not None:
+            raise NotImplementedError(NOT_YET_CACHED)
+        if inputs_embeds is None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq_len]; got shape {list(input_ids.shape)}.")
+            inputs_embeds = self.embed_tokens(input_ids)
+        b, t, _ = inputs_embeds.shape
+        if t == 0:
+            raise ValueError("The input has zero tokens (seq_len == 0); pass at least one token.")
+        key_mask = _validated_key_mask(attention_mask, b, t)
+        key_mask = None if key_mask is None else key_mask.to(inputs_embeds.device)
+        if position_ids is None:
+            if key_mask is None:
+                position_ids = torch.arange(t, device=inputs_embeds.device).expand(b, t)
+            else:
+                position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+
+        hidden_states = inputs_embeds
+        all_hidden_states = [] if output_hidden_states else None
+        for layer in self.layers:
+            if all_hidden_states is not None:
+                all_hidden_states.append(hidden_states)
+            hidden_states = layer(hidden_states, position_embeddings, key_mask)
+        hidden_states = self.norm(hidden_states)
+        if all_hidden_states is not None:
+            all_hidden_states.append(hidden_states)
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+
+class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LinearAttentionConfig) -> None:
+        super().__init__(config)
+        self.model = LinearAttentionModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Next-token logits [B, T', vocab] (T' = T, or the last `logits_to_keep` positions).
+
+        With `labels` [B, T] (-100 = ignored) the shifted cross-entropy loss is returned too.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            past_key_values=past_key_values,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return output if return_dict is not False else output.to_tuple()
+
+
+__all__ = [
+    "LinearAttentionPreTrainedModel",
+    "LinearAttentionModel",
+    "LinearAttentionForCausalLM",
+]

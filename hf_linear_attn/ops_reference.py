@@ -1,0 +1,240 @@
+"""Slow, obviously-correct forms of the attention math: the oracles every fast path is tested against.
+
+Linear attention, per batch row and head, with the decay a_t = exp(log_decay_t) scaling the K rows of the
+state S (K x V):
+
+    S_t = a_t ⊙ S_{t-1} + k_t v_tᵀ        o_t = (scale · q_t)ᵀ S_t
+    z_t = a_t ⊙ z_{t-1} + k_t             o_t = (scale · q_t)ᵀ S_t / ((scale · q_t)ᵀ z_t + NORM_EPS)
+
+(the second line only with normalize=True). `recurrent_linear_attention` runs this loop token by token;
+`parallel_linear_attention` evaluates the same sums as one masked T x T product.
+`reference_window_attention` is the LoLCATs sliding-window softmax + linear hybrid built from the full
+T x T score matrix.
+
+Backends receive inputs already validated by `ops.linear_attention` / `ops.window_attention`: `scale` is a
+number and `log_decay` is None or [B, T, H, 1 | K]. They compute in float32 (float64 for float64 inputs),
+whatever the input dtype, and return outputs in the dtype of `v`.
+
+State layout: [B, H, K, V] in the accumulation dtype; with normalize=True [B, H, K, V + 1], whose last
+column is z (z is the state of an extra all-ones value column).
+"""
+
+from collections.abc import Callable
+from functools import reduce
+
+import torch
+from torch import Tensor
+
+NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
+
+
+def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    """float32 for half / bfloat16 / float32 inputs, float64 if any input is float64."""
+    return reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+
+
+def run_per_sequence(
+    backend: Callable[..., tuple[Tensor, Tensor | None]],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None,
+    *,
+    scale: float,
+    normalize: bool,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor,
+) -> tuple[Tensor, Tensor | None]:
+    """Run `backend` on each sequence of a packed batch (B == 1) on its own and pack the results.
+
+    cu_seqlens: [N + 1] sequence boundaries; initial_state and the final state are [N, H, K, V (+ 1)].
+    A zero-length sequence contributes no output and keeps its initial state (zeros if none given).
+    """
+    _, _, heads, key_dim = q.shape
+    state_shape = (1, heads, key_dim, v.shape[-1] + int(normalize))
+    dtype = accumulation_dtype(q, k, v)
+    bounds = cu_seqlens.tolist()
+    outputs, states = [], []
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        state = None if initial_state is None else initial_state[n : n + 1]
+        if start < end:
+            seq = slice(start, end)
+            o, state = backend(
+                q[:, seq], k[:, seq], v[:, seq], None if log_decay is None else log_decay[:, seq],
+                scale=scale, normalize=normalize, initial_state=state, output_final_state=True,
+            )
+            outputs.append(o)
+        elif state is None:
+            state = q.new_zeros(state_shape, dtype=dtype)
+        states.append(state.to(dtype))
+    return torch.cat(outputs, dim=1), torch.cat(states) if output_final_state else None
+
+
+def recurrent_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None,
+    *,
+    scale: float,
+    normalize: bool = False,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The recurrence, literally: one token at a time, with S and z kept apart.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; log_decay: None or [B, T, H, 1 | K] (≤ 0).
+    initial_state: None or [B, H, K, V (+ 1)] (see the module docstring); with cu_seqlens ([N + 1], B == 1)
+    every sequence starts from its own initial_state[n] and the states are [N, H, K, V (+ 1)].
+    Returns o [B, T, H, V] in v's dtype and the final state (None unless output_final_state).
+    """
+    if cu_seqlens is not None:
+        return run_per_sequence(
+            recurrent_linear_attention, q, k, v, log_decay, scale=scale, normalize=normalize,
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
+    batch, length, heads, key_dim = q.shape
+    value_dim, out_dtype = v.shape[-1], v.dtype
+    dtype = accumulation_dtype(q, k, v)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    q = q * scale
+    if log_decay is None:
+        decay = q.new_ones(batch, length, heads, 1)
+    else:
+        decay = log_decay.to(dtype).exp()  # [B, T, H, 1 | K]
+    if initial_state is None:
+        initial_state = q.new_zeros(batch, heads, key_dim, value_dim + int(normalize))
+    state = initial_state.to(dtype)
+    S = state[..., :value_dim]  # [B, H, K, V]
+    z = state[..., value_dim] if normalize else None  # [B, H, K]
+
+    outputs = []
+    for t in range(length):
+        q_t, k_t, v_t, a_t = q[:, t], k[:, t], v[:, t], decay[:, t]  # [B, H, ·]
+        S = a_t[..., None] * S + k_t[..., None] * v_t[..., None, :]
+        o_t = (q_t[..., None] * S).sum(-2)  # [B, H, V]
+        if normalize:
+            z = a_t * z + k_t
+            o_t = o_t / ((q_t * z).sum(-1, keepdim=True) + NORM_EPS)
+        outputs.append(o_t)
+    o = torch.stack(outputs, dim=1).to(out_dtype)  # [B, T, H, V]
+    final_state = torch.cat([S, z[..., None]], dim=-1) if normalize else S
+    return o, final_state if output_final_state else None
+
+
+def parallel_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None,
+    *,
+    scale: float,
+    normalize: bool = False,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The same sums in closed form: a masked T x T attention matrix with an explicit [T, T, K] decay.
+
+    With B_t = Σ_{s≤t} log_decay_s (cumulative over the sequence):
+        o_t = Σ_{i≤t} (q_t ⊙ exp(B_t − B_i))ᵀ k_i v_iᵀ + (q_t ⊙ exp(B_t))ᵀ S_0
+        S_T = exp(B_T) ⊙ S_0 + Σ_i exp(B_T − B_i) ⊙ k_i v_iᵀ
+    Normalisation appends an all-ones column to v and divides by its output. Arguments, shapes and
+    returns are those of `recurrent_linear_attention`. Memory O(T² K): tiny inputs only.
+    """
+    if cu_seqlens is not None:
+        return run_per_sequence(
+            parallel_linear_attention, q, k, v, log_decay, scale=scale, normalize=normalize,
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
+    batch, length, heads, key_dim = q.shape
+    value_dim, out_dtype = v.shape[-1], v.dtype
+    dtype = accumulation_dtype(q, k, v)
+    q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+    q = q * scale
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if log_decay is None:
+        log_decay = q.new_zeros(batch, length, heads, 1)
+    b = log_decay.to(dtype).transpose(1, 2).cumsum(dim=2)  # [B, H, T, 1 | K]
+
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    # exp(B_t − B_i) only where i ≤ t; masking the exponent, not the result, keeps exp and its gradient finite
+    gap = torch.where(causal[..., None], b[:, :, :, None] - b[:, :, None], -torch.inf)  # [B, H, T, T, 1 | K]
+    scores = torch.einsum("bhtk,bhik,bhtik->bhti", q, k, gap.exp().expand(-1, -1, -1, -1, key_dim))
+    o = scores @ v
+    b_last = b[:, :, -1:]  # [B, H, 1, 1 | K]
+    state = (k * (b_last - b).exp()).transpose(-1, -2) @ v  # [B, H, K, V (+ 1)]
+    if initial_state is not None:
+        initial_state = initial_state.to(dtype)
+        o = o + (q * b.exp()) @ initial_state
+        state = state + b_last.transpose(-1, -2).exp() * initial_state
+    if normalize:
+        o = o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)
+    return o.transpose(1, 2).to(out_dtype), state if output_final_state else None
+
+
+def window_token_masks(
+    key_padding_mask: Tensor | None, batch: int, length: int, num_sink_tokens: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Which positions are real tokens and which of them are sinks, both bool [B, T].
+
+    The sinks are the first `num_sink_tokens` real tokens of each row, so a left-padded row has the same
+    sinks as the same row without padding.
+    """
+    if key_padding_mask is None:
+        real = torch.ones(batch, length, dtype=torch.bool, device=device)
+    else:
+        real = key_padding_mask
+    rank = real.cumsum(-1) - 1  # index of each position among the real tokens of its row
+    return real, real & (rank < num_sink_tokens)
+
+
+def reference_window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_feat: Tensor,
+    k_feat: Tensor,
+    window_gate: Tensor,
+    *,
+    window_size: int,
+    num_sink_tokens: int,
+    scale: float,
+    key_padding_mask: Tensor | None,
+) -> Tensor:
+    """Sliding-window softmax + linear attention (LoLCATs) from the full [B, H, T, T] score matrix.
+
+    q, k: [B, T, H, D] (softmax part); v: [B, T, H, V]; q_feat, k_feat: [B, T, H, F] (feature-mapped, linear
+    part); window_gate: [H] logits of γ = sigmoid(window_gate); key_padding_mask: None or bool [B, T], True
+    for real tokens. For query t the softmax set W_t holds the real keys i ≤ t with t − i < window_size plus
+    the sinks i ≤ t; the linear set L_t holds the other real keys i ≤ t. With s_ti = scale · q_t·k_i and
+    c_t = max_{i∈W_t} s_ti:
+
+        o_t = (Σ_{W_t} γ e^{s_ti − c_t} v_i + Σ_{L_t} (q_feat_t·k_feat_i) v_i)
+              / (Σ_{W_t} γ e^{s_ti − c_t} + Σ_{L_t} q_feat_t·k_feat_i)
+
+    Returns o [B, T, H, V] in v's dtype; pad queries get zeros.
+    """
+    batch, length = q.shape[:2]
+    dtype = accumulation_dtype(q, k, v, q_feat, k_feat)
+    real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
+    pos = torch.arange(length, device=q.device)
+    distance = pos[:, None] - pos[None, :]  # query index − key index, [T, T]
+    causal = (distance >= 0) & real[:, None, :]  # [B, T, T]: real keys not in the future
+    in_window = causal & ((distance < window_size) | sink[:, None, :])
+    in_linear = causal & ~in_window
+
+    scores = torch.einsum("bthd,bihd->bhti", q.to(dtype), k.to(dtype)) * scale
+    scores = scores.masked_fill(~in_window[:, None], -torch.inf)
+    c = scores.amax(-1, keepdim=True)
+    c = torch.where(c.isfinite(), c, 0.0)  # a pad query has an empty window: keep exp(−inf − c) = 0, not nan
+    gamma = torch.sigmoid(window_gate.to(dtype))[:, None, None]  # [H, 1, 1]
+    linear_scores = torch.einsum("bthf,bihf->bhti", q_feat.to(dtype), k_feat.to(dtype))
+    weights = gamma * (scores - c).exp() + linear_scores * in_linear[:, None]  # [B, H, T, T]
+    keep = real[:, None, :, None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
+    num = torch.where(keep, weights @ v.to(dtype).transpose(1, 2), 0.0)
+    o = num / torch.where(keep, weights.sum(-1, keepdim=True), 1.0)
+    return o.transpose(1, 2).to(v.dtype)

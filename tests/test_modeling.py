@@ -1,0 +1,262 @@
+"""The model: every attention variant against its oracle backend, padding, loss, generate, dtypes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from hf_linear_attn import LinearAttentionForCausalLM, LinearAttentionModel
+from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention
+
+VARIANTS = {
+    "elu": {},
+    "relu-unnormalized": {"feature_map": "relu", "normalize": False},
+    "identity-fixed-decay": {"feature_map": "identity", "normalize": False, "decay": "fixed",
+                             "output_norm": True},
+    "elu-scalar-decay": {"decay": "scalar"},
+    "t2r-vector-decay": {"feature_map": "t2r", "feature_dim": 8, "decay": "vector", "decay_low_rank_dim": 4},
+    "taylor": {"feature_map": "taylor", "head_dim": 4, "hidden_size": 32},
+    "hedgehog-window-sinks": {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5,
+                              "num_sink_tokens": 2},
+    "qwen3-like-hybrid": {"use_qk_norm": True, "attention_bias": True, "softmax_layers": [0],
+                          "tie_word_embeddings": True},
+}
+
+
+def prompts(lengths, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def left_pad(seqs, pad_id=0):
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id)
+    mask = torch.zeros(len(seqs), t, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, t - len(s):] = s
+        mask[row, t - len(s):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_chunked_backend_matches_oracle_backend(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = torch.randint(3, 128, (2, 77))  # > one 64-token chunk, odd length
+    with torch.no_grad():
+        fast = model(ids).logits
+        model.config.linear_attention_backend = "recurrent"
+        slow = model(ids).logits
+    assert fast.shape == (2, 77, 128)
+    assert torch.isfinite(fast).all()
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_causal_future_tokens_do_not_change_the_past(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = torch.randint(3, 128, (1, 40))
+    changed = ids.clone()
+    changed[0, 25:] = (changed[0, 25:] + 7) % 125 + 3
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+    torch.testing.assert_close(a[:, :25], b[:, :25], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a[:, 25:], b[:, 25:])
+
+
+def test_layer_kinds_follow_softmax_layers():
+    model = tiny_model(num_hidden_layers=3, softmax_layers=[1])
+    kinds = [type(layer.self_attn) for layer in model.model.layers]
+    assert kinds == [LinearAttention, SoftmaxAttention, LinearAttention]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_left_padded_batch_equals_each_prompt_alone(name):
+    model = tiny_model(**VARIANTS[name])
+    seqs = prompts([13, 6, 9])
+    ids, mask = left_pad(seqs)
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        for row, s in enumerate(seqs):
+            alone = model(s[None]).logits[0]
+            torch.testing.assert_close(batched[row, -len(s):], alone, atol=2e-5, rtol=1e-4)
+
+
+def test_right_padding_leaves_real_positions_unchanged():
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks"])
+    seq = prompts([10])[0]
+    ids = torch.cat([seq, torch.zeros(4, dtype=torch.long)])[None]
+    mask = torch.cat([torch.ones(10), torch.zeros(4)]).long()[None]
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits[0, :10]
+        alone = model(seq[None]).logits[0]
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        ([[1, 0, 1, 1]], "holes"),
+        ([[0, 0, 0, 0]], "no real token"),
+        ([[1, 1, 1]], "shape"),
+    ],
+)
+def test_bad_attention_masks_raise(mask, message):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=message):
+        model(torch.randint(3, 128, (1, 4)), attention_mask=torch.tensor(mask))
+
+
+def test_bad_inputs_raise():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="zero tokens"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="exactly one"):
+        model()
+
+
+def test_labels_give_shifted_cross_entropy_and_gradients_reach_every_parameter():
+    model = tiny_model(**VARIANTS["t2r-vector-decay"]).train()
+    ids = torch.randint(3, 128, (2, 33))
+    out = model(ids, labels=ids)
+    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_window_gate_and_hedgehog_receive_gradients():
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks"]).train()
+    ids = torch.randint(3, 128, (1, 30))
+    model(ids, labels=ids).loss.backward()
+    attn = model.model.layers[0].self_attn
+    assert attn.window_gate.grad.abs().sum() > 0
+    assert attn.feature_map_q.weight.grad.abs().sum() > 0
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(3, 128, (2, 20))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(**VARIANTS["elu-scalar-decay"]).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            assert model.model.layers[0].gradient_checkpointing
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
+
+
+def test_logits_to_keep():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (2, 12))
+    with torch.no_grad():
+        full = model(ids).logits
+        last = model(ids, logits_to_keep=1).logits
+    assert last.shape == (2, 1, 128)
+    torch.testing.assert_close(last, full[:, -1:])
+
+
+def test_return_dict_false_and_hidden_states():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        as_tuple = model(ids, return_dict=False)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    torch.testing.assert_close(as_tuple[0], out.logits)
+
+
+def manual_greedy(model, ids, steps):
+    for _ in range(steps):
+        with torch.no_grad():
+            next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+def test_generate_without_cache_matches_manual_greedy(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = prompts([7])[0][None]
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, eos_token_id=None)
+    torch.testing.assert_close(out, manual_greedy(model, ids, 6))
+
+
+def test_generate_left_padded_batch_without_cache_equals_each_alone():
+    model = tiny_model(**VARIANTS["elu-scalar-decay"])
+    seqs = prompts([9, 4])
+    ids, mask = left_pad(seqs)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=False,
+                         eos_token_id=None, pad_token_id=0)
+    for row, s in enumerate(seqs):
+        alone = model.generate(s[None], max_new_tokens=5, do_sample=False, use_cache=False, eos_token_id=None)
+        torch.testing.assert_close(out[row, -5:], alone[0, -5:])
+
+
+def test_generate_with_cache_is_a_clear_error_until_the_cache_lands():
+    model = tiny_model()
+    with pytest.raises(NotImplementedError, match="use_cache=False"):
+        model.generate(torch.randint(3, 128, (1, 4)), max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="use_cache=False"):
+        model(torch.randint(3, 128, (1, 4)), use_cache=True)
+
+
+def test_bf16_forward_is_close_to_fp32():
+    model = tiny_model(**VARIANTS["elu-scalar-decay"])
+    ids = torch.randint(3, 128, (2, 70))
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = model.to(torch.bfloat16)(ids).logits
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+
+
+def test_tied_embeddings_share_storage():
+    model = tiny_model(tie_word_embeddings=True)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    untied = tiny_model(tie_word_embeddings=False)
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_resize_token_embeddings():
+    model = tiny_model(tie_word_embeddings=True)
+    model.resize_token_embeddings(200)
+    assert model.config.vocab_size == 200
+    assert model.lm_head.weight.shape == (200, 64)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert model(torch.tensor([[199, 5]])).logits.shape == (1, 2, 200)
+
+
+def test_base_model_returns_hidden_states():
+    torch.manual_seed(0)
+    model = LinearAttentionModel(tiny_model().config).eval()
+    with torch.no_grad():
+        out = model(torch.randint(3, 128, (1, 6)))
+    assert out.last_hidden_state.shape == (1, 6, 64)
+
+
+def test_peft_lora_on_attention_projections():
+    peft = pytest.importorskip("peft")
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks"])
+    lora = peft.get_peft_model(
+        model,
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        init_lora_weights=False),
+    )
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sum("q_proj" in n for n in trainable) == 2 * model.config.num_hidden_layers
+    ids = torch.randint(3, 128, (1, 20))
+    lora.train()
+    lora(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in lora.named_parameters() if p.requires_grad)
+    lora.eval()
+    with torch.no_grad():
+        with_adapters = lora(input_ids=ids).logits
+        merged = lora.merge_and_unload()
+        assert isinstance(merged, LinearAttentionForCausalLM)
+        torch.testing.assert_close(merged(ids).logits, with_adapters, atol=1e-5, rtol=1e-5)

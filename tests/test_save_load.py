@@ -1,0 +1,121 @@
+"""Registration, safetensors checkpoints and Hub-style remote code.
+
+The remote-code test loads the checkpoint in a fresh Python process in which
+`import hf_linear_attn` fails, as on a machine where this package is not installed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM, LinearAttentionModel
+
+CHECKPOINT_VARIANT = {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 6, "num_sink_tokens": 1,
+                      "softmax_layers": [1], "use_qk_norm": True}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A saved tiny checkpoint with non-trivial learned parameters, its input and reference outputs."""
+    path = tmp_path_factory.mktemp("checkpoint")
+    model = tiny_model(seed=3, **CHECKPOINT_VARIANT)
+    with torch.no_grad():  # move learned parameters away from their init so loading them is tested
+        for name, p in model.named_parameters():
+            if "feature_map" in name or "window_gate" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    ids = torch.randint(3, 128, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False, eos_token_id=None)
+    torch.save({"ids": ids, "logits": logits, "generated": generated}, path / "expected.pt")
+    return path
+
+
+def test_auto_classes_resolve_after_import():
+    config = AutoConfig.for_model("linear_attention", vocab_size=64, hidden_size=32, num_attention_heads=2,
+                                  intermediate_size=64, num_hidden_layers=1)
+    assert isinstance(config, LinearAttentionConfig)
+    assert isinstance(AutoModel.from_config(config), LinearAttentionModel)
+    assert isinstance(AutoModelForCausalLM.from_config(config), LinearAttentionForCausalLM)
+
+
+def test_checkpoint_files_and_auto_map(saved):
+    files = set(os.listdir(saved))
+    assert "model.safetensors" in files
+    assert not any(f.endswith(".bin") for f in files)
+    for module in ("configuration_linear_attention.py", "modeling_linear_attention.py", "feature_maps.py",
+                   "ops.py"):
+        assert module in files, module
+    auto_map = json.loads((saved / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_linear_attention.LinearAttentionConfig",
+        "AutoModel": "modeling_linear_attention.LinearAttentionModel",
+        "AutoModelForCausalLM": "modeling_linear_attention.LinearAttentionForCausalLM",
+    }
+
+
+def test_load_after_import_without_remote_code(saved):
+    expected = torch.load(saved / "expected.pt")
+    model = AutoModelForCausalLM.from_pretrained(saved).eval()
+    assert type(model) is LinearAttentionForCausalLM
+    with torch.no_grad():
+        assert torch.equal(model(expected["ids"]).logits, expected["logits"])
+    base = AutoModel.from_pretrained(saved)
+    assert type(base) is LinearAttentionModel
+
+
+def test_dtype_on_load(saved):
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    expected = torch.load(saved / "expected.pt")
+    with torch.no_grad():
+        logits = model(expected["ids"]).logits
+    torch.testing.assert_close(logits.float(), expected["logits"], atol=0.15, rtol=0.05)
+
+
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_linear_attn"] = None  # make `import hf_linear_attn` fail, as if not installed
+    try:
+        import hf_linear_attn  # noqa: F401
+        raise SystemExit("hf_linear_attn should not be importable here")
+    except ImportError:
+        pass
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    path = sys.argv[1]
+    expected = torch.load(path + "/expected.pt")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert type(config).__name__ == "LinearAttentionConfig", type(config)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    with torch.no_grad():
+        logits = model(expected["ids"]).logits
+    assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
+    generated = model.generate(expected["ids"], max_new_tokens=5, do_sample=False, use_cache=False,
+                               eos_token_id=None)
+    assert torch.equal(generated, expected["generated"])
+    base = AutoModel.from_pretrained(path, trust_remote_code=True)
+    assert type(base).__name__ == "LinearAttentionModel"
+    print("REMOTE-CODE-OK")
+    """
+)
+
+
+def test_remote_code_loads_where_the_package_is_not_installed(saved, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    # Run from an empty folder so that the repository checkout is not on sys.path either.
+    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(saved)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REMOTE-CODE-OK" in result.stdout
