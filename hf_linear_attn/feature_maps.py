@@ -17,41 +17,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The fixed element-wise maps (K = D).
+ELEMENTWISE_MAPS = {
+    "elu": lambda x: F.elu(x) + 1.0,  # Katharopoulos et al. 2020: positive, so the normaliser never vanishes
+    "relu": F.relu,
+    "identity": lambda x: x,  # plain (un-kernelised) linear attention, as in GLA / RetNet with decay
+}
 
-class ELUFeatureMap(nn.Module):
-    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020): positive, so the normaliser never vanishes."""
 
-    def __init__(self, head_dim: int) -> None:
+class ElementwiseFeatureMap(nn.Module):
+    """φ(x) = f(x) element-wise, for f in `ELEMENTWISE_MAPS`; K = D, no parameters."""
+
+    def __init__(self, name: str, head_dim: int) -> None:
         super().__init__()
+        self.name = name
+        self.fn = ELEMENTWISE_MAPS[name]
         self.output_dim = head_dim
         self.query_scale = head_dim**-0.5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.elu(x) + 1.0
+        return self.fn(x)
 
-
-class ReLUFeatureMap(nn.Module):
-    """φ(x) = relu(x)."""
-
-    def __init__(self, head_dim: int) -> None:
-        super().__init__()
-        self.output_dim = head_dim
-        self.query_scale = head_dim**-0.5
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x)
-
-
-class IdentityFeatureMap(nn.Module):
-    """φ(x) = x: plain (un-kernelised) linear attention, as in GLA / RetNet with decay."""
-
-    def __init__(self, head_dim: int) -> None:
-        super().__init__()
-        self.output_dim = head_dim
-        self.query_scale = head_dim**-0.5
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+    def extra_repr(self) -> str:
+        return self.name
 
 
 class TaylorFeatureMap(nn.Module):
@@ -109,12 +97,8 @@ class HedgehogFeatureMap(nn.Module):
 
 def build_feature_map(name: str, num_heads: int, head_dim: int, feature_dim: int | None) -> nn.Module:
     """The feature map called `name` (a `LinearAttentionConfig.feature_map` value) for one layer."""
-    if name == "elu":
-        return ELUFeatureMap(head_dim)
-    if name == "relu":
-        return ReLUFeatureMap(head_dim)
-    if name == "identity":
-        return IdentityFeatureMap(head_dim)
+    if name in ELEMENTWISE_MAPS:
+        return ElementwiseFeatureMap(name, head_dim)
     if name == "taylor":
         return TaylorFeatureMap(head_dim)
     if name == "t2r":

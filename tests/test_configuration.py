@@ -30,7 +30,7 @@ def test_rope_parameters_keep_scaling_type():
         ({"window_size": -1}, "window_size"),
         ({"num_sink_tokens": -2, "window_size": 8}, "num_sink_tokens"),
         ({"num_sink_tokens": 2}, "num_sink_tokens"),  # sinks without a window
-        ({"hidden_size": 60}, "num_attention_heads"),  # 4 heads do not divide 60
+        ({"hidden_size": 66}, "num_attention_heads"),  # 4 heads do not divide 66
         ({"num_key_value_heads": 3}, "num_key_value_heads"),  # 3 does not divide 4
         ({"softmax_layers": [2]}, "softmax_layers"),  # only layers 0 and 1 exist
         ({"softmax_layers": [-1]}, "softmax_layers"),

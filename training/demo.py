@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
 
@@ -94,6 +95,7 @@ def run_variant(name: str, args: DemoArguments) -> dict:
 def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
+    hf_logging.disable_progress_bar()
     print(f"hf-linear-attn {hf_linear_attn.__version__} demo: {len(args.variants)} variants, "
           f"prompt of {args.seq_len} tokens, checkpoints in {args.output_dir}/")
     rows = [run_variant(name, args) for name in args.variants]

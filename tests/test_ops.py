@@ -1,0 +1,218 @@
+"""linear_attention: every backend against the token-loop oracle, packed sequences, dtypes, validation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_linear_attn.ops import linear_attention
+from hf_linear_attn.ops_chunked import CHUNK_SIZE
+
+C = CHUNK_SIZE
+DECAYS = [None, "fixed", "scalar", "vector"]
+
+
+def make_inputs(
+    decay: str | None,
+    normalize: bool,
+    length: int,
+    key_dim: int,
+    value_dim: int,
+    *,
+    batch: int = 2,
+    heads: int = 2,
+    with_state: bool = False,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> dict[str, torch.Tensor | None]:
+    """Random leaf tensors for linear_attention. Normalised runs get positive, feature-like q, k and state
+    so the denominators stay away from 0."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    def feature(*shape: int) -> torch.Tensor:
+        return randn(*shape).sigmoid() if normalize else randn(*shape)
+
+    q, k = feature(batch, length, heads, key_dim), feature(batch, length, heads, key_dim)
+    v = randn(batch, length, heads, value_dim)
+    if decay == "fixed":  # RetNet: γ_h = 1 − 2^(−5−h)
+        gamma = 1 - 2.0 ** (-5 - torch.arange(heads, dtype=dtype))
+        log_decay = gamma.log().expand(batch, length, heads).clone()
+    elif decay == "scalar":
+        log_decay = F.logsigmoid(randn(batch, length, heads) * 2 + 2)
+    elif decay == "vector":
+        log_decay = F.logsigmoid(randn(batch, length, heads, key_dim) * 2 + 2)
+    else:
+        log_decay = None
+    state = None
+    if with_state:
+        state = randn(batch, heads, key_dim, value_dim + int(normalize))
+        state = state.abs() if normalize else state
+    tensors = {"q": q, "k": k, "v": v, "log_decay": log_decay, "initial_state": state}
+    return {name: None if x is None else x.requires_grad_() for name, x in tensors.items()}
+
+
+def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
+    """Output, final state and the gradients of a fixed random weighting of both w.r.t. every input."""
+    o, state = linear_attention(**inputs, output_final_state=True, backend=backend, **kwargs)
+    gen = torch.Generator().manual_seed(123)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+    loss = loss + (state * torch.randn(state.shape, generator=gen, dtype=state.dtype)).sum()
+    leaves = [x for x in inputs.values() if x is not None]
+    return [o, state, *torch.autograd.grad(loss, leaves)]
+
+
+def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
+    """Each pair agrees to `tol` relative to the expected tensor's largest magnitude (at least 1)."""
+    for a, e in zip(actual, expected, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        assert torch.isfinite(a).all()
+        scale = max(1.0, e.abs().max().item())
+        assert (a - e).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("key_dim, value_dim", [(5, 3), (16, 8)])
+@pytest.mark.parametrize("length", [1, 7, C - 1, C + 1, 3 * C + 5])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", DECAYS)
+def test_backends_match_recurrent(decay, normalize, length, key_dim, value_dim, with_state):
+    inputs = make_inputs(decay, normalize, length, key_dim, value_dim, with_state=with_state)
+    expected = run_with_grads(inputs, "recurrent", normalize=normalize)
+    for backend in ("parallel", "torch"):
+        assert_all_close(run_with_grads(inputs, backend, normalize=normalize), expected, 1e-10)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", DECAYS)
+def test_torch_float32_matches_recurrent(decay, normalize):
+    inputs = make_inputs(decay, normalize, 3 * C + 5, 16, 8, with_state=True, dtype=torch.float32)
+    expected = run_with_grads(inputs, "recurrent", normalize=normalize)
+    assert_all_close(run_with_grads(inputs, "torch", normalize=normalize), expected, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype, log_decay_value, tol",
+    [
+        (torch.float64, -30.0, 1e-9),
+        (torch.float64, -1e4, 1e-9),
+        # float32 decays are differences of prefix sums: error ≈ 1e-7 · |Σ log_decay| over a chunk (or, for
+        # the parallel oracle, the whole sequence), relative to the output.
+        (torch.float32, -30.0, 5e-4),
+        (torch.float32, -1e4, 1e-1),
+    ],
+)
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_strong_decay_stays_finite(decay, dtype, log_decay_value, tol):
+    """Decays far past exp underflow: no inf / nan in outputs, states or gradients."""
+    inputs = make_inputs(decay, False, 3 * C + 5, 16, 8, with_state=True, dtype=dtype)
+    log_decay = inputs["log_decay"].detach()
+    # Half the steps (and, for vector decay, some key dims) decay hard, the rest gently.
+    strong = torch.rand(log_decay.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+    inputs["log_decay"] = torch.where(strong, log_decay_value, log_decay).requires_grad_()
+    expected = run_with_grads(inputs, "recurrent")
+    for backend in ("parallel", "torch"):
+        assert_all_close(run_with_grads(inputs, backend), expected, tol)
+
+
+def test_auto_backend_and_default_scale():
+    inputs = make_inputs("vector", False, 70, 16, 8)
+    inputs = {name: x.detach() for name, x in inputs.items() if x is not None}
+    o_auto, _ = linear_attention(**inputs)
+    o_torch, _ = linear_attention(**inputs, backend="torch")
+    assert torch.equal(o_auto, o_torch)
+    scaled = dict(inputs, q=inputs["q"] * 16**-0.5)
+    torch.testing.assert_close(linear_attention(**scaled, scale=1.0, backend="recurrent")[0], o_auto)
+
+
+def test_final_state_only_on_request():
+    inputs = make_inputs(None, True, 9, 5, 3)
+    o, state = linear_attention(**inputs)
+    assert state is None
+    _, state = linear_attention(**inputs, normalize=True, output_final_state=True)
+    assert state.shape == (2, 2, 5, 3 + 1) and state.dtype == torch.float64
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "parallel", "torch"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_packed_sequences_match_separate_runs(decay, normalize, backend):
+    lengths = [5, 0, C + 6, 1, C]  # a zero-length sequence keeps its initial state
+    packed = make_inputs(decay, normalize, sum(lengths), 16, 8, batch=1, seed=1)
+    states = make_inputs(decay, normalize, 1, 16, 8, batch=len(lengths), with_state=True, seed=2)
+    initial_state = states["initial_state"].detach()
+    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    o, final_state = linear_attention(
+        **{name: x for name, x in packed.items() if name != "initial_state"},
+        normalize=normalize, initial_state=initial_state, output_final_state=True,
+        cu_seqlens=cu_seqlens, backend=backend,
+    )
+    assert o.shape == packed["v"].shape and final_state.shape == initial_state.shape
+    for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)):
+        if start == end:
+            torch.testing.assert_close(final_state[n], initial_state[n])
+            continue
+        alone = {name: packed[name][:, start:end] for name in ("q", "k", "v", "log_decay")}
+        o_n, state_n = linear_attention(
+            **alone, normalize=normalize, initial_state=initial_state[n : n + 1], output_final_state=True,
+            backend="recurrent",
+        )
+        torch.testing.assert_close(o[:, start:end], o_n)
+        torch.testing.assert_close(final_state[n : n + 1], state_n)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype, normalize):
+    """Low-precision inputs: output in the input dtype, states in float32, close to the float32 oracle."""
+    inputs = make_inputs("vector", normalize, 2 * C + 3, 16, 8, with_state=True, dtype=torch.float32)
+    inputs = {name: x.detach() for name, x in inputs.items()}
+    low = dict(inputs, q=inputs["q"].to(dtype), k=inputs["k"].to(dtype), v=inputs["v"].to(dtype))
+    o, state = linear_attention(**low, normalize=normalize, output_final_state=True, backend="torch")
+    assert o.dtype == dtype and state.dtype == torch.float32
+    exact = {name: x.float() for name, x in low.items()}
+    o_ref, state_ref = linear_attention(
+        **exact, normalize=normalize, output_final_state=True, backend="recurrent"
+    )
+    assert_all_close([o.float(), state], [o_ref, state_ref], 2e-2)
+
+
+def _args(batch: int = 1, length: int = 6, **changes) -> dict:
+    """Valid arguments for linear_attention (K = 4, V = 3) with `changes` applied."""
+    args = {
+        "q": torch.randn(batch, length, 2, 4),
+        "k": torch.randn(batch, length, 2, 4),
+        "v": torch.randn(batch, length, 2, 3),
+        "log_decay": -torch.rand(batch, length, 2),
+    }
+    return {**args, **changes}
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (_args(q=torch.randn(6, 2, 4)), "q"),
+        (_args(v=torch.randn(1, 6, 2)), "v"),
+        (_args(k=torch.randn(1, 6, 2, 5)), "k"),
+        (_args(k=torch.randn(1, 5, 2, 4)), "k"),
+        (_args(v=torch.randn(1, 6, 3, 3)), "v"),
+        (_args(q=torch.ones(1, 6, 2, 4, dtype=torch.int64)), "q"),
+        (_args(length=0), "q, k, v"),
+        (_args(log_decay=-torch.rand(1, 6, 2, 3)), "log_decay"),
+        (_args(log_decay=torch.full((1, 6, 2), 0.1)), "log_decay"),
+        (_args(initial_state=torch.zeros(1, 2, 4, 4)), "initial_state"),
+        (_args(initial_state=torch.zeros(1, 2, 4, 3), normalize=True), "initial_state"),
+        (_args(batch=2, cu_seqlens=torch.tensor([0, 2, 6])), "cu_seqlens"),
+        (_args(cu_seqlens=torch.tensor([0.0, 6.0])), "cu_seqlens"),
+        (_args(cu_seqlens=torch.tensor([[0, 6]])), "cu_seqlens"),
+        (_args(cu_seqlens=torch.tensor([1, 6])), "cu_seqlens"),
+        (_args(cu_seqlens=torch.tensor([0, 5])), "cu_seqlens"),
+        (_args(cu_seqlens=torch.tensor([0, 4, 2, 6])), "cu_seqlens"),
+        (_args(cu_seqlens=torch.tensor([0, 2, 6]), initial_state=torch.zeros(1, 2, 4, 3)), "initial_state"),
+        (_args(backend="triton-ish"), "backend"),
+    ],
+)
+def test_invalid_arguments_raise(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        linear_attention(**kwargs)

@@ -1,0 +1,127 @@
+"""window_attention: chunked against the T x T reference, padding, the softmax limit, dtypes, validation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_linear_attn.ops import window_attention
+from hf_linear_attn.ops_chunked import CHUNK_SIZE
+
+C = CHUNK_SIZE
+NAMES = ("q", "k", "v", "q_feat", "k_feat", "window_gate")
+
+
+def make_inputs(
+    length: int, *, batch: int = 2, heads: int = 2, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random leaf tensors (D = 8, V = 5, F = 6); positive features, as a feature map gives."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    tensors = {
+        "q": randn(batch, length, heads, 8),
+        "k": randn(batch, length, heads, 8),
+        "v": randn(batch, length, heads, 5),
+        "q_feat": randn(batch, length, heads, 6).sigmoid(),
+        "k_feat": randn(batch, length, heads, 6).sigmoid(),
+        "window_gate": randn(heads),
+    }
+    return {name: x.requires_grad_() for name, x in tensors.items()}
+
+
+def left_padding(length: int, pads: int) -> torch.Tensor:
+    """Mask for a batch of two rows: the first unpadded, the second with `pads` pad tokens in front."""
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, :pads] = False
+    return mask
+
+
+def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
+    """Output and the gradients of a fixed random weighting of it w.r.t. every input."""
+    o = window_attention(**inputs, backend=backend, **kwargs)
+    weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(123), dtype=o.dtype)
+    return [o, *torch.autograd.grad((o * weights).sum(), list(inputs.values()))]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(
+    "length, window_size, num_sink_tokens",
+    [(1, 1, 0), (7, 1, 3), (7, 3, 0), (C - 1, 1, 0), (C + 1, 37, 3), (2 * C + 2, C, 0), (3 * C + 5, 100, 3),
+     (3 * C + 5, 5, 3), (40, 200, 3)],
+)
+def test_chunked_matches_reference(length, window_size, num_sink_tokens, padded):
+    inputs = make_inputs(length)
+    kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens}
+    if padded:
+        kwargs["key_padding_mask"] = left_padding(length, length // 3)
+    expected = run_with_grads(inputs, "reference", **kwargs)
+    actual = run_with_grads(inputs, "torch", **kwargs)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("num_sink_tokens", [0, 3])
+def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
+    """Pads change nothing for real tokens (sinks are the first real tokens); pad queries output 0."""
+    length, pads = 2 * C + 7, 30
+    inputs = {name: x.detach() for name, x in make_inputs(length).items()}
+    kwargs = {"window_size": 20, "num_sink_tokens": num_sink_tokens, "backend": backend}
+    o = window_attention(**inputs, key_padding_mask=left_padding(length, pads), **kwargs)
+    alone = {name: x if name == "window_gate" else x[1:, pads:] for name, x in inputs.items()}
+    torch.testing.assert_close(o[1:, pads:], window_attention(**alone, **kwargs))
+    torch.testing.assert_close(o[0], window_attention(**inputs, **kwargs)[0])
+    assert torch.equal(o[1, :pads], torch.zeros_like(o[1, :pads]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_whole_sequence_window_is_softmax_attention(backend, dtype):
+    length = 2 * C + 3
+    inputs = {name: x.detach() for name, x in make_inputs(length, dtype=dtype).items()}
+    o = window_attention(**inputs, window_size=length, num_sink_tokens=3, backend=backend)
+    q, k, v = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(o, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype):
+    inputs = {name: x.detach().to(dtype) for name, x in make_inputs(2 * C + 3, dtype=torch.float32).items()}
+    kwargs = {"window_size": 50, "num_sink_tokens": 3}
+    o = window_attention(**inputs, **kwargs, backend="torch")
+    assert o.dtype == dtype
+    exact = {name: x.float() for name, x in inputs.items()}
+    expected = window_attention(**exact, **kwargs, backend="reference")
+    torch.testing.assert_close(o.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def _args(**changes) -> dict:
+    """Valid arguments for window_attention (B = 1, T = 6, H = 2) with `changes` applied."""
+    args = {name: x.detach() for name, x in make_inputs(6, batch=1, dtype=torch.float32).items()}
+    return {**args, "window_size": 2, **changes}
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (_args(q=torch.randn(6, 2, 8)), "q"),
+        (_args(k=torch.randn(1, 6, 2, 7)), "k"),
+        (_args(v=torch.randn(1, 5, 2, 5)), "v"),
+        (_args(q_feat=torch.randn(1, 6, 3, 6)), "q_feat"),
+        (_args(k_feat=torch.randn(1, 6, 2, 4)), "k_feat"),
+        (_args(window_gate=torch.randn(3)), "window_gate"),
+        (_args(window_size=0), "window_size"),
+        (_args(window_size=2.5), "window_size"),
+        (_args(num_sink_tokens=-1), "num_sink_tokens"),
+        (_args(key_padding_mask=torch.ones(1, 6)), "key_padding_mask"),
+        (_args(key_padding_mask=torch.ones(1, 5, dtype=torch.bool)), "key_padding_mask"),
+        (_args(backend="recurrent"), "backend"),
+    ],
+)
+def test_invalid_arguments_raise(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        window_attention(**kwargs)
