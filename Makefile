@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-oldest lint clean
 
 install: $(VENV)/.installed
 
@@ -25,8 +25,17 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# The oldest transformers release pyproject.toml admits, in its own venv (CI runs both).
+OLDEST_TRANSFORMERS ?= transformers==5.5.4
+OLD_VENV ?= .venv-oldest
+test-oldest:
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(OLD_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
+	$(OLD_VENV)/bin/python -m pytest -q tests
+
 lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache outputs
+	rm -rf $(VENV) $(OLD_VENV) .pytest_cache .ruff_cache outputs

@@ -27,6 +27,12 @@ from .configuration_linear_attention import LinearAttentionConfig
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
 from .ops import linear_attention, window_attention
 
+# A checkpoint's code is this file plus the files it imports relatively. transformers 5.5 copies only the
+# *direct* relative imports of the model file when loading remote code from a local folder (later releases
+# follow imports transitively), so the modules that `ops.py` builds on are named here as well.
+from .ops_chunked import CHUNK_SIZE  # noqa: F401
+from .ops_reference import NORM_EPS  # noqa: F401
+
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
 # (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.
 GATE_LOGIT_NORMALIZER = 16.0
