@@ -222,7 +222,7 @@ class LinearAttention(AttentionProjections):
                 log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
         backend = self.config.linear_attention_backend
         if self.config.window_size > 0:
-            o = window_attention(
+            o, _ = window_attention(
                 q, k, v, q_feat, k_feat, self.window_gate,
                 window_size=self.config.window_size,
                 num_sink_tokens=self.config.num_sink_tokens,

@@ -155,8 +155,10 @@ def window_attention(
     num_sink_tokens: int = 0,
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
     backend: str = "auto",
-) -> Tensor:
+) -> tuple[Tensor, Tensor | None]:
     """Sliding-window softmax + linear attention sharing one normaliser (LoLCATs).
 
     Query t attends with softmax to the window W_t (keys i ≤ t with t − i < window_size, plus the first
@@ -177,10 +179,15 @@ def window_attention(
         scale: of the softmax scores; None means D ** -0.5.
         key_padding_mask: None or bool [B, T], True for real tokens. Pad keys contribute nothing; pad
             queries output 0. Real tokens must be contiguous (left or right padding).
+        initial_state: None or [B, H, F, V + 1]: Σ φ(k_j) [v_j, 1]ᵀ over keys older than the whole input
+            (a decode cache's folded tokens), added to every query's linear part.
+        output_final_state: also return initial_state plus every real, non-sink key that lies outside the
+            window of the *next* query (index T), i.e. keys with index ≤ T − 1 − window_size: what a cache
+            carries forward beside the last window_size tokens and the sinks.
         backend: "reference" (T x T), "torch" (chunked) or "auto".
 
     Returns:
-        o: [B, T, H, V] in the dtype of v.
+        o: [B, T, H, V] in the dtype of v; the final linear state (fp32, [B, H, F, V + 1]) or None.
     """
     name = _pick_backend(backend, WINDOW_BACKENDS)
     for arg, x, dims in (
@@ -219,10 +226,20 @@ def window_attention(
             f"key_padding_mask must be a bool tensor of shape ({batch}, {length}) (True = real token), "
             f"got shape {tuple(key_padding_mask.shape)} and dtype {key_padding_mask.dtype}"
         )
+    state_shape = (batch, heads, q_feat.shape[-1], v.shape[-1] + 1)
+    if initial_state is not None and (
+        tuple(initial_state.shape) != state_shape or not initial_state.is_floating_point()
+    ):
+        raise ValueError(
+            f"initial_state must be a floating-point tensor of shape {state_shape} ([B, H, F, V + 1]), "
+            f"got shape {tuple(initial_state.shape)} and dtype {initial_state.dtype}"
+        )
     return WINDOW_BACKENDS[name](
         q, k, v, q_feat, k_feat, window_gate,
         window_size=window_size,
         num_sink_tokens=num_sink_tokens,
         scale=head_dim**-0.5 if scale is None else scale,
         key_padding_mask=key_padding_mask,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
     )

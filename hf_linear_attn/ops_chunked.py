@@ -146,7 +146,9 @@ def chunk_window_attention(
     num_sink_tokens: int,
     scale: float,
     key_padding_mask: Tensor | None,
-) -> Tensor:
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Sliding-window softmax + linear attention (LoLCATs) without a T x T tensor.
 
     Same arguments and result as `ops_reference.reference_window_attention`. The linear part is causal
@@ -172,7 +174,11 @@ def chunk_window_attention(
 
     v_ones = torch.cat([v_acc, torch.ones_like(v_acc[..., :1])], dim=-1)
     k_linear = delayed(k_feat * window_keys[..., None, None])
-    linear, _ = chunk_linear_attention(q_feat, k_linear, delayed(v_ones), None, scale=1.0)  # [B, T, H, V + 1]
+    # The state after the shifted sequence holds exactly the keys older than the next query's window.
+    linear, state = chunk_linear_attention(
+        q_feat, k_linear, delayed(v_ones), None, scale=1.0,
+        initial_state=initial_state, output_final_state=output_final_state,
+    )  # [B, T, H, V + 1]
 
     # The sinks, gathered once: positions of the first num_sink_tokens real tokens of each row (a row with
     # fewer real tokens gets some non-sink positions, masked out by sink_ok).
@@ -205,4 +211,4 @@ def chunk_window_attention(
     total = gamma * softmax + linear
     keep = real[..., None, None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
     o = torch.where(keep, total[..., :value_dim], 0.0) / torch.where(keep, total[..., value_dim:], 1.0)
-    return o.to(v.dtype)
+    return o.to(v.dtype), state

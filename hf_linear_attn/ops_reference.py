@@ -204,7 +204,9 @@ def reference_window_attention(
     num_sink_tokens: int,
     scale: float,
     key_padding_mask: Tensor | None,
-) -> Tensor:
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Sliding-window softmax + linear attention (LoLCATs) from the full [B, H, T, T] score matrix.
 
     q, k: [B, T, H, D] (softmax part); v: [B, T, H, V]; q_feat, k_feat: [B, T, H, F] (feature-mapped, linear
@@ -216,7 +218,10 @@ def reference_window_attention(
         o_t = (Σ_{W_t} γ e^{s_ti − c_t} v_i + Σ_{L_t} (q_feat_t·k_feat_i) v_i)
               / (Σ_{W_t} γ e^{s_ti − c_t} + Σ_{L_t} q_feat_t·k_feat_i)
 
-    Returns o [B, T, H, V] in v's dtype; pad queries get zeros.
+    initial_state (None or [B, H, F, V + 1]) adds q_feat_tᵀ S_0 to every numerator and denominator; the
+    final state is S_0 + Σ φ(k_j) [v_j, 1]ᵀ over real non-sink keys j ≤ T − 1 − window_size.
+
+    Returns o [B, T, H, V] in v's dtype (pad queries get zeros) and the final state or None.
     """
     batch, length = q.shape[:2]
     dtype = accumulation_dtype(q, k, v, q_feat, k_feat)
@@ -234,7 +239,18 @@ def reference_window_attention(
     gamma = torch.sigmoid(window_gate.to(dtype))[:, None, None]  # [H, 1, 1]
     linear_scores = torch.einsum("bthf,bihf->bhti", q_feat.to(dtype), k_feat.to(dtype))
     weights = gamma * (scores - c).exp() + linear_scores * in_linear[:, None]  # [B, H, T, T]
+    v_ones = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # [B, T, H, V + 1]
+    total = weights @ v_ones.transpose(1, 2)  # [B, H, T, V + 1]: numerator and denominator
+    if initial_state is not None:
+        total = total + q_feat.to(dtype).transpose(1, 2) @ initial_state.to(dtype)
+    value_dim = v.shape[-1]
     keep = real[:, None, :, None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
-    num = torch.where(keep, weights @ v.to(dtype).transpose(1, 2), 0.0)
-    o = num / torch.where(keep, weights.sum(-1, keepdim=True), 1.0)
-    return o.transpose(1, 2).to(v.dtype)
+    o = torch.where(keep, total[..., :value_dim], 0.0) / torch.where(keep, total[..., value_dim:], 1.0)
+    final_state = None
+    if output_final_state:
+        folded = real & ~sink & (pos <= length - 1 - window_size)  # [B, T]
+        k_folded = k_feat.to(dtype) * folded[..., None, None]
+        final_state = torch.einsum("bthf,bthv->bhfv", k_folded, v_ones)
+        if initial_state is not None:
+            final_state = final_state + initial_state.to(dtype)
+    return o.transpose(1, 2).to(v.dtype), final_state

@@ -38,21 +38,32 @@ def left_padding(length: int, pads: int) -> torch.Tensor:
     return mask
 
 
+def initial_state(batch: int = 2, heads: int = 2, seed: int = 1) -> torch.Tensor:
+    """A non-negative linear state [B, H, F, V + 1], as folded keys of positive features produce."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, heads, 6, 6, generator=gen, dtype=torch.float64).requires_grad_()
+
+
 def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
-    """Output and the gradients of a fixed random weighting of it w.r.t. every input."""
-    o = window_attention(**inputs, backend=backend, **kwargs)
-    weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(123), dtype=o.dtype)
-    return [o, *torch.autograd.grad((o * weights).sum(), list(inputs.values()))]
+    """Output, final state and the gradients of a fixed random weighting of both w.r.t. every input."""
+    o, state = window_attention(**inputs, backend=backend, output_final_state=True, **kwargs)
+    gen = torch.Generator().manual_seed(123)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+    loss = loss + (state * torch.randn(state.shape, generator=gen, dtype=state.dtype)).sum()
+    return [o, state, *torch.autograd.grad(loss, list(inputs.values()))]
 
 
+@pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize(
     "length, window_size, num_sink_tokens",
     [(1, 1, 0), (7, 1, 3), (7, 3, 0), (C - 1, 1, 0), (C + 1, 37, 3), (2 * C + 2, C, 0), (3 * C + 5, 100, 3),
      (3 * C + 5, 5, 3), (40, 200, 3)],
 )
-def test_chunked_matches_reference(length, window_size, num_sink_tokens, padded):
+def test_chunked_matches_reference(length, window_size, num_sink_tokens, padded, with_state):
     inputs = make_inputs(length)
+    if with_state:
+        inputs["initial_state"] = initial_state()
     kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens}
     if padded:
         kwargs["key_padding_mask"] = left_padding(length, length // 3)
@@ -69,10 +80,10 @@ def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
     length, pads = 2 * C + 7, 30
     inputs = {name: x.detach() for name, x in make_inputs(length).items()}
     kwargs = {"window_size": 20, "num_sink_tokens": num_sink_tokens, "backend": backend}
-    o = window_attention(**inputs, key_padding_mask=left_padding(length, pads), **kwargs)
+    o, _ = window_attention(**inputs, key_padding_mask=left_padding(length, pads), **kwargs)
     alone = {name: x if name == "window_gate" else x[1:, pads:] for name, x in inputs.items()}
-    torch.testing.assert_close(o[1:, pads:], window_attention(**alone, **kwargs))
-    torch.testing.assert_close(o[0], window_attention(**inputs, **kwargs)[0])
+    torch.testing.assert_close(o[1:, pads:], window_attention(**alone, **kwargs)[0])
+    torch.testing.assert_close(o[0], window_attention(**inputs, **kwargs)[0][0])
     assert torch.equal(o[1, :pads], torch.zeros_like(o[1, :pads]))
 
 
@@ -81,7 +92,7 @@ def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
 def test_whole_sequence_window_is_softmax_attention(backend, dtype):
     length = 2 * C + 3
     inputs = {name: x.detach() for name, x in make_inputs(length, dtype=dtype).items()}
-    o = window_attention(**inputs, window_size=length, num_sink_tokens=3, backend=backend)
+    o, _ = window_attention(**inputs, window_size=length, num_sink_tokens=3, backend=backend)
     q, k, v = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -92,11 +103,31 @@ def test_whole_sequence_window_is_softmax_attention(backend, dtype):
 def test_half_precision_inputs(dtype):
     inputs = {name: x.detach().to(dtype) for name, x in make_inputs(2 * C + 3, dtype=torch.float32).items()}
     kwargs = {"window_size": 50, "num_sink_tokens": 3}
-    o = window_attention(**inputs, **kwargs, backend="torch")
+    o, _ = window_attention(**inputs, **kwargs, backend="torch")
     assert o.dtype == dtype
     exact = {name: x.float() for name, x in inputs.items()}
-    expected = window_attention(**exact, **kwargs, backend="reference")
+    expected, _ = window_attention(**exact, **kwargs, backend="reference")
     torch.testing.assert_close(o.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("split, window_size, num_sink_tokens", [(50, 8, 2), (5, 8, 2), (C + 3, 1, 0), (70, 30, 0)])
+def test_continuing_from_the_carried_state_equals_one_shot(backend, split, window_size, num_sink_tokens):
+    """What a decode cache does: keep the sinks and the last window_size tokens raw, fold the rest into the
+    state, then run the next tokens behind the kept ones from that state."""
+    length = 2 * C + 9
+    inputs = {name: x.detach() for name, x in make_inputs(length).items()}
+    kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens, "backend": backend}
+    full, full_state = window_attention(**inputs, **kwargs, output_final_state=True)
+
+    first = {name: x if name == "window_gate" else x[:, :split] for name, x in inputs.items()}
+    _, state = window_attention(**first, **kwargs, output_final_state=True)
+    kept = sorted(set(range(min(num_sink_tokens, split))) | set(range(max(0, split - window_size), split)))
+    positions = torch.tensor(kept + list(range(split, length)))
+    rest = {name: x if name == "window_gate" else x[:, positions] for name, x in inputs.items()}
+    o, rest_state = window_attention(**rest, **kwargs, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(o[:, len(kept):], full[:, split:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(rest_state, full_state, rtol=1e-10, atol=1e-10)
 
 
 def _args(**changes) -> dict:
@@ -120,6 +151,7 @@ def _args(**changes) -> dict:
         (_args(key_padding_mask=torch.ones(1, 6)), "key_padding_mask"),
         (_args(key_padding_mask=torch.ones(1, 5, dtype=torch.bool)), "key_padding_mask"),
         (_args(backend="recurrent"), "backend"),
+        (_args(initial_state=torch.zeros(1, 2, 6, 5)), "initial_state"),
     ],
 )
 def test_invalid_arguments_raise(kwargs, argument):
