@@ -8,6 +8,7 @@ load with the Auto classes without `trust_remote_code`. Saved checkpoints also c
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .cache_linear_attention import LinearAttentionCache
 from .configuration_linear_attention import LinearAttentionConfig
 from .modeling_linear_attention import (
     LinearAttentionForCausalLM,
@@ -27,6 +28,7 @@ LinearAttentionModel.register_for_auto_class("AutoModel")
 LinearAttentionForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
+    "LinearAttentionCache",
     "LinearAttentionConfig",
     "LinearAttentionForCausalLM",
     "LinearAttentionModel",

@@ -11,6 +11,7 @@ feature map and gate, so a pad step leaves the recurrent state exactly unchanged
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -19,10 +20,12 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .cache_linear_attention import LinearAttentionCache, LinearStateLayer
 from .configuration_linear_attention import LinearAttentionConfig
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
 from .ops import linear_attention, window_attention
@@ -37,10 +40,12 @@ from .ops_reference import NORM_EPS  # noqa: F401
 # (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.
 GATE_LOGIT_NORMALIZER = 16.0
 
-NOT_YET_CACHED = (
-    "LinearAttentionForCausalLM does not have a recurrent-state cache yet (LinearAttentionCache is "
-    "the next milestone), so it cannot run with use_cache=True or a cache/past_key_values argument. "
-    "Call generate(..., use_cache=False) or the model with use_cache=False; outputs are exact."
+# transformers 5.24 renamed `past_key_values` to `cache` in model outputs and in generate()'s model kwargs;
+# use whichever name the installed release reads, or the cache is silently dropped between steps (DESIGN §4).
+OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+GENERATE_CACHE_KEY = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
 )
 
 AUTO_MAP = {
@@ -127,8 +132,8 @@ class LinearAttentionMLP(nn.Module):
 class AttentionProjections(nn.Module):
     """q/k/v/o projections shared by both attention kinds, with optional q/k RMSNorm and RoPE.
 
-    `project` returns q [B, T, H, D] and k, v [B, T, H, D] with KV heads repeated to H (GQA),
-    so everything downstream works per query head.
+    `project` returns q [B, T, H, D] and k, v [B, T, H_kv, D] (GQA: H_kv KV heads); caches store
+    the H_kv heads and `repeat_kv` widens them to H when attention runs per query head.
     """
 
     def __init__(self, config: LinearAttentionConfig) -> None:
@@ -155,12 +160,12 @@ class AttentionProjections(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def repeat_kv(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        """[.., H_kv, ..] -> [.., H, ..] along `dim`: each KV head serves H / H_kv query heads."""
         groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=2)
-            v = v.repeat_interleave(groups, dim=2)
-        return q, k, v
+        return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
 
 
 class LinearAttention(AttentionProjections):
@@ -207,40 +212,103 @@ class LinearAttention(AttentionProjections):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache_layer: LinearStateLayer | None = None,
     ) -> torch.Tensor:
+        """hidden_states [B, T, hidden] -> [B, T, hidden].
+
+        attention_mask: None or bool [B, past + T] (True = real token) over the cached and new positions.
+        cache_layer: this layer's slot of a LinearAttentionCache, read and then advanced by T positions.
+        """
         b, t, _ = hidden_states.shape
-        q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D]
-        q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(k)  # [B, T, H, K]
+        new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
+        q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D], [B, T, H_kv, D] x 2
+        if self.config.window_size > 0:
+            o = self.window_forward(q, k, v, new_mask, cache_layer)
+        else:
+            o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer)
+        if hasattr(self, "o_norm"):
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(b, t, -1))
+
+    def linear_forward(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+    ) -> torch.Tensor:
+        """(Decayed) linear attention from the cached state: o [B, T, H, V]."""
+        q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(self.repeat_kv(k))  # [B, T, H, K]
+        v = self.repeat_kv(v)
         log_decay = self.log_decay(hidden_states)
-        if key_mask is not None:
+        if new_mask is not None:
             # Pads leave the state untouched: zero φ(k), v and log a after the maps (elu(0)+1 = 1).
-            keep = key_mask[:, :, None, None]
+            keep = new_mask[:, :, None, None]
             k_feat = k_feat * keep.to(k_feat.dtype)
             v = v * keep.to(v.dtype)
             if log_decay is not None:
                 log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
         backend = self.config.linear_attention_backend
-        if self.config.window_size > 0:
-            o, _ = window_attention(
-                q, k, v, q_feat, k_feat, self.window_gate,
-                window_size=self.config.window_size,
-                num_sink_tokens=self.config.num_sink_tokens,
-                scale=self.head_dim**-0.5,
-                key_padding_mask=key_mask,
-                # The window hybrid's oracle is its quadratic reference form.
-                backend="reference" if backend in ("recurrent", "parallel") else backend,
-            )
-        else:
-            o, _ = linear_attention(
-                q_feat, k_feat, v, log_decay,
-                scale=self.feature_map_q.query_scale,
-                normalize=self.config.normalize,
-                backend=backend,
-            )
-        if hasattr(self, "o_norm"):
-            o = self.o_norm(o)
-        return self.o_proj(o.reshape(b, t, -1))
+        if backend == "auto" and q.shape[1] == 1:
+            backend = "recurrent"  # one decode step: the recurrence is a single state update, no chunk padding
+        o, state = linear_attention(
+            q_feat, k_feat, v, log_decay,
+            scale=self.feature_map_q.query_scale,
+            normalize=self.config.normalize,
+            initial_state=None if cache_layer is None else cache_layer.state,
+            output_final_state=cache_layer is not None,
+            backend=backend,
+        )
+        if cache_layer is not None:
+            cache_layer.update_state(state, q.shape[1])
+        return o
+
+    def window_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+    ) -> torch.Tensor:
+        """The sliding-window hybrid: o [B, T, H, V].
+
+        With a cache, the new tokens run behind the retained raw keys/values (sinks + last window_size
+        positions) from the folded linear state; afterwards the cache keeps the new sinks/window and the
+        state of everything older, so memory stays constant.
+        """
+        b, t = q.shape[:2]
+        window, sinks = self.config.window_size, self.config.num_sink_tokens
+        if new_mask is None:
+            new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
+        state = None
+        if cache_layer is not None and cache_layer.window_keys is not None:
+            kept = cache_layer.window_mask.shape[1]
+            k = torch.cat([cache_layer.window_keys, k], dim=1)
+            v = torch.cat([cache_layer.window_values, v], dim=1)
+            new_mask = torch.cat([cache_layer.window_mask, new_mask], dim=1)
+            q = torch.cat([q.new_zeros(b, kept, *q.shape[2:]), q], dim=1)  # retained slots need no output
+            state = cache_layer.state
+        k_all, v_all = self.repeat_kv(k), self.repeat_kv(v)
+        backend = self.config.linear_attention_backend
+        o, state = window_attention(
+            q, k_all, v_all, self.feature_map_q(q), self.feature_map_k(k_all), self.window_gate,
+            window_size=window,
+            num_sink_tokens=sinks,
+            scale=self.head_dim**-0.5,
+            key_padding_mask=None if bool(new_mask.all()) else new_mask,
+            initial_state=state,
+            output_final_state=cache_layer is not None,
+            # The window hybrid's oracle is its quadratic reference form.
+            backend="reference" if backend in ("recurrent", "parallel") else backend,
+        )
+        if cache_layer is not None:
+            cache_layer.update_window(k, v, new_mask, window, sinks)
+            cache_layer.update_state(state, t)
+        return o[:, -t:]
 
 
 class SoftmaxAttention(AttentionProjections):
@@ -254,17 +322,25 @@ class SoftmaxAttention(AttentionProjections):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache_layer: DynamicLayer | None = None,
     ) -> torch.Tensor:
+        """hidden_states [B, T, hidden] -> [B, T, hidden]; attention_mask None or bool [B, past + T]."""
         b, t, _ = hidden_states.shape
-        q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, H, T, D]
-        if key_mask is None:
+        q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, ·, T, D]
+        if cache_layer is not None:
+            k, v = cache_layer.update(k, v)  # [B, H_kv, past + T, D]
+        k, v = self.repeat_kv(k, dim=1), self.repeat_kv(v, dim=1)
+        total = k.shape[2]
+        if attention_mask is None and total == t:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-            allowed = causal & key_mask[:, None, None, :]  # [B, 1, T, T]
-            # A pad query has no real key to its left; let it see itself so softmax stays finite.
-            allowed = allowed | torch.eye(t, dtype=torch.bool, device=q.device)
+            query_pos = torch.arange(total - t, total, device=q.device)[:, None]
+            allowed = torch.arange(total, device=q.device) <= query_pos  # [T, past + T], causal
+            if attention_mask is not None:
+                allowed = allowed & attention_mask[:, None, None, :]  # [B, 1, T, past + T]
+                # A pad query may have no real key to its left; let it see itself so softmax stays finite.
+                allowed = allowed | (torch.arange(total, device=q.device) == query_pos)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
@@ -282,10 +358,11 @@ class LinearAttentionDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache_layer: LinearStateLayer | DynamicLayer | None = None,
     ) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, key_mask
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache_layer
         )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -309,6 +386,9 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         elif isinstance(module, LinearAttention) and hasattr(module, "window_gate"):
             init.zeros_(module.window_gate)  # γ = 0.5
 
+    # A recurrent state cannot be rolled back: generate() then refuses assisted decoding with a clear error.
+    _is_stateful = True
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # A DynamicCache would hold growing K/V for layers that have none; never let generate make one.
@@ -321,32 +401,35 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-def _validated_key_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """The 2-D padding mask as bool [B, T] (True = real token), or None when nothing is padded."""
+def _validated_mask(attention_mask: torch.Tensor | None, batch: int, total: int, caching: bool) -> torch.Tensor | None:
+    """The 2-D padding mask as bool [B, past + T] (True = real token), or None when nothing is padded."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, total):
         raise ValueError(
-            f"attention_mask must be a 2-D padding mask of shape [batch, seq_len] = {[batch, length]} "
-            f"(1 = real token, 0 = pad); got shape {list(attention_mask.shape)}."
+            f"attention_mask must be a 2-D padding mask of shape [batch, past + seq_len] = {[batch, total]} "
+            "(1 = real token, 0 = pad; with a cache it also covers the cached positions, as generate() passes "
+            f"it); got shape {list(attention_mask.shape)}."
         )
     mask = attention_mask.bool()
     if bool(mask.all()):
         return None
-    # Allowed: left padding (0…0 1…1) and right padding (1…1 0…0). A 0 between two 1s is a hole.
-    as_int = mask.int()
-    changes = (as_int[:, 1:] != as_int[:, :-1]).sum(dim=1)
-    starts_real = mask[:, 0]
-    left_padded = (~starts_real) & (changes <= 1)
-    right_padded = starts_real & (changes <= 1)
-    if not bool((left_padded | right_padded).all()):
+    # Allowed: left padding (0…0 1…1) and, without a cache, right padding (1…1 0…0).
+    flips = (mask[:, 1:] != mask[:, :-1]).sum(dim=1)
+    if not bool((flips <= 1).all()):
         raise ValueError(
             "attention_mask has holes (a 0 between real tokens) or pads on both sides; only left "
-            "padding (0…0 1…1) or right padding (1…1 0…0) is supported."
+            "padding (0…0 1…1) or, without a cache, right padding (1…1 0…0) is supported."
         )
-    if not bool(mask.any(dim=1).all()):
+    if not caching and not bool(mask.any(dim=1).all()):
+        # (With a cache an all-pad row is fine: a chunked prefill may not have reached its tokens yet.)
         raise ValueError("attention_mask has a row with no real token (all zeros).")
     return mask
+
+
+def _is_linear_attention_cache(cache) -> bool:
+    # Duck-typed: a checkpoint loaded as remote code has its own copy of the cache class.
+    return getattr(cache, "is_linear_attention_cache", False)
 
 
 class LinearAttentionModel(LinearAttentionPreTrainedModel):
@@ -362,29 +445,54 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def _checked_cache(self, cache, past_key_values, use_cache: bool | None, batch: int):
+        """The cache to read and advance (None without one), after checking it belongs to this model."""
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("Pass the cache as `cache` or as `past_key_values`, not both.")
+        cache = cache if cache is not None else past_key_values
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if cache is None:
+            return LinearAttentionCache(self.config) if use_cache else None
+        if not _is_linear_attention_cache(cache):
+            raise TypeError(
+                f"cache must be a LinearAttentionCache (built with LinearAttentionCache(model.config) or returned "
+                f"by this model); got {type(cache).__name__}."
+            )
+        kinds = ["softmax" if i in self.config.softmax_layers else "linear" for i in range(len(self.layers))]
+        if cache.layer_kinds != kinds:
+            raise ValueError(
+                f"cache was built for another model: its layers are {cache.layer_kinds}, this model's are {kinds}."
+            )
+        if cache.batch_size not in (-1, batch):
+            raise ValueError(
+                f"cache holds states for batch size {cache.batch_size} but the input has batch size {batch}."
+            )
+        return cache
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache=None,
+        cache: LinearAttentionCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        past_key_values=None,
+        past_key_values: LinearAttentionCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
         """input_ids [B, T] (or inputs_embeds [B, T, hidden]) -> last_hidden_state [B, T, hidden].
 
-        `attention_mask` is the usual 2-D padding mask (left or right padding). Without
-        `position_ids`, positions count real tokens only, so a left-padded row sees the same
-        RoPE angles as the same prompt unpadded.
+        `attention_mask` is the usual 2-D padding mask over cached + new positions (left padding; right
+        padding only without a cache). Without `position_ids`, positions count real tokens only, so a
+        left-padded row sees the same RoPE angles as the same prompt unpadded. `cache` (alias
+        `past_key_values`) is a LinearAttentionCache; with `use_cache` (default: config.use_cache when
+        not training) a new one is made and returned.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if use_cache or cache is not None or past_key_values is not None:
-            raise NotImplementedError(NOT_YET_CACHED)
         if inputs_embeds is None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq_len]; got shape {list(input_ids.shape)}.")
@@ -392,27 +500,44 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         b, t, _ = inputs_embeds.shape
         if t == 0:
             raise ValueError("The input has zero tokens (seq_len == 0); pass at least one token.")
-        key_mask = _validated_key_mask(attention_mask, b, t)
-        key_mask = None if key_mask is None else key_mask.to(inputs_embeds.device)
+        cache_requested = bool(use_cache) or cache is not None or past_key_values is not None
+        cache = self._checked_cache(cache, past_key_values, use_cache, b)
+        if cache is not None and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            raise ValueError(
+                "A cache cannot be filled under gradient checkpointing (the recomputation would advance it "
+                "twice); pass use_cache=False when training."
+            )
+        past = 0 if cache is None else cache.get_seq_length()
+        mask = _validated_mask(attention_mask, b, past + t, caching=cache_requested)
+        if mask is not None and cache is not None and bool((mask[:, 0] & ~mask[:, -1]).any()):
+            if cache_requested:
+                raise ValueError(
+                    "attention_mask is right-padded, which a cache cannot continue from (the next token would "
+                    "follow pads); pad on the left (tokenizer.padding_side = 'left') or pass use_cache=False."
+                )
+            cache = None  # only the config's default asked for a cache: return none rather than a broken one
+        mask = None if mask is None else mask.to(inputs_embeds.device)
         if position_ids is None:
-            if key_mask is None:
-                position_ids = torch.arange(t, device=inputs_embeds.device).expand(b, t)
+            if mask is None:
+                position_ids = torch.arange(past, past + t, device=inputs_embeds.device).expand(b, t)
             else:
-                position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
 
         hidden_states = inputs_embeds
         all_hidden_states = [] if output_hidden_states else None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(hidden_states)
-            hidden_states = layer(hidden_states, position_embeddings, key_mask)
+            cache_layer = None if cache is None else cache.layers[i]
+            hidden_states = layer(hidden_states, position_embeddings, mask, cache_layer)
         hidden_states = self.norm(hidden_states)
         if all_hidden_states is not None:
             all_hidden_states.append(hidden_states)
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
+            **{OUTPUT_CACHE_FIELD: cache},
         )
         return output if return_dict is not False else output.to_tuple()
 
@@ -432,19 +557,20 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache=None,
+        cache: LinearAttentionCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values=None,
+        past_key_values: LinearAttentionCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """Next-token logits [B, T', vocab] (T' = T, or the last `logits_to_keep` positions).
 
-        With `labels` [B, T] (-100 = ignored) the shifted cross-entropy loss is returned too.
+        With `labels` [B, T] (-100 = ignored) the shifted cross-entropy loss is returned too. The cache
+        comes back in the output field transformers uses for it (`cache`, or `past_key_values` before 5.24).
         """
         outputs = self.model(
             input_ids=input_ids,
@@ -462,8 +588,25 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{OUTPUT_CACHE_FIELD: getattr(outputs, OUTPUT_CACHE_FIELD)},
+        )
         return output if return_dict is not False else output.to_tuple()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """Give generate() a LinearAttentionCache before the first forward (chunked prefill needs one), or
+        move a user's cache passed as `past_key_values` to the name generate() slices reused tokens by."""
+        cache, past_key_values = model_kwargs.pop("cache", None), model_kwargs.pop("past_key_values", None)
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("Pass the cache to generate() as `cache` or as `past_key_values`, not both.")
+        cache = cache if cache is not None else past_key_values
+        if cache is None and generation_config.use_cache is not False:
+            cache = LinearAttentionCache(self.config)
+        if cache is not None:
+            model_kwargs[GENERATE_CACHE_KEY] = cache
 
 
 __all__ = [

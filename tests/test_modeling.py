@@ -196,14 +196,6 @@ def test_generate_left_padded_batch_without_cache_equals_each_alone():
         torch.testing.assert_close(out[row, -5:], alone[0, -5:])
 
 
-def test_generate_with_cache_is_a_clear_error_until_the_cache_lands():
-    model = tiny_model()
-    with pytest.raises(NotImplementedError, match="use_cache=False"):
-        model.generate(torch.randint(3, 128, (1, 4)), max_new_tokens=2)
-    with pytest.raises(NotImplementedError, match="use_cache=False"):
-        model(torch.randint(3, 128, (1, 4)), use_cache=True)
-
-
 def test_bf16_forward_is_close_to_fp32():
     model = tiny_model(**VARIANTS["elu-scalar-decay"])
     ids = torch.randint(3, 128, (2, 70))

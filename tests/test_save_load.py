@@ -105,6 +105,8 @@ FRESH_PROCESS = textwrap.dedent(
     generated = model.generate(expected["ids"], max_new_tokens=5, do_sample=False, use_cache=False,
                                eos_token_id=None)
     assert torch.equal(generated, expected["generated"])
+    cached = model.generate(expected["ids"], max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert torch.equal(cached, expected["generated"])  # the remote copy of LinearAttentionCache
     base = AutoModel.from_pretrained(path, trust_remote_code=True)
     assert type(base).__name__ == "LinearAttentionModel"
     print("REMOTE-CODE-OK")

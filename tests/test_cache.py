@@ -1,0 +1,203 @@
+"""LinearAttentionCache: every decoding strategy with the cache equals the same without it."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_modeling import VARIANTS, left_pad, prompts
+from transformers import DynamicCache
+
+from hf_linear_attn import LinearAttentionCache
+from hf_linear_attn.modeling_linear_attention import OUTPUT_CACHE_FIELD
+
+
+def returned_cache(output):
+    """The cache an output carries (`cache` since transformers 5.24, `past_key_values` before)."""
+    return getattr(output, OUTPUT_CACHE_FIELD)
+
+CACHED_VARIANTS = ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid"]
+GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_prefill_then_decode_equals_full_forward(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = torch.randint(3, 128, (2, 45))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :31], use_cache=True)
+        cache, steps = returned_cache(out), [out.logits]
+        for i in range(31, 45):
+            out = model(ids[:, i : i + 1], cache=cache)
+            assert returned_cache(out) is cache
+            steps.append(out.logits)
+    assert cache.get_seq_length() == 45
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_chunked_prefill_through_forward_equals_one_shot(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = torch.randint(3, 128, (1, 100))
+    cache = LinearAttentionCache(model.config)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        chunks = [model(ids[:, s : s + 17], cache=cache).logits for s in range(0, 100, 17)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=2e-5, rtol=1e-4)
+
+
+def test_past_key_values_spelling_in_forward():
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks"])
+    ids = torch.randint(3, 128, (1, 12))
+    with torch.no_grad():
+        a = returned_cache(model(ids[:, :8], use_cache=True))
+        b = returned_cache(model(ids[:, :8], use_cache=True))
+        via_cache = model(ids[:, 8:], cache=a).logits
+        via_pkv = model(ids[:, 8:], past_key_values=b).logits
+    torch.testing.assert_close(via_cache, via_pkv, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", CACHED_VARIANTS)
+def test_greedy_generate_with_cache_equals_without(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = prompts([11])[0][None]
+    with_cache = model.generate(ids, max_new_tokens=12, use_cache=True, **GREEDY)
+    without = model.generate(ids, max_new_tokens=12, use_cache=False, **GREEDY)
+    torch.testing.assert_close(with_cache, without)
+
+
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks"])
+def test_sampled_generate_with_cache_equals_without(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = prompts([6, 6], seed=1)
+    ids = torch.stack(ids)
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(1234)
+        outs.append(model.generate(ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=1.3,
+                                   use_cache=use_cache, eos_token_id=None, pad_token_id=0))
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("name", CACHED_VARIANTS)
+def test_left_padded_batch_generate_equals_each_prompt_alone(name):
+    model = tiny_model(**VARIANTS[name])
+    seqs = prompts([12, 5, 8], seed=2)
+    ids, mask = left_pad(seqs)
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
+    for row, s in enumerate(seqs):
+        alone = model.generate(s[None], max_new_tokens=8, **GREEDY)
+        torch.testing.assert_close(batched[row, -8:], alone[0, -8:])
+
+
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+def test_beam_search_with_cache_equals_without(name):
+    model = tiny_model(**VARIANTS[name])
+    seqs = prompts([7, 4], seed=3)
+    ids, mask = left_pad(seqs)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2,
+                  return_dict_in_generate=True, output_scores=True, **GREEDY)
+    with_cache = model.generate(ids, use_cache=True, **kwargs)
+    without = model.generate(ids, use_cache=False, **kwargs)
+    assert with_cache.sequences.shape == (4, ids.shape[1] + 6)
+    torch.testing.assert_close(with_cache.sequences, without.sequences)
+    torch.testing.assert_close(with_cache.sequences_scores, without.sequences_scores, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spelling", ["cache", "past_key_values"])
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+def test_reusing_a_returned_cache_equals_a_fresh_run(name, spelling):
+    model = tiny_model(**VARIANTS[name])
+    prompt = prompts([9], seed=4)[0][None]
+    first = model.generate(prompt, max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
+    cache = returned_cache(first)
+    assert cache.get_seq_length() == prompt.shape[1] + 5 - 1  # the last generated token is not fed yet
+    follow_up = torch.cat([first.sequences, torch.tensor([[17, 23, 5]])], dim=1)
+    reused = model.generate(follow_up, max_new_tokens=6, **{spelling: cache}, **GREEDY)
+    fresh = model.generate(follow_up, max_new_tokens=6, **GREEDY)
+    torch.testing.assert_close(reused, fresh)
+
+
+@pytest.mark.parametrize("name", CACHED_VARIANTS)
+def test_generate_chunked_prefill_equals_one_shot(name):
+    model = tiny_model(**VARIANTS[name])
+    seqs = prompts([40, 27], seed=5)
+    ids, mask = left_pad(seqs)
+    one_shot = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
+    chunked = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=9, **GREEDY)
+    torch.testing.assert_close(chunked, one_shot)
+
+
+@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks"])
+def test_cache_bytes_are_the_same_after_1k_and_64k_tokens(name):
+    model = tiny_model(**VARIANTS[name], num_hidden_layers=1, max_position_embeddings=70_000)
+    sizes = {}
+    with torch.no_grad():
+        cache = LinearAttentionCache(model.config)
+        seen = 0
+        for target in (1024, 65536):
+            while seen < target:
+                step = min(8192, target - seen)
+                model(torch.randint(3, 128, (1, step)), cache=cache, logits_to_keep=1)
+                seen += step
+            sizes[target] = cache.nbytes()
+            assert cache.get_seq_length() == target
+    assert sizes[1024] == sizes[65536] > 0
+
+
+def test_softmax_layers_hold_a_growing_cache():
+    model = tiny_model(softmax_layers=[1])
+    with torch.no_grad():
+        cache = returned_cache(model(torch.randint(3, 128, (1, 10)), use_cache=True))
+        small = cache.nbytes()
+        model(torch.randint(3, 128, (1, 10)), cache=cache)
+    assert cache.nbytes() > small
+
+
+def test_cache_errors():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (2, 6))
+    with pytest.raises(TypeError, match="LinearAttentionCache"):
+        model(ids, cache=DynamicCache())
+    other = tiny_model(softmax_layers=[0])
+    with pytest.raises(ValueError, match="another model"):
+        model(ids, cache=LinearAttentionCache(other.config))
+    with torch.no_grad():
+        cache = returned_cache(model(ids, use_cache=True))
+    with pytest.raises(ValueError, match="batch size 2"):
+        model(ids[:1, :1], cache=cache)
+    with pytest.raises(ValueError, match="both"):
+        model(ids[:, :1], cache=cache, past_key_values=LinearAttentionCache(model.config))
+    with pytest.raises(ValueError, match="zero tokens"):
+        model(ids[:, :0], cache=cache)
+    with pytest.raises(ValueError, match="covers the cached positions"):
+        model(ids[:, :1], cache=cache, attention_mask=torch.ones(2, 1))
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(3)
+
+
+def test_padding_masks_with_a_cache():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 5))
+    with pytest.raises(ValueError, match="right-padded"):
+        model(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0]]), use_cache=True)
+    with pytest.raises(ValueError, match="holes"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 0, 1, 1]]), use_cache=True)
+    with torch.no_grad():  # right padding without a cache is fine; the config's default cache is then skipped
+        model(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0]]), use_cache=False)
+        assert returned_cache(model(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0]]))) is None
+
+
+def test_assisted_decoding_is_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="assisted generation is not supported"):
+        model.generate(torch.randint(3, 128, (1, 5)), assistant_model=tiny_model(seed=1), max_new_tokens=3,
+                       **GREEDY)
+
+
+def test_cache_survives_training_mode_switch_and_rejects_checkpointing():
+    model = tiny_model().train()
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(3, 128, (1, 8))
+    assert returned_cache(model(ids)) is None  # training defaults to no cache
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        model(ids, use_cache=True)
