@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-oldest lint clean
+.PHONY: install demo test test-oldest bench lint clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,11 @@ test-oldest:
 	$(OLD_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(OLD_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
 	$(OLD_VENV)/bin/python -m pytest -q tests
+
+# Benchmarks print tables and write JSON + PNG under outputs/ (see benchmarks/*.py for options).
+bench: install
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/bench_decode.py --contexts 256 1024 8192 --peak_memory
 
 lint: install
 	$(VENV)/bin/ruff check .

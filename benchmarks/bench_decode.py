@@ -1,0 +1,201 @@
+"""Decode scaling: per-token latency and cache bytes after growing contexts, linear attention vs Llama.
+
+Both models have identical dimensions (default: 4 layers, hidden 256, 4 heads, SwiGLU 688, vocab
+32000) and run in the same process, one after the other, so their ratios are measured side by
+side. For every context length the context is prefilled in chunks (so prefill memory stays
+bounded), then `--new_tokens` tokens are decoded one at a time with the cache and the median
+time per token is reported. Peak RSS added by the prefill is measured in a child process per model
+and length (`--peak_memory`, Linux /proc).
+
+    python benchmarks/bench_decode.py                                # 256, 1K, 8K
+    python benchmarks/bench_decode.py --contexts 256 1024 8192 65536 --peak_memory
+
+Prints a table, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+
+import hf_linear_attn
+
+
+@dataclass
+class DecodeBenchmarkArguments:
+    contexts: list[int] = field(default_factory=lambda: [256, 1024, 8192], metadata={"help": "Context lengths."})
+    new_tokens: int = field(default=48, metadata={"help": "Decode steps timed after each context."})
+    warmup_tokens: int = field(default=4, metadata={"help": "Decode steps run before timing."})
+    prefill_chunk: int = field(default=2048, metadata={"help": "Tokens per prefill forward."})
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 688
+    vocab_size: int = 32000
+    feature_map: str = field(default="elu", metadata={"help": "Feature map of the linear model."})
+    models: list[str] = field(default_factory=lambda: ["linear", "llama"], metadata={"help": "linear and/or llama."})
+    peak_memory: bool = field(default=False, metadata={"help": "Also measure prefill peak RSS (child processes)."})
+    output_dir: str = "outputs/bench_decode"
+    child: str = field(default="", metadata={"help": "Internal: 'MODEL:LENGTH' runs one prefill and prints JSON."})
+
+
+def build(kind: str, args: DecodeBenchmarkArguments) -> torch.nn.Module:
+    torch.manual_seed(0)
+    dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
+                max_position_embeddings=max(args.contexts) + args.new_tokens + args.warmup_tokens + 16)
+    if kind == "linear":
+        config = hf_linear_attn.LinearAttentionConfig(**dims, feature_map=args.feature_map)
+        return hf_linear_attn.LinearAttentionForCausalLM(config).eval()
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**dims, attn_implementation="sdpa")).eval()
+    raise ValueError(f"unknown model {kind!r}; choose linear or llama")
+
+
+def new_cache(model: torch.nn.Module):
+    if isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
+        return hf_linear_attn.LinearAttentionCache(model.config)
+    return DynamicCache(config=model.config)
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, hf_linear_attn.LinearAttentionCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def prefill(model, cache, length: int, chunk: int) -> torch.Tensor:
+    """Feed `length` random tokens through the cache in chunks; returns the last position's logits."""
+    generator = torch.Generator().manual_seed(length)
+    logits = None
+    for start in range(0, length, chunk):
+        ids = torch.randint(3, model.config.vocab_size, (1, min(chunk, length - start)), generator=generator)
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    return logits
+
+
+@torch.no_grad()
+def decode_times(model, cache, logits, steps: int) -> list[float]:
+    """Seconds per greedy decode step with the cache."""
+    times = []
+    for _ in range(steps):
+        next_id = logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        logits = model(input_ids=next_id, cache=cache, use_cache=True).logits
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> float:
+    """MiB of peak RSS added by prefilling `length` tokens, measured in a fresh child process."""
+    cmd = [sys.executable, __file__, "--child", f"{kind}:{length}"]
+    for name, value in asdict(args).items():
+        if name in ("child", "peak_memory", "contexts", "models"):
+            continue
+        cmd += [f"--{name}", str(value)]
+    cmd += ["--contexts", str(length)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def rss_kib(field_name: str) -> int:
+    """VmRSS (current) or VmHWM (peak since the last reset) of this process, in KiB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def run_child(args: DecodeBenchmarkArguments) -> None:
+    kind, length = args.child.split(":")
+    model = build(kind, args)
+    baseline = rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    prefill(model, new_cache(model), int(length), args.prefill_chunk)
+    print(json.dumps({"peak_mib": (rss_kib("VmHWM") - baseline) / 1024}))
+
+
+def main(argv: list[str]) -> int:
+    (args,) = HfArgumentParser(DecodeBenchmarkArguments).parse_args_into_dataclasses(argv)
+    if args.child:
+        run_child(args)
+        return 0
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu={os.cpu_count()}; "
+          f"{args.num_hidden_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads")
+    rows = []
+    for kind in args.models:
+        model = build(kind, args)
+        for length in args.contexts:
+            cache = new_cache(model)
+            start = time.perf_counter()
+            logits = prefill(model, cache, length, args.prefill_chunk)
+            prefill_s = time.perf_counter() - start
+            decode_times(model, cache, logits, args.warmup_tokens)
+            before = cache_bytes(cache)
+            times = decode_times(model, cache, logits, args.new_tokens)
+            row = {"model": kind, "context": length, "prefill_s": prefill_s,
+                   "ms_per_token": 1000 * statistics.median(times), "cache_bytes": before}
+            if args.peak_memory:
+                row["prefill_peak_mib"] = peak_prefill_rss(kind, length, args)
+            rows.append(row)
+            print(f"  {kind:<6} context {length:>6}: {row['ms_per_token']:.2f} ms/token, "
+                  f"cache {before / 2**20:.2f} MiB, prefill {prefill_s:.1f} s", flush=True)
+    report(rows, args)
+    return 0
+
+
+def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    first = {r["model"]: r for r in rows if r["context"] == args.contexts[0]}
+    header = f"| model | context | ms/token | ÷ at {args.contexts[0]} | cache MiB | prefill s |"
+    if args.peak_memory:
+        header += " prefill peak MiB |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in rows:
+        r["latency_ratio"] = r["ms_per_token"] / first[r["model"]]["ms_per_token"]
+        line = (f"| {r['model']} | {r['context']} | {r['ms_per_token']:.2f} | {r['latency_ratio']:.2f} | "
+                f"{r['cache_bytes'] / 2**20:.3f} | {r['prefill_s']:.1f} |")
+        if args.peak_memory:
+            line += f" {r['prefill_peak_mib']:.0f} |"
+        lines.append(line)
+    table = "\n".join(lines)
+    print(table)
+    (out / "decode.json").write_text(json.dumps({"args": asdict(args), "rows": rows}, indent=2))
+    (out / "decode.md").write_text(table + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {out}/decode.json and decode.md (install matplotlib for the plot)")
+        return
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind in args.models:
+        mine = [r for r in rows if r["model"] == kind]
+        ax_time.plot([r["context"] for r in mine], [r["ms_per_token"] for r in mine], "o-", label=kind)
+        ax_mem.plot([r["context"] for r in mine], [r["cache_bytes"] / 2**20 for r in mine], "o-", label=kind)
+    for ax, label in ((ax_time, "ms per decoded token"), (ax_mem, "cache MiB")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "decode.png", dpi=120)
+    print(f"wrote {out}/decode.json, decode.md and decode.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

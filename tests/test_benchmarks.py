@@ -1,0 +1,31 @@
+"""The benchmark scripts run end to end on tiny settings, so they cannot rot between real runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)
+
+
+def test_decode_benchmark_runs_and_reports_constant_cache(tmp_path):
+    result = run_script("bench_decode.py", "--contexts", "16", "80", "--new_tokens", "2", "--warmup_tokens", "1",
+                        "--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
+                        "--num_hidden_layers", "1", "--vocab_size", "64", "--prefill_chunk", "32", "--peak_memory",
+                        "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    linear = [r for r in rows if r["model"] == "linear"]
+    llama = [r for r in rows if r["model"] == "llama"]
+    assert [r["context"] for r in linear] == [16, 80]
+    assert linear[0]["cache_bytes"] == linear[1]["cache_bytes"] > 0
+    assert llama[1]["cache_bytes"] > llama[0]["cache_bytes"]
+    assert all(r["ms_per_token"] > 0 and "prefill_peak_mib" in r for r in rows)
+    assert "| linear | 80 |" in result.stdout
