@@ -214,19 +214,25 @@ class LinearAttention(AttentionProjections):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache_layer: LinearStateLayer | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states [B, T, hidden] -> [B, T, hidden].
 
         attention_mask: None or bool [B, past + T] (True = real token) over the cached and new positions.
         cache_layer: this layer's slot of a LinearAttentionCache, read and then advanced by T positions.
+        cu_seqlens: None or [N + 1] boundaries of N documents packed into a batch of one (no cache).
         """
         b, t, _ = hidden_states.shape
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
         q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D], [B, T, H_kv, D] x 2
-        if self.config.window_size > 0:
+        if self.config.window_size > 0 and cu_seqlens is not None:  # one document at a time
+            bounds = cu_seqlens.tolist()
+            o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j], None, None)
+                           for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
+        elif self.config.window_size > 0:
             o = self.window_forward(q, k, v, new_mask, cache_layer)
         else:
-            o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer)
+            o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         if hasattr(self, "o_norm"):
             o = self.o_norm(o)
         return self.o_proj(o.reshape(b, t, -1))
@@ -239,8 +245,9 @@ class LinearAttention(AttentionProjections):
         v: torch.Tensor,
         new_mask: torch.Tensor | None,
         cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """(Decayed) linear attention from the cached state: o [B, T, H, V]."""
+        """(Decayed) linear attention from the cached state (or per packed document): o [B, T, H, V]."""
         q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(self.repeat_kv(k))  # [B, T, H, K]
         v = self.repeat_kv(v)
         log_decay = self.log_decay(hidden_states)
@@ -260,6 +267,7 @@ class LinearAttention(AttentionProjections):
             normalize=self.config.normalize,
             initial_state=None if cache_layer is None else cache_layer.state,
             output_final_state=cache_layer is not None,
+            cu_seqlens=cu_seqlens,
             backend=backend,
         )
         if cache_layer is not None:
@@ -324,15 +332,21 @@ class SoftmaxAttention(AttentionProjections):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache_layer: DynamicLayer | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states [B, T, hidden] -> [B, T, hidden]; attention_mask None or bool [B, past + T]."""
+        """hidden_states [B, T, hidden] -> [B, T, hidden]; attention_mask None or bool [B, past + T];
+        cu_seqlens None or [N + 1] packed-document boundaries (attention stays within each document)."""
         b, t, _ = hidden_states.shape
         q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, ·, T, D]
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)  # [B, H_kv, past + T, D]
         k, v = self.repeat_kv(k, dim=1), self.repeat_kv(v, dim=1)
         total = k.shape[2]
-        if attention_mask is None and total == t:
+        if cu_seqlens is not None:
+            document = torch.bucketize(torch.arange(t, device=q.device), cu_seqlens[1:], right=True)  # [T]
+            allowed = (document[:, None] == document[None, :]).tril()  # block-diagonal causal [T, T]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        elif attention_mask is None and total == t:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             query_pos = torch.arange(total - t, total, device=q.device)[:, None]
@@ -360,9 +374,10 @@ class LinearAttentionDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache_layer: LinearStateLayer | DynamicLayer | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache_layer
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache_layer, cu_seqlens
         )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -425,6 +440,23 @@ def _validated_mask(attention_mask: torch.Tensor | None, batch: int, total: int,
         # (With a cache an all-pad row is fine: a chunked prefill may not have reached its tokens yet.)
         raise ValueError("attention_mask has a row with no real token (all zeros).")
     return mask
+
+
+def _packed_boundaries(position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """cu_seqlens [N + 1] when position_ids [1, T] restart at 0 (documents packed into one row, as
+    transformers' DataCollatorWithFlattening marks them), else None."""
+    if position_ids.shape[0] != 1 or position_ids.shape[1] < 2 or int(position_ids[0, 0]) != 0:
+        return None
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    if starts.numel() < 2:
+        return None
+    if mask is not None:
+        raise ValueError(
+            "position_ids restart at 0 inside the row (packed documents) and an attention_mask with pads was "
+            "given; packed rows carry no padding: drop the mask."
+        )
+    end = torch.tensor([position_ids.shape[1]], device=starts.device)
+    return torch.cat([starts, end])
 
 
 def _is_linear_attention_cache(cache) -> bool:
@@ -522,6 +554,12 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 position_ids = torch.arange(past, past + t, device=inputs_embeds.device).expand(b, t)
             else:
                 position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
+        cu_seqlens = _packed_boundaries(position_ids, mask)
+        if cu_seqlens is not None and cache is not None:
+            if cache_requested:
+                raise ValueError("Packed documents (position_ids restarting at 0) cannot fill a cache; "
+                                 "pass use_cache=False.")
+            cache = None  # only the config's default asked for one
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
 
         hidden_states = inputs_embeds
@@ -530,7 +568,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
             if all_hidden_states is not None:
                 all_hidden_states.append(hidden_states)
             cache_layer = None if cache is None else cache.layers[i]
-            hidden_states = layer(hidden_states, position_embeddings, mask, cache_layer)
+            hidden_states = layer(hidden_states, position_embeddings, mask, cache_layer, cu_seqlens)
         hidden_states = self.norm(hidden_states)
         if all_hidden_states is not None:
             all_hidden_states.append(hidden_states)

@@ -252,3 +252,32 @@ def test_peft_lora_on_attention_projections():
         merged = lora.merge_and_unload()
         assert isinstance(merged, LinearAttentionForCausalLM)
         torch.testing.assert_close(merged(ids).logits, with_adapters, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "t2r-vector-decay", "hedgehog-window-sinks",
+                                  "qwen3-like-hybrid"])
+def test_packed_documents_equal_each_document_alone(name):
+    """DataCollatorWithFlattening's format: one row, position_ids restarting at 0 at each document."""
+    model = tiny_model(**VARIANTS[name])
+    docs = prompts([9, 70, 1, 23], seed=7)
+    ids = torch.cat(docs)[None]
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids).logits[0]
+        alone = torch.cat([model(d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(ids, position_ids=position_ids, use_cache=True)
+
+
+def test_packed_documents_work_with_the_flattening_collator_and_train():
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_model(**VARIANTS["elu-scalar-decay"]).train()
+    features = [{"input_ids": d.tolist()} for d in prompts([12, 30, 5], seed=8)]
+    batch = DataCollatorWithFlattening()(features)
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
+    labels = [torch.tensor([-100] + f["input_ids"][1:]) for f in features]
+    assert torch.equal(batch["labels"][0], torch.cat(labels))  # the collator masks each document's first label
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
