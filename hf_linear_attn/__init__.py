@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_linear_attention import LinearAttentionCache
 from .configuration_linear_attention import LinearAttentionConfig
+from .conversion import convert_to_linear_attention
 from .modeling_linear_attention import (
     LinearAttentionForCausalLM,
     LinearAttentionModel,
@@ -33,6 +34,7 @@ __all__ = [
     "LinearAttentionForCausalLM",
     "LinearAttentionModel",
     "LinearAttentionPreTrainedModel",
+    "convert_to_linear_attention",
     "linear_attention",
     "window_attention",
 ]

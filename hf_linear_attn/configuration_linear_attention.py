@@ -62,6 +62,9 @@ class LinearAttentionConfig(PretrainedConfig):
         softmax_layers: indices of layers that keep full softmax attention.
         linear_attention_backend: backend of `hf_linear_attn.linear_attention` used by the
             layers (`auto` picks the fastest available).
+
+    Provenance (set by `convert_to_linear_attention`): `base_model_name_or_path` and
+    `base_model_type` of the softmax checkpoint this model was converted from.
     """
 
     model_type = "linear_attention"
@@ -101,6 +104,8 @@ class LinearAttentionConfig(PretrainedConfig):
         num_sink_tokens: int = 0,
         softmax_layers: list[int] | None = None,
         linear_attention_backend: str = "auto",
+        base_model_name_or_path: str | None = None,
+        base_model_type: str | None = None,
         **kwargs,
     ) -> None:
         self.vocab_size = vocab_size
@@ -129,6 +134,8 @@ class LinearAttentionConfig(PretrainedConfig):
         self.num_sink_tokens = num_sink_tokens
         self.softmax_layers = sorted(set(softmax_layers)) if softmax_layers else []
         self.linear_attention_backend = linear_attention_backend
+        self.base_model_name_or_path = base_model_name_or_path
+        self.base_model_type = base_model_type
         # RoPE: one dict {"rope_type", "rope_theta", ...} as transformers>=5 expects.
         self.rope_theta = rope_theta
         rope_parameters = dict(rope_parameters or {})

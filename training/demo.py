@@ -1,7 +1,7 @@
 """Demo: build small linear-attention models, check them against the oracle, save, reload, generate.
 
-Runs offline on CPU in well under a minute. Configured by `configs/demo.yaml`; any field can be
-overridden on the command line, e.g. `python training/demo.py --seq_len 1024 --variants elu gla`.
+Runs offline on CPU in well under a minute. Configured by `configs/demo.yaml` (or `--config FILE`);
+any field can be overridden on the command line, e.g. `python training/demo.py --seq_len 1024 --variants elu gla`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser
+from recipes import parse_recipe_args
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
@@ -42,17 +43,10 @@ class DemoArguments:
 
 
 def parse_args(argv: list[str]) -> DemoArguments:
-    parser = HfArgumentParser(DemoArguments)
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        config_path, argv = Path(argv[0]), argv[1:]
-    else:
-        config_path = DEFAULT_CONFIG
-    (defaults,) = parser.parse_yaml_file(config_path)
-    parser.set_defaults(**vars(defaults))
-    (args,) = parser.parse_args_into_dataclasses(argv)
+    args = parse_recipe_args(DemoArguments, argv, default_recipe=DEFAULT_CONFIG)
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        raise SystemExit(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}")
     return args
 
 

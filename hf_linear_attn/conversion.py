@@ -1,0 +1,154 @@
+"""Convert a pretrained softmax-attention checkpoint into a `LinearAttentionForCausalLM`.
+
+Supported sources: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM`. The decoder is carried over exactly (embeddings, norms, MLPs, q/k/v/o with
+their biases, Qwen3's q/k norms, RoPE settings, tied embeddings); only attention changes. The new
+parameters (learned feature maps, the window mixing γ, decay gates, output norms) start from their
+documented initialisation (`LinearAttentionPreTrainedModel._init_weights`).
+
+With `window_size` ≥ the sequence length the hybrid layer *is* softmax attention, so a freshly
+converted model reproduces its teacher's logits exactly there: the conversion tests rely on it.
+
+    from hf_linear_attn import convert_to_linear_attention
+    student = convert_to_linear_attention("HuggingFaceTB/SmolLM2-135M", feature_map="hedgehog",
+                                          feature_dim=64, window_size=64, num_sink_tokens=4)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from .configuration_linear_attention import LinearAttentionConfig
+from .modeling_linear_attention import LinearAttentionForCausalLM
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# The LoLCATs recipe (Zhang et al. 2024): Hedgehog feature map, 64-token window, a few sinks.
+DEFAULT_ATTENTION_OPTIONS: dict[str, Any] = {
+    "feature_map": "hedgehog",
+    "window_size": 64,
+    "num_sink_tokens": 4,
+    "decay": "none",
+    "normalize": True,
+}
+
+# Fields of LinearAttentionConfig that describe the attention and may be chosen at conversion.
+ATTENTION_OPTIONS = (
+    "feature_map", "feature_dim", "normalize", "output_norm", "decay", "decay_low_rank_dim", "window_size",
+    "num_sink_tokens", "softmax_layers", "linear_attention_backend",
+)
+
+
+def linear_attention_config(source_config, **attention_options: Any) -> LinearAttentionConfig:
+    """The `LinearAttentionConfig` of a converted `source_config` (a Llama / Mistral / Qwen2 / Qwen3 config).
+
+    `attention_options` are `LinearAttentionConfig` fields (see `ATTENTION_OPTIONS`); unset ones take the
+    LoLCATs defaults of `DEFAULT_ATTENTION_OPTIONS`. Raises ValueError for another architecture or an
+    unknown / invalid option, before anything is built.
+    """
+    model_type = getattr(source_config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"Cannot convert a {model_type!r} model: supported architectures are "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+            "Qwen3ForCausalLM)."
+        )
+    unknown = sorted(set(attention_options) - set(ATTENTION_OPTIONS))
+    if unknown:
+        raise ValueError(f"Unknown attention option(s) {unknown}; allowed: {list(ATTENTION_OPTIONS)}.")
+    options = {**DEFAULT_ATTENTION_OPTIONS, **{k: v for k, v in attention_options.items() if v is not None}}
+
+    c = source_config
+    if model_type == "qwen2":  # q/k/v carry a bias, o does not
+        qkv_bias, out_bias = True, False
+    else:
+        qkv_bias = out_bias = bool(getattr(c, "attention_bias", False))
+    num_heads = c.num_attention_heads
+    return LinearAttentionConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // num_heads,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        initializer_range=getattr(c, "initializer_range", 0.02),
+        rms_norm_eps=c.rms_norm_eps,
+        pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        rope_parameters=dict(c.rope_parameters),
+        attention_bias=qkv_bias,
+        attention_out_bias=out_bias,
+        use_qk_norm=model_type == "qwen3",
+        mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        base_model_name_or_path=getattr(c, "_name_or_path", None) or None,
+        base_model_type=model_type,
+        **options,
+    )
+
+
+def load_teacher(model_name_or_path: str, **from_pretrained_kwargs: Any) -> PreTrainedModel:
+    """Load a source checkpoint, refusing one whose weights are incomplete (transformers would silently
+    initialise the missing ones at random)."""
+    model, info = AutoModelForCausalLM.from_pretrained(
+        model_name_or_path, output_loading_info=True, **from_pretrained_kwargs
+    )
+    if info["missing_keys"]:
+        raise ValueError(
+            f"{model_name_or_path} is missing weights {sorted(info['missing_keys'])[:8]}"
+            f"{' ...' if len(info['missing_keys']) > 8 else ''}: cannot convert an incomplete checkpoint."
+        )
+    return model
+
+
+def convert_to_linear_attention(
+    model_or_path: PreTrainedModel | str, dtype: torch.dtype | None = None, **attention_options: Any
+) -> LinearAttentionForCausalLM:
+    """Convert a softmax-attention causal LM (an instance, a local folder or a Hub id) into a
+    `LinearAttentionForCausalLM` with the given attention options (`LinearAttentionConfig` field names).
+
+    Every weight of the source is copied (the source model is left untouched); the new attention parameters
+    take their initial values. The result is in eval mode, in `dtype` (default: the source's dtype).
+    """
+    if isinstance(model_or_path, str):
+        # Build the config first so that bad options fail before the weights are read.
+        from transformers import AutoConfig
+
+        linear_attention_config(AutoConfig.from_pretrained(model_or_path), **attention_options)
+        teacher = load_teacher(model_or_path)
+    elif isinstance(model_or_path, PreTrainedModel):
+        teacher = model_or_path
+    else:
+        raise TypeError(f"model_or_path must be a PreTrainedModel or a path / Hub id, got {type(model_or_path)}")
+    config = linear_attention_config(teacher.config, **attention_options)
+    dtype = dtype or next(teacher.parameters()).dtype
+
+    student = LinearAttentionForCausalLM(config).to(dtype)
+    source = teacher.state_dict()
+    target = student.state_dict()
+    unexpected = sorted(k for k in source if k not in target and not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(
+            f"The source has weights the converted model has no place for: {unexpected[:8]}; is it really a "
+            f"{config.base_model_type} checkpoint?"
+        )
+    incompatible = student.load_state_dict({k: v for k, v in source.items() if k in target}, strict=False)
+    new_parameters = ("feature_map_", "window_gate", "decay_proj", "o_norm")
+    not_copied = [k for k in incompatible.missing_keys if not any(p in k for p in new_parameters)]
+    if config.tie_word_embeddings:
+        not_copied = [k for k in not_copied if k != "lm_head.weight"]
+    if not_copied:
+        raise ValueError(f"The source checkpoint lacks weights the converted model needs: {not_copied[:8]}")
+    if config.tie_word_embeddings:
+        student.tie_weights()
+    return student.eval()
+
+
+__all__ = ["convert_to_linear_attention", "linear_attention_config", "load_teacher", "DEFAULT_ATTENTION_OPTIONS"]
