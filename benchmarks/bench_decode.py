@@ -22,9 +22,9 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
+from common import machine, reset_peak_rss, rss_kib, write_report
 from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
@@ -108,19 +108,11 @@ def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
 
 
-def rss_kib(field_name: str) -> int:
-    """VmRSS (current) or VmHWM (peak since the last reset) of this process, in KiB (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
-
-
 def run_child(args: DecodeBenchmarkArguments) -> None:
     kind, length = args.child.split(":")
     model = build(kind, args)
-    baseline = rss_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    baseline = rss_kib()
+    reset_peak_rss()
     prefill(model, new_cache(model), int(length), args.prefill_chunk)
     print(json.dumps({"peak_mib": (rss_kib("VmHWM") - baseline) / 1024}))
 
@@ -130,8 +122,8 @@ def main(argv: list[str]) -> int:
     if args.child:
         run_child(args)
         return 0
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu={os.cpu_count()}; "
-          f"{args.num_hidden_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads")
+    print(f"{machine()}; {args.num_hidden_layers} layers, hidden {args.hidden_size}, "
+          f"{args.num_attention_heads} heads")
     rows = []
     for kind in args.models:
         model = build(kind, args)
@@ -155,46 +147,29 @@ def main(argv: list[str]) -> int:
 
 
 def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    first = {r["model"]: r for r in rows if r["context"] == args.contexts[0]}
-    header = f"| model | context | ms/token | ÷ at {args.contexts[0]} | cache MiB | prefill s |"
-    if args.peak_memory:
-        header += " prefill peak MiB |"
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    first = {r["model"]: r["ms_per_token"] for r in rows if r["context"] == args.contexts[0]}
     for r in rows:
-        r["latency_ratio"] = r["ms_per_token"] / first[r["model"]]["ms_per_token"]
-        line = (f"| {r['model']} | {r['context']} | {r['ms_per_token']:.2f} | {r['latency_ratio']:.2f} | "
-                f"{r['cache_bytes'] / 2**20:.3f} | {r['prefill_s']:.1f} |")
-        if args.peak_memory:
-            line += f" {r['prefill_peak_mib']:.0f} |"
-        lines.append(line)
-    table = "\n".join(lines)
-    print(table)
-    (out / "decode.json").write_text(json.dumps({"args": asdict(args), "rows": rows}, indent=2))
-    (out / "decode.md").write_text(table + "\n")
-    try:
-        import matplotlib
+        r["latency_ratio"] = r["ms_per_token"] / first[r["model"]]
+        r["cache_mib"] = r["cache_bytes"] / 2**20
+    columns = {"model": "model", "context": "context", "ms_per_token": "ms/token",
+               "latency_ratio": f"÷ at {args.contexts[0]}", "cache_mib": "cache MiB", "cache_bytes": "cache bytes",
+               "prefill_s": "prefill s"}
+    if args.peak_memory:
+        columns["prefill_peak_mib"] = "prefill peak MiB"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"wrote {out}/decode.json and decode.md (install matplotlib for the plot)")
-        return
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
-    for kind in args.models:
-        mine = [r for r in rows if r["model"] == kind]
-        ax_time.plot([r["context"] for r in mine], [r["ms_per_token"] for r in mine], "o-", label=kind)
-        ax_mem.plot([r["context"] for r in mine], [r["cache_bytes"] / 2**20 for r in mine], "o-", label=kind)
-    for ax, label in ((ax_time, "ms per decoded token"), (ax_mem, "cache MiB")):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "decode.png", dpi=120)
-    print(f"wrote {out}/decode.json, decode.md and decode.png")
+    def plot(plt):
+        fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+        for kind in args.models:
+            mine = [r for r in rows if r["model"] == kind]
+            ax_time.plot([r["context"] for r in mine], [r["ms_per_token"] for r in mine], "o-", label=kind)
+            ax_mem.plot([r["context"] for r in mine], [r["cache_mib"] for r in mine], "o-", label=kind)
+        for ax, label in ((ax_time, "ms per decoded token"), (ax_mem, "cache MiB")):
+            ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel=label)
+            ax.legend()
+        fig.tight_layout()
+        return fig
+
+    write_report(rows, columns, args.output_dir, "decode", plot, meta={"args": asdict(args)})
 
 
 if __name__ == "__main__":
