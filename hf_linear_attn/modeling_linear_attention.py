@@ -191,6 +191,11 @@ class LinearAttention(AttentionProjections):
             self.window_gate = nn.Parameter(torch.zeros(heads))
         if config.output_norm:
             self.o_norm = LinearAttentionRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        # Attention transfer (LoLCATs stage 1): when set, the layer also computes the softmax attention its
+        # teacher would from the same q/k/v, stores the MSE of its own output against it in
+        # `transfer_loss`, and passes the teacher's output on, so every layer learns from exact inputs.
+        self.attention_transfer = False
+        self.transfer_loss: torch.Tensor | None = None
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """log a_t ≤ 0: None, [B, T, H] (fixed, scalar) or [B, T, H, K] (vector), in fp32."""
@@ -235,7 +240,34 @@ class LinearAttention(AttentionProjections):
             o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         if hasattr(self, "o_norm"):
             o = self.o_norm(o)
+        if self.attention_transfer:
+            o = self.transfer_from_softmax(o, q, k, v, new_mask, cache_layer, cu_seqlens)
         return self.o_proj(o.reshape(b, t, -1))
+
+    def transfer_from_softmax(
+        self,
+        o: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Set `transfer_loss` = MSE(o, softmax teacher output) over real tokens; return the teacher output
+        [B, T, H, D] (detached: q/k/v are the teacher's and stay frozen)."""
+        if cache_layer is not None:
+            raise ValueError("attention transfer runs without a cache (use_cache=False)")
+        with torch.no_grad():
+            teacher = causal_softmax_attention(
+                q.transpose(1, 2), self.repeat_kv(k).transpose(1, 2), self.repeat_kv(v).transpose(1, 2),
+                new_mask, cu_seqlens,
+            ).transpose(1, 2)  # [B, T, H, D]
+        error = (o.float() - teacher.float()).pow(2)
+        if new_mask is not None:
+            error = error[new_mask]
+        self.transfer_loss = error.mean()
+        return teacher
 
     def linear_forward(
         self,
@@ -319,6 +351,34 @@ class LinearAttention(AttentionProjections):
         return o[:, -t:]
 
 
+def causal_softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention: q [B, H, T, D] against k, v [B, H, past + T, D] -> [B, H, T, D].
+
+    attention_mask: None or bool [B, past + T] (True = real key). cu_seqlens: None or [N + 1] boundaries of
+    packed documents (no past): attention stays inside each document.
+    """
+    t, total = q.shape[2], k.shape[2]
+    if cu_seqlens is not None:
+        document = torch.bucketize(torch.arange(t, device=q.device), cu_seqlens[1:], right=True)  # [T]
+        allowed = (document[:, None] == document[None, :]).tril()  # block-diagonal causal [T, T]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    if attention_mask is None and total == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    query_pos = torch.arange(total - t, total, device=q.device)[:, None]
+    allowed = torch.arange(total, device=q.device) <= query_pos  # [T, past + T], causal
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, None, :]  # [B, 1, T, past + T]
+        # A pad query may have no real key to its left; let it see itself so softmax stays finite.
+        allowed = allowed | (torch.arange(total, device=q.device) == query_pos)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
 class SoftmaxAttention(AttentionProjections):
     """Ordinary causal softmax attention, for the layers listed in `config.softmax_layers`."""
 
@@ -340,22 +400,8 @@ class SoftmaxAttention(AttentionProjections):
         q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, ·, T, D]
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)  # [B, H_kv, past + T, D]
-        k, v = self.repeat_kv(k, dim=1), self.repeat_kv(v, dim=1)
-        total = k.shape[2]
-        if cu_seqlens is not None:
-            document = torch.bucketize(torch.arange(t, device=q.device), cu_seqlens[1:], right=True)  # [T]
-            allowed = (document[:, None] == document[None, :]).tril()  # block-diagonal causal [T, T]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        elif attention_mask is None and total == t:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            query_pos = torch.arange(total - t, total, device=q.device)[:, None]
-            allowed = torch.arange(total, device=q.device) <= query_pos  # [T, past + T], causal
-            if attention_mask is not None:
-                allowed = allowed & attention_mask[:, None, None, :]  # [B, 1, T, past + T]
-                # A pad query may have no real key to its left; let it see itself so softmax stays finite.
-                allowed = allowed | (torch.arange(total, device=q.device) == query_pos)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        o = causal_softmax_attention(q, self.repeat_kv(k, dim=1), self.repeat_kv(v, dim=1), attention_mask,
+                                     cu_seqlens)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
