@@ -10,6 +10,7 @@ a failed conversion leaves nothing behind; it holds safetensors weights, the mod
 `trust_remote_code=True` without this package) and the source's tokenizer.
 """
 
+# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import shutil
@@ -18,11 +19,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make the `training` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
-from recipes import parse_recipe_args
 from transformers import AutoConfig, AutoTokenizer
 
 from hf_linear_attn.conversion import convert_to_linear_attention, linear_attention_config, load_teacher
+from training.recipes import parse_recipe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -4,6 +4,7 @@ Runs offline on CPU in well under a minute. Configured by `configs/demo.yaml` (o
 any field can be overridden on the command line, e.g. `python training/demo.py --seq_len 1024 --variants elu gla`.
 """
 
+# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import os
@@ -12,12 +13,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make the `training` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
-from recipes import parse_recipe_args
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
+from training.recipes import parse_recipe_args
 
 # Attention variants by name: the config fields that select them.
 VARIANTS = {

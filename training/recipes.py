@@ -1,37 +1,43 @@
 """Command-line parsing shared by the training scripts: dataclass fields over an optional YAML recipe.
 
-`parse_recipe_args(Dataclass, argv)` reads `--config FILE.yaml` (or `default_recipe`) for defaults
-and lets every flag on the command line override them, via `transformers.HfArgumentParser`. A
-recipe key that is not a field of the dataclass is an error naming the allowed keys.
+`parse_recipe_args((DataclassA, DataclassB), argv)` reads `--config FILE.yaml` (or `default_recipe`)
+for defaults and lets every flag on the command line override them, via `transformers.HfArgumentParser`;
+it returns one instance per dataclass. A recipe key that no dataclass has is an error naming the
+allowed keys.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import yaml
 from transformers import HfArgumentParser
 
-T = TypeVar("T")
 
-
-def parse_recipe_args(dataclass_type: type[T], argv: list[str], default_recipe: Path | None = None) -> T:
-    parser = HfArgumentParser(dataclass_type)
+def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str],
+                      default_recipe: Path | None = None) -> Any:
+    """One parsed instance of `dataclass_types` (or a tuple of them, when a tuple is given)."""
+    types = dataclass_types if isinstance(dataclass_types, tuple) else (dataclass_types,)
+    parser = HfArgumentParser(types)
+    argv = list(argv)
     recipe_path = default_recipe
-    if "--config" in argv:
-        at = argv.index("--config")
-        if at + 1 >= len(argv):
-            parser.error("--config needs a YAML file")
-        recipe_path, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            if value is None:
+                parser.error("--config needs a YAML file")
+            recipe_path = Path(value)
+            del argv[i : i + (1 if "=" in arg else 2)]
+            break
     if recipe_path is not None:
         if not recipe_path.is_file():
             parser.error(f"--config {recipe_path}: no such file")
         recipe = yaml.safe_load(recipe_path.read_text()) or {}
-        known = set(dataclass_type.__dataclass_fields__)
+        known = {name for t in types for name in t.__dataclass_fields__}
         unknown = sorted(set(recipe) - known)
         if unknown:
             parser.error(f"{recipe_path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
         parser.set_defaults(**recipe)
-    (args,) = parser.parse_args_into_dataclasses(argv)
-    return args
+    parsed = parser.parse_args_into_dataclasses(argv)
+    return parsed if isinstance(dataclass_types, tuple) else parsed[0]
