@@ -35,6 +35,7 @@ from .ops import linear_attention, window_attention
 # follow imports transitively), so the modules that `ops.py` builds on are named here as well.
 from .ops_chunked import CHUNK_SIZE  # noqa: F401
 from .ops_reference import NORM_EPS  # noqa: F401
+from .ops_triton import HAS_TRITON  # noqa: F401
 
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
 # (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.

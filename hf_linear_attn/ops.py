@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .ops_chunked import chunk_linear_attention, chunk_window_attention
 from .ops_reference import parallel_linear_attention, recurrent_linear_attention, reference_window_attention
+from .ops_triton import HAS_TRITON, triton_linear_attention, triton_window_attention
 
 __all__ = ["linear_attention", "window_attention"]
 
@@ -22,16 +23,20 @@ LINEAR_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "parallel": parallel_linear_attention,
     "torch": chunk_linear_attention,
 }
-WINDOW_BACKENDS: dict[str, Callable[..., Tensor]] = {
+WINDOW_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "reference": reference_window_attention,
     "torch": chunk_window_attention,
 }
+if HAS_TRITON:  # CUDA tensors, or CPU ones under TRITON_INTERPRET=1 (see ops_triton)
+    LINEAR_BACKENDS["triton"] = triton_linear_attention
+    WINDOW_BACKENDS["triton"] = triton_window_attention
 
 
-def _pick_backend(backend: str, available: dict[str, Callable]) -> str:
-    """The backend `backend` names, checked against `available`; "auto" resolves to the fastest one."""
+def _pick_backend(backend: str, available: dict[str, Callable], device: torch.device) -> str:
+    """The backend `backend` names, checked against `available`; "auto" resolves to the fastest one for `device`:
+    Triton for CUDA tensors when triton is installed, else the torch chunked path."""
     if backend == "auto":
-        return "torch"  # the only fast backend so far; a Triton one would be chosen here for CUDA inputs
+        return "triton" if device.type == "cuda" and "triton" in available else "torch"
     if backend not in available:
         raise ValueError(f"backend must be one of {['auto', *available]}, got {backend!r}")
     return backend
@@ -90,12 +95,13 @@ def linear_attention(
         output_final_state: also return the state after the last token (same layout, accumulation dtype).
         cu_seqlens: None or int [N + 1] boundaries (0, ..., T) of N sequences packed into a batch of 1;
             the state restarts at each boundary (from initial_state[n] if given).
-        backend: "recurrent" (token loop), "parallel" (quadratic), "torch" (chunked) or "auto".
+        backend: "recurrent" (token loop), "parallel" (quadratic), "torch" (chunked), "triton" (chunked
+            kernels; when triton is installed) or "auto".
 
     Returns:
         o: [B, T, H, V] in the dtype of v; the final state, or None unless output_final_state.
     """
-    name = _pick_backend(backend, LINEAR_BACKENDS)
+    name = _pick_backend(backend, LINEAR_BACKENDS, q.device)
     _check_4d_floating("q", q, "[B, T, H, K]")
     _check_4d_floating("k", k, "[B, T, H, K]")
     _check_4d_floating("v", v, "[B, T, H, V]")
@@ -184,12 +190,12 @@ def window_attention(
         output_final_state: also return initial_state plus every real, non-sink key that lies outside the
             window of the *next* query (index T), i.e. keys with index ≤ T − 1 − window_size: what a cache
             carries forward beside the last window_size tokens and the sinks.
-        backend: "reference" (T x T), "torch" (chunked) or "auto".
+        backend: "reference" (T x T), "torch" (chunked), "triton" (when triton is installed) or "auto".
 
     Returns:
         o: [B, T, H, V] in the dtype of v; the final linear state (fp32, [B, H, F, V + 1]) or None.
     """
-    name = _pick_backend(backend, WINDOW_BACKENDS)
+    name = _pick_backend(backend, WINDOW_BACKENDS, q.device)
     for arg, x, dims in (
         ("q", q, "[B, T, H, D]"),
         ("k", k, "[B, T, H, D]"),

@@ -8,6 +8,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run in Triton's interpreter. triton reads this when @triton.jit decorates the
+# kernels, i.e. when hf_linear_attn.ops_triton is imported: it must be set before the package is.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import hf_linear_attn  # noqa: E402
 
 

@@ -1,0 +1,983 @@
+"""Triton kernels for `linear_attention` and `window_attention` (backend "triton"), forward and backward.
+
+Same arguments, results and state layout as the torch chunked backend (`ops_chunked`); the kernels run on CUDA
+tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 set before this module is imported: slow,
+for tests). Inputs may be float16, bfloat16 or float32; states and every sum are float32. Without triton this
+module still imports (remote code, CPU-only installs) and `HAS_TRITON` is False.
+
+Memory layout and pointer arithmetic (the same in every kernel)
+---------------------------------------------------------------
+A [B, T, H, D] input is a contiguous buffer of B·T tokens (batch rows one after the other): element (token t,
+head h, column d) lies at (t·H + h)·D + d. A kernel working on head h moves the base pointer by h·D once and
+then addresses a [rows, cols] tile as base + row·(H·D) + col (`_load_tile` / `_store_tile`). States
+[slots, H, K, V] address the same way from the base (slot·H + h)·K·V with row stride V. Every load is masked
+(rows past the chunk or sequence, columns past the head dim) and zero-filled, so block sizes are powers of two
+whatever T, K and V are: a zero key or value adds nothing to any sum.
+
+Chunked linear attention
+------------------------
+Batch rows, or the sequences of a packed row (cu_seqlens), are cut into chunks of CHUNK_SIZE tokens. Inside a
+chunk, with b_t = Σ_{s ≤ t} log_decay_s (cumulative from the chunk start; [.., 1] per head or [.., K] per key
+dim; no decay is b = 0), q̂ = scale·q, S the state entering the chunk and S' the one leaving it:
+
+    o_t  = (q̂_t ⊙ e^{b_t})ᵀ S + Σ_{i ≤ t} A_ti v_i,        A_ti = Σ_k q̂_tk k_ik e^{b_tk − b_ik}
+    S'   = e^{b_last} ⊙ S + Σ_i (k_i ⊙ e^{b_last − b_i}) v_iᵀ
+    dS   = e^{b_last} ⊙ dS' + Σ_t (q̂_t ⊙ e^{b_t}) do_tᵀ
+    dv_i = (k_i ⊙ e^{b_last − b_i})ᵀ dS' + Σ_{t ≥ i} A_ti do_t
+    dq̂_t = e^{b_t} ⊙ (S do_t) + Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i},        dA_ti = do_t · v_i
+    dk_i = e^{b_last − b_i} ⊙ (dS' v_i) + Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}
+    d log_decay_t = Σ_{s ≥ t} (q̂_s ⊙ dq̂_s − k_s ⊙ dk_s) + Σ_v S' ⊙ dS'   (summed over K for a per-head decay)
+
+Kernels: `_chunk_cumsum_kernel` (b, and the reverse sum of the decay gradient), `_state_pass_kernel` (S
+through the chunks of each sequence; dS backwards), `_chunk_output_kernel` (o; transposed, dv),
+`_chunk_dqk_kernel` (dq̂, dk) and, for the per-key-dim decay, `_vector_scores_kernel` (A) and
+`_vector_grads_kernel` (the intra-chunk part of dq̂ and dk). b is non-increasing inside a chunk, so every
+exponent above is ≤ 0 and nothing overflows, however strong the decay — except e^{b_tk − b_ik} inside A for a
+per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}: there sub-chunks of SUB_CHUNK_SIZE rows factor it
+around a reference r between i and t (e^{b_t − r}·e^{r − b_i}, both ≤ 1), and the diagonal sub-blocks use the
+explicit [SUB, SUB, K] decay. The normaliser of normalize=True is the state of an extra all-ones value column.
+
+Window hybrid
+-------------
+`window_attention`'s linear part is the linear kernel above on keys and values delayed by window_size; its
+softmax part is a flash-attention style kernel over the sink keys and the window keys (`_window_fwd_kernel`,
+backward `_window_dq_kernel` and `_window_dkdv_kernel`), which returns the unnormalised sums against the exact
+window maximum c_t; torch combines the two parts and divides.
+"""
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .ops_reference import NORM_EPS, window_token_masks
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the backend is then not registered; the kernels below are defined but never launched
+    triton = None
+
+HAS_TRITON = triton is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when @triton.jit runs, i.e. at import
+CHUNK_SIZE = 64  # tokens per chunk of linear attention
+SUB_CHUNK_SIZE = 16  # rows per sub-chunk of the per-key-dim decay's intra-chunk products; divides CHUNK_SIZE
+WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels; half that for head dims > 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DECAY_NONE, DECAY_SCALAR, DECAY_VECTOR = 0, 1, 2  # the kernels' DECAY: none, per head, per key dim
+
+if not HAS_TRITON:
+
+    class _NoTriton:
+        """Stands in for `triton` and `triton.language` so that the kernel definitions below still execute."""
+
+        constexpr = None
+
+        @staticmethod
+        def jit(fn):
+            return fn
+
+        @staticmethod
+        def autotune(**_):
+            return lambda fn: fn
+
+    triton = tl = _NoTriton
+
+
+def _configs() -> list:
+    """Launch configurations to autotune over: a single one under the interpreter (several fail there)."""
+    if not HAS_TRITON:
+        return []
+    if INTERPRET:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared device helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_offsets(rows, row_stride, cols):
+    """Element offsets of the [len(rows), len(cols)] tile; int64 rows, so huge buffers index safely."""
+    return rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+
+
+@triton.jit
+def _load_tile(base, rows, row_end, row_stride, cols, num_cols):
+    """base[rows, cols] of a row-major buffer, zero where rows ≥ row_end or cols ≥ num_cols."""
+    mask = (rows < row_end)[:, None] & (cols < num_cols)[None, :]
+    return tl.load(base + _tile_offsets(rows, row_stride, cols), mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(base, tile, rows, row_end, row_stride, cols, num_cols):
+    """base[rows, cols] = tile (in base's dtype), where rows < row_end and cols < num_cols."""
+    mask = (rows < row_end)[:, None] & (cols < num_cols)[None, :]
+    tl.store(base + _tile_offsets(rows, row_stride, cols), tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _state_base(states, slot, h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Pointer to state [slot, h] of a [slots, H, K, V] buffer: a [K, V] tile with row stride V."""
+    return states + (slot.to(tl.int64) * H + h) * (K * V)
+
+
+@triton.jit
+def _chunk_bounds(chunk_info, chunk):
+    """First token, end token (exclusive) and the state slot entering the chunk, from the int32 [chunks, 3] table."""
+    return tl.load(chunk_info + 3 * chunk), tl.load(chunk_info + 3 * chunk + 1), tl.load(chunk_info + 3 * chunk + 2)
+
+
+@triton.jit
+def _load_decay(b, h, rows, row_end, kk, H: tl.constexpr, K: tl.constexpr, DECAY: tl.constexpr):
+    """Cumulative log decay b of `rows`: [rows, len(kk)] per key dim (DECAY 2), else [rows, 1] (DECAY 1: per head;
+    DECAY 0: no decay, i.e. zeros).
+
+    b: fp32 [tokens, H, 1 | K]. Rows ≥ row_end read 0, which keeps every exponent built from them ≤ 0.
+    """
+    if DECAY == 2:
+        tile = _load_tile(b + h * K, rows, row_end, H * K, kk, K)
+    elif DECAY == 1:
+        tile = _load_tile(b + h, rows, row_end, H, tl.arange(0, 1), 1)
+    else:
+        tile = tl.zeros([rows.shape[0], 1], dtype=tl.float32)
+    return tile
+
+
+@triton.jit
+def _dot(a, b, BF16_DOT: tl.constexpr):
+    """a @ b, accumulated in fp32. Operands in bf16 for bf16 inputs on a GPU, else fp32 (TF32 on a GPU): the
+    interpreter's bf16 dot is wrong, and fp16 operands could overflow on states and sums."""
+    if BF16_DOT:
+        a = a.to(tl.bfloat16)
+        b = b.to(tl.bfloat16)
+    else:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _causal_decay(b, TRANSPOSE: tl.constexpr, CHUNK: tl.constexpr):
+    """Weights of the intra-chunk product for a per-head (or no) decay b [CHUNK, 1]: [t, i] = e^{b_t − b_i} for
+    i ≤ t, 0 above the diagonal; laid out [i, t] if TRANSPOSE."""
+    local = tl.arange(0, CHUNK)
+    if TRANSPOSE:
+        causal = local[:, None] <= local[None, :]
+        gap = tl.trans(b) - b
+    else:
+        causal = local[:, None] >= local[None, :]
+        gap = b - tl.trans(b)
+    return tl.where(causal, tl.exp(tl.minimum(gap, 0.0)), 0.0)
+
+
+@triton.jit
+def _sub_chunk_decay(b, SUB: tl.constexpr):
+    """[t, i, k] = e^{b_tk − b_ik} for i ≤ t, else 0, inside one sub-chunk; b: [SUB, BLOCK_K]."""
+    local = tl.arange(0, SUB)
+    causal = (local[:, None] >= local[None, :])[:, :, None]
+    return tl.where(causal, tl.exp(tl.minimum(b[:, None, :] - b[None, :, :], 0.0)), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunked linear attention kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_cumsum_kernel(
+    x, y, chunk_info, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    """y = cumulative sum of x over the tokens of each chunk, from its start (or from its end if REVERSE).
+
+    x, y: [tokens, H, D], y fp32. Grid: (chunks, H).
+    """
+    chunk, h = tl.program_id(0), tl.program_id(1)
+    start, end, _ = _chunk_bounds(chunk_info, chunk)
+    rows = start + tl.arange(0, CHUNK)
+    cols = tl.arange(0, BLOCK_D)
+    tile = _load_tile(x + h * D, rows, end, H * D, cols, D).to(tl.float32)
+    _store_tile(y + h * D, tl.cumsum(tile, axis=0, reverse=REVERSE), rows, end, H * D, cols, D)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE"])
+@triton.jit
+def _state_pass_kernel(
+    x, y, b, init, states, seq_info, x_scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_INIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
+    """Carries each sequence's state through its chunks and stores it at every chunk boundary.
+
+    Forward (REVERSE=0; x = k, y = v): S_0 = init (or 0),
+        S_{j+1} = e^{b_last} ⊙ S_j + Σ_t (x_t ⊙ e^{b_last − b_t}) y_tᵀ;
+    slot first + j receives S_j for j = 0 … n (n chunks; slot first + n holds the final state).
+    Reverse (REVERSE=1; x = q, y = do): dS_n = init (the final state's gradient, or 0),
+        dS_j = e^{b_last} ⊙ dS_{j+1} + Σ_t (x_scale·x_t ⊙ e^{b_t}) y_tᵀ;
+    slot first + j receives dS_j (j = 0: the initial state's gradient).
+    x: [tokens, H, K]; y: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: fp32 [sequences, H, K, V];
+    states: fp32 [slots, H, K, V]; seq_info: int32 [sequences, 3] (first token, end token, first slot).
+    Grid: (K / BLOCK_K, V / BLOCK_V, sequences · H); a program owns one [BLOCK_K, BLOCK_V] tile of one state.
+    """
+    pid_k, pid_v, pid_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, h = pid_nh // H, pid_nh % H
+    first_token, end_token = tl.load(seq_info + 3 * n), tl.load(seq_info + 3 * n + 1)
+    first_slot = tl.load(seq_info + 3 * n + 2)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    if HAS_INIT:
+        state = _load_tile(_state_base(init, n, h, H, K, V), kk, K, V, vv, V).to(tl.float32)
+    else:
+        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    num_chunks = tl.cdiv(end_token - first_token, CHUNK)
+    for i in range(num_chunks):
+        if REVERSE:
+            j = num_chunks - 1 - i
+        else:
+            j = i
+        _store_tile(_state_base(states, first_slot + j + REVERSE, h, H, K, V), state, kk, K, V, vv, V)
+        start = first_token + j * CHUNK
+        end = tl.minimum(start + CHUNK, end_token)
+        rows = start + tl.arange(0, CHUNK)
+        x_tile = _load_tile(x + h * K, rows, end, H * K, kk, K).to(tl.float32) * x_scale
+        b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
+        b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
+        if REVERSE:
+            x_tile = x_tile * tl.exp(b_rows)
+        else:
+            x_tile = x_tile * tl.exp(b_last - b_rows)
+        y_tile = _load_tile(y + h * V, rows, end, H * V, vv, V)
+        state = state * tl.exp(tl.trans(b_last)) + _dot(tl.trans(x_tile), y_tile, BF16_DOT)
+    last_slot = first_slot + (1 - REVERSE) * num_chunks
+    _store_tile(_state_base(states, last_slot, h, H, K, V), state, kk, K, V, vv, V)
+
+
+@triton.autotune(configs=_configs(), key=["K", "BLOCK_K"])
+@triton.jit
+def _vector_scores_kernel(
+    q, k, b, scores, chunk_info, scale,
+    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
+    """A_ti = Σ_k q̂_tk k_ik e^{b_tk − b_ik} for i ≤ t (0 above the diagonal) in each chunk, per-key-dim decay.
+
+    scores: fp32 [tokens, H, CHUNK]; the row of token t holds A_t· against the keys of its chunk. A program fills the
+    rows of one sub-chunk m of queries. Keys of earlier sub-chunks: e^{b_t − b_i} = e^{b_t − r}·e^{r − b_i} with r = b
+    at the sub-chunk's first query, so one dot; keys of sub-chunk m itself: the explicit masked decay.
+    Grid: (chunks, H, CHUNK / SUB).
+    """
+    chunk, h, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end, _ = _chunk_bounds(chunk_info, chunk)
+    rows = start + m * SUB + tl.arange(0, SUB)
+    keys = start + tl.arange(0, CHUNK)
+    reference = tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1)
+    earlier = (tl.arange(0, CHUNK) < m * SUB)[:, None]
+    off_diagonal = tl.zeros([SUB, CHUNK], dtype=tl.float32)
+    diagonal = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+        b_rows = _load_decay(b, h, rows, end, kk, H, K, 2)
+        r = _load_decay(b, h, reference, end, kk, H, K, 2)
+        k_keys = _load_tile(k + h * K, keys, end, H * K, kk, K).to(tl.float32)
+        b_keys = _load_decay(b, h, keys, end, kk, H, K, 2)
+        k_keys = tl.where(earlier, k_keys * tl.exp(tl.minimum(r - b_keys, 0.0)), 0.0)
+        q_ref = q_rows * tl.exp(tl.minimum(b_rows - r, 0.0))
+        off_diagonal += _dot(q_ref, tl.trans(k_keys), BF16_DOT)
+        k_rows = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
+        diagonal += tl.sum(q_rows[:, None, :] * k_rows[None, :, :] * _sub_chunk_decay(b_rows, SUB), axis=2)
+    # Two stores to disjoint columns: the off-diagonal tile (zero right of the diagonal block), then the diagonal block.
+    cols = tl.arange(0, CHUNK)
+    outside = (cols < m * SUB) | (cols >= m * SUB + SUB)
+    base = scores + h * CHUNK
+    tl.store(base + _tile_offsets(rows, H * CHUNK, cols), off_diagonal, mask=(rows < end)[:, None] & outside[None, :])
+    _store_tile(base, diagonal, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "TRANSPOSE"])
+@triton.jit
+def _chunk_output_kernel(
+    x, z, y, b, scores, states, out, chunk_info, x_scale, z_scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, TRANSPOSE: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+):
+    """Each chunk's output: the contribution of a carried state plus the masked intra-chunk product.
+
+    Forward (TRANSPOSE=0; x = q, z = k, y = v, states S):
+        o_t  = (q̂_t ⊙ e^{b_t})ᵀ S_j + Σ_{i ≤ t} A_ti v_i
+    Backward (TRANSPOSE=1; x = k, z = q, y = do, states dS):
+        dv_i = (k_i ⊙ e^{b_last − b_i})ᵀ dS_{j+1} + Σ_{t ≥ i} A_ti do_t
+    (q̂ = scale·q: x_scale and z_scale scale x and z.) A = (q̂ kᵀ) ⊙ e^{b_t − b_i} masked, for no or per-head decay;
+    read from `scores` (`_vector_scores_kernel`) for the per-key-dim decay.
+    x, z: [tokens, H, K]; y, out: [tokens, H, V]; states: fp32 [slots, H, K, V]; chunk_info: int32 [chunks, 3].
+    Grid: (chunks, H, V / BLOCK_V).
+    """
+    chunk, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end, slot = _chunk_bounds(chunk_info, chunk)
+    rows = start + tl.arange(0, CHUNK)
+    vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    state = _state_base(states, slot + TRANSPOSE, h, H, K, V)
+    acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    scores_tile = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x_tile = _load_tile(x + h * K, rows, end, H * K, kk, K).to(tl.float32) * x_scale
+        b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
+        if TRANSPOSE:
+            b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
+            weight = tl.exp(b_last - b_rows)
+        else:
+            weight = tl.exp(b_rows)
+        acc += _dot(x_tile * weight, _load_tile(state, kk, K, V, vv, V), BF16_DOT)
+        if DECAY != 2:
+            z_tile = _load_tile(z + h * K, rows, end, H * K, kk, K).to(tl.float32) * z_scale
+            scores_tile += _dot(x_tile, tl.trans(z_tile), BF16_DOT)
+    if DECAY == 2:
+        scores_tile = _load_tile(scores + h * CHUNK, rows, end, H * CHUNK, tl.arange(0, CHUNK), CHUNK)
+        if TRANSPOSE:
+            scores_tile = tl.trans(scores_tile)
+    else:
+        scores_tile *= _causal_decay(_load_decay(b, h, rows, end, 0, H, K, DECAY), TRANSPOSE, CHUNK)
+    acc += _dot(scores_tile, _load_tile(y + h * V, rows, end, H * V, vv, V), BF16_DOT)
+    _store_tile(out + h * V, acc, rows, end, H * V, vv, V)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.jit
+def _chunk_dqk_kernel(
+    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, chunk_info, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+):
+    """dq̂ (the gradient w.r.t. scale·q) and dk of each chunk, for one block of K, looping over V:
+
+        dq̂_t = e^{b_t} ⊙ (S_j do_t) + Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i},          dA_ti = do_t · v_i
+        dk_i = e^{b_last − b_i} ⊙ (dS_{j+1} v_i) + Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}
+
+    and the decay gradient's state term Σ_v S_{j+1} ⊙ dS_{j+1} (state_term: fp32 [chunks, H, K]). For the per-key-dim
+    decay the intra-chunk sums are left to `_vector_grads_kernel`: dq, dk then receive the state parts only, and dA
+    (fp32 [tokens, H, CHUNK], like `scores`) is stored for it. dq, dk: fp32 [tokens, H, K].
+    Grid: (chunks, H, K / BLOCK_K).
+    """
+    chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end, slot = _chunk_bounds(chunk_info, chunk)
+    rows = start + tl.arange(0, CHUNK)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    entering = _state_base(states, slot, h, H, K, V)
+    leaving = _state_base(states, slot + 1, h, H, K, V)
+    d_leaving = _state_base(dstates, slot + 1, h, H, K, V)
+    dq_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    dk_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    dA_acc = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    term = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        vv = v0 + tl.arange(0, BLOCK_V)
+        do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V)
+        v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V)
+        d_state = _load_tile(d_leaving, kk, K, V, vv, V)
+        dq_acc += _dot(do_tile, tl.trans(_load_tile(entering, kk, K, V, vv, V)), BF16_DOT)
+        dk_acc += _dot(v_tile, tl.trans(d_state), BF16_DOT)
+        dA_acc += _dot(do_tile, tl.trans(v_tile), BF16_DOT)
+        if DECAY != 0:
+            term += tl.sum(_load_tile(leaving, kk, K, V, vv, V) * d_state, axis=1)
+    b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
+    b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
+    dq_acc *= tl.exp(b_rows)
+    dk_acc *= tl.exp(b_last - b_rows)
+    tl.store(state_term + (chunk.to(tl.int64) * H + h) * K + kk, term, mask=kk < K)
+    if DECAY == 2:
+        if pid_k == 0:
+            _store_tile(dA + h * CHUNK, dA_acc, rows, end, H * CHUNK, tl.arange(0, CHUNK), CHUNK)
+    else:
+        dA_acc *= _causal_decay(b_rows, False, CHUNK)
+        dq_acc += _dot(dA_acc, _load_tile(k + h * K, rows, end, H * K, kk, K), BF16_DOT)
+        q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+        dk_acc += _dot(tl.trans(dA_acc), q_tile, BF16_DOT)
+    _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
+    _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
+
+
+@triton.autotune(configs=_configs(), key=["K", "BLOCK_K"])
+@triton.jit
+def _vector_grads_kernel(
+    q, k, b, dA, dq_state, dk_state, dq, dk, chunk_info, scale,
+    H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
+    """dq = dq_state + the intra-chunk part of dq̂, dk = dk_state + that of dk, per-key-dim decay, sub-chunk m:
+
+        dq̂_t += Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i}   (the queries t of sub-chunk m)
+        dk_i += Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}   (the keys i of sub-chunk m)
+
+    Earlier keys, and later queries, in one dot each around the reference r = b at the first, and the last, row of
+    sub-chunk m (both factors ≤ 1); pairs inside sub-chunk m with the explicit decay. All buffers fp32
+    [tokens, H, K] except dA [tokens, H, CHUNK]. Grid: (chunks, H, (CHUNK / SUB) · (K / BLOCK_K)).
+    """
+    chunk, h, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m, pid_k = pid % (CHUNK // SUB), pid // (CHUNK // SUB)
+    start, end, _ = _chunk_bounds(chunk_info, chunk)
+    local = tl.arange(0, CHUNK)
+    chunk_rows = start + local
+    rows = start + m * SUB + tl.arange(0, SUB)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    q_chunk = _load_tile(q + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32) * scale
+    k_chunk = _load_tile(k + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32)
+    b_chunk = _load_decay(b, h, chunk_rows, end, kk, H, K, 2)
+    q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+    k_rows = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
+    b_rows = _load_decay(b, h, rows, end, kk, H, K, 2)
+    dA_rows = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # [SUB, CHUNK]: dA_t· for t in m
+    dA_cols = _load_tile(dA + h * CHUNK, chunk_rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)  # dA_·i
+
+    first = _load_decay(b, h, tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1), end, kk, H, K, 2)
+    k_ref = tl.where((local < m * SUB)[:, None], k_chunk * tl.exp(tl.minimum(first - b_chunk, 0.0)), 0.0)
+    dq_acc = tl.exp(tl.minimum(b_rows - first, 0.0)) * _dot(dA_rows, k_ref, BF16_DOT)
+
+    last = _load_decay(b, h, tl.minimum(start + m * SUB + SUB, end) - 1 + tl.arange(0, 1), end, kk, H, K, 2)
+    q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
+    dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
+
+    dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)[:, :, None]
+    decay = _sub_chunk_decay(b_rows, SUB)  # [t, i, k]
+    dq_acc += tl.sum(dA_diagonal * k_rows[None, :, :] * decay, axis=1)
+    dk_acc += tl.sum(dA_diagonal * q_rows[:, None, :] * decay, axis=0)
+    dq_acc += _load_tile(dq_state + h * K, rows, end, H * K, kk, K)
+    dk_acc += _load_tile(dk_state + h * K, rows, end, H * K, kk, K)
+    _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
+    _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunked linear attention: launchers and autograd
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _block(dim: int, cap: int = 64) -> int:
+    """Tile size covering `dim`: a power of two in [16, cap] (tl.dot needs ≥ 16 on a GPU)."""
+    return min(cap, max(16, triton.next_power_of_2(dim)))
+
+
+class _Chunks:
+    """How the tokens of a batch split into sequences and chunks, as int32 tables on the inputs' device.
+
+    Each batch row is a sequence, or the cu_seqlens bounds split the one packed row. Sequence n owns the state
+    slots first_slots[n] … first_slots[n] + (its chunk count): the state entering each of its chunks, then its
+    final state (a zero-length sequence has one slot, its initial state).
+    """
+
+    def __init__(self, bounds: list[int], device: torch.device):
+        starts, ends = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:])
+        counts = (ends - starts + CHUNK_SIZE - 1) // CHUNK_SIZE
+        first_slots = torch.cumsum(counts + 1, 0) - (counts + 1)
+        seq = torch.repeat_interleave(torch.arange(len(counts)), counts)  # the sequence of each chunk
+        index = torch.arange(len(seq)) - (torch.cumsum(counts, 0) - counts)[seq]  # the chunk's index in it
+        chunk_starts = starts[seq] + index * CHUNK_SIZE
+        chunk_ends = torch.minimum(chunk_starts + CHUNK_SIZE, ends[seq])
+        self.chunk_info = torch.stack([chunk_starts, chunk_ends, first_slots[seq] + index], 1).int().to(device)
+        self.seq_info = torch.stack([starts, ends, first_slots], 1).int().to(device)
+        self.first_slots = first_slots.to(device)
+        self.final_slots = (first_slots + counts).to(device)
+        self.last_tokens = (chunk_ends - 1).to(device)
+        self.num_chunks, self.num_seqs = len(seq), len(counts)
+        self.num_slots = int((counts + 1).sum())
+
+
+@functools.lru_cache(maxsize=32)
+def _batch_chunks(batch: int, length: int, device: torch.device) -> _Chunks:
+    """The tables of a batch of `batch` rows of `length` tokens, built once per shape and device."""
+    return _Chunks(list(range(0, batch * length + 1, length)), device)
+
+
+def _chunk_cumsum(x: Tensor, chunks: _Chunks, reverse: bool) -> Tensor:
+    """fp32 cumulative sum of x [.., H, D] over the tokens of each chunk (see `_chunk_cumsum_kernel`)."""
+    heads, dim = x.shape[-2:]
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _chunk_cumsum_kernel[(chunks.num_chunks, heads)](
+        x, y, chunks.chunk_info, H=heads, D=dim, BLOCK_D=triton.next_power_of_2(dim), CHUNK=CHUNK_SIZE,
+        REVERSE=reverse,
+    )
+    return y
+
+
+def _decay_mode(b: Tensor | None) -> int:
+    """The kernels' DECAY for b: None, [.., 1] or [.., K]."""
+    if b is None:
+        return DECAY_NONE
+    return DECAY_SCALAR if b.shape[-1] == 1 else DECAY_VECTOR
+
+
+def _state_pass(
+    x: Tensor, y: Tensor, b: Tensor | None, init: Tensor | None, chunks: _Chunks, *, reverse: bool,
+    x_scale: float, bf16_dot: bool,
+) -> Tensor:
+    """fp32 [slots, H, K, V]: the state at every chunk boundary (reverse: its gradient), see `_state_pass_kernel`."""
+    heads, key_dim, value_dim = x.shape[-2], x.shape[-1], y.shape[-1]
+    states = x.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)
+    block_k, block_v = _block(key_dim), _block(value_dim)
+    grid = (triton.cdiv(key_dim, block_k), triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)
+    _state_pass_kernel[grid](
+        x, y, states if b is None else b, states if init is None else init, states, chunks.seq_info, x_scale,
+        H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), REVERSE=int(reverse), HAS_INIT=init is not None,
+        CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=block_v, BF16_DOT=bf16_dot,
+    )
+    return states
+
+
+def _vector_scores(q: Tensor, k: Tensor, b: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool) -> Tensor:
+    """fp32 [.., H, CHUNK_SIZE]: the intra-chunk scores A of a per-key-dim decay (`_vector_scores_kernel`)."""
+    heads, key_dim = q.shape[-2:]
+    scores = q.new_empty(*q.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
+    _vector_scores_kernel[(chunks.num_chunks, heads, CHUNK_SIZE // SUB_CHUNK_SIZE)](
+        q, k, b, scores, chunks.chunk_info, scale, H=heads, K=key_dim, CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK_SIZE,
+        BLOCK_K=_block(key_dim, 32), BF16_DOT=bf16_dot,
+    )
+    return scores
+
+
+def _chunk_output(
+    x: Tensor, z: Tensor, y: Tensor, b: Tensor | None, scores: Tensor | None, states: Tensor, chunks: _Chunks, *,
+    transpose: bool, x_scale: float, z_scale: float, out_dtype: torch.dtype, bf16_dot: bool,
+) -> Tensor:
+    """o (or, transposed, dv) [.., H, V] in out_dtype, see `_chunk_output_kernel`."""
+    heads, key_dim, value_dim = x.shape[-2], x.shape[-1], y.shape[-1]
+    out = y.new_empty(y.shape, dtype=out_dtype)
+    block_v = _block(value_dim)
+    _chunk_output_kernel[(chunks.num_chunks, heads, triton.cdiv(value_dim, block_v))](
+        x, z, y, states if b is None else b, states if scores is None else scores, states, out, chunks.chunk_info,
+        x_scale, z_scale, H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), TRANSPOSE=int(transpose),
+        CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim), BLOCK_V=block_v, BF16_DOT=bf16_dot,
+    )
+    return out
+
+
+def _chunk_dqk(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, b: Tensor | None, states: Tensor, dstates: Tensor, chunks: _Chunks,
+    scale: float, bf16_dot: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 dq̂ = dL/d(scale·q), dk [.., H, K] and the decay gradient's state term [chunks, H, K]."""
+    heads, key_dim, value_dim = k.shape[-2], k.shape[-1], v.shape[-1]
+    decay = _decay_mode(b)
+    dq, dk = (torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    state_term = k.new_empty(chunks.num_chunks, heads, key_dim, dtype=torch.float32)
+    # Per-key-dim decay: this pass leaves the intra-chunk sums to `_vector_grads_kernel` and stores dA for it.
+    if decay == DECAY_VECTOR:
+        dq_state, dk_state = torch.empty_like(dq), torch.empty_like(dk)
+        dA = q.new_empty(*q.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
+    else:
+        dq_state, dk_state, dA = dq, dk, state_term
+    block_k = _block(key_dim)
+    _chunk_dqk_kernel[(chunks.num_chunks, heads, triton.cdiv(key_dim, block_k))](
+        q, k, v, do, states if b is None else b, states, dstates, dq_state, dk_state, dA, state_term,
+        chunks.chunk_info, scale, H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE,
+        BLOCK_K=block_k, BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
+    )
+    if decay == DECAY_VECTOR:
+        block_k = _block(key_dim, 32)
+        grid = (chunks.num_chunks, heads, CHUNK_SIZE // SUB_CHUNK_SIZE * triton.cdiv(key_dim, block_k))
+        _vector_grads_kernel[grid](
+            q, k, b, dA, dq_state, dk_state, dq, dk, chunks.chunk_info, scale, H=heads, K=key_dim,
+            CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK_SIZE, BLOCK_K=block_k, BF16_DOT=bf16_dot,
+        )
+    return dq, dk, state_term
+
+
+class _ChunkedLinearAttention(torch.autograd.Function):
+    """Unnormalised chunked linear attention with carried states; states and b are recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_decay, initial_state, scale, chunks, out_dtype):
+        bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
+        b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
+        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, x_scale=1.0, bf16_dot=bf16_dot)
+        scores = None if _decay_mode(b) != DECAY_VECTOR else _vector_scores(q, k, b, chunks, scale, bf16_dot)
+        o = _chunk_output(
+            q, k, v, b, scores, states, chunks, transpose=False, x_scale=scale, z_scale=1.0, out_dtype=out_dtype,
+            bf16_dot=bf16_dot,
+        )
+        ctx.save_for_backward(q, k, v, log_decay, initial_state)
+        ctx.scale, ctx.chunks, ctx.bf16_dot = scale, chunks, bf16_dot
+        return o, states[chunks.final_slots]
+
+    @staticmethod
+    def backward(ctx, do, d_final_state):
+        q, k, v, log_decay, initial_state = ctx.saved_tensors
+        scale, chunks, bf16_dot = ctx.scale, ctx.chunks, ctx.bf16_dot
+        do = do.contiguous()
+        b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
+        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, x_scale=1.0, bf16_dot=bf16_dot)
+        dstates = _state_pass(
+            q, do, b, d_final_state.contiguous(), chunks, reverse=True, x_scale=scale, bf16_dot=bf16_dot
+        )
+        scores = None if _decay_mode(b) != DECAY_VECTOR else _vector_scores(q, k, b, chunks, scale, bf16_dot)
+        dv = _chunk_output(
+            k, q, do, b, scores, dstates, chunks, transpose=True, x_scale=1.0, z_scale=scale, out_dtype=v.dtype,
+            bf16_dot=bf16_dot,
+        )
+        dq_hat, dk, state_term = _chunk_dqk(q, k, v, do, b, states, dstates, chunks, scale, bf16_dot)
+        d_log_decay = None
+        if b is not None:
+            db = q.float() * scale * dq_hat - k.float() * dk  # the gradient w.r.t. b, without the state term
+            if b.shape[-1] == 1:
+                db, state_term = db.sum(-1, keepdim=True), state_term.sum(-1, keepdim=True)
+            # b_last (the chunk's last row of b) also decays the state: its term, summed back, reaches every row.
+            db = db.view(-1, *db.shape[-2:])
+            db[chunks.last_tokens] += state_term
+            d_log_decay = _chunk_cumsum(db, chunks, reverse=True).view(log_decay.shape).to(log_decay.dtype)
+        d_initial = None if initial_state is None else dstates[chunks.first_slots].to(initial_state.dtype)
+        dq, dk = (dq_hat * scale).to(q.dtype), dk.to(k.dtype)
+        return dq, dk, dv, d_log_decay, d_initial, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Window softmax kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _window_mask(t, i, lo, hi, sink_end, window):
+    """[len(t), len(i)]: key i is in query t's softmax set: a real key (lo ≤ i ≤ t < hi) that is a sink
+    (i < sink_end) or at most window − 1 tokens back. Pad queries get an empty set."""
+    real_causal = (i[None, :] <= t[:, None]) & (i[None, :] >= lo) & (t[:, None] < hi)
+    return real_causal & ((i[None, :] < sink_end) | (t[:, None] - i[None, :] < window))
+
+
+@triton.jit
+def _window_key_blocks(q_first, q_end, lo, hi, sink_end, window, BLOCK_N: tl.constexpr):
+    """The key blocks that queries [q_first, q_end) visit: first the sinks [lo, sink_end), then the window range
+    from the oldest key of the first query's window on. Returns (sink blocks, window range start, all blocks)."""
+    sink_blocks = tl.cdiv(tl.maximum(tl.minimum(sink_end, q_end) - lo, 0), BLOCK_N)
+    window_start = tl.maximum(q_first - window + 1, sink_end)
+    window_blocks = tl.cdiv(tl.maximum(tl.minimum(q_end, hi) - window_start, 0), BLOCK_N)
+    return sink_blocks, window_start, sink_blocks + window_blocks
+
+
+@triton.jit
+def _window_block_scores(
+    q_tile, k, t, block, sink_blocks, window_start, lo, hi, sink_end, window, scale, row_stride,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_DOT: tl.constexpr,
+):
+    """Scores s_ti = scale·q_t·k_i of key block `block` (see `_window_key_blocks`), −inf outside the softmax set.
+
+    The sink blocks count only sink keys, the window blocks only the others, so no pair is counted twice.
+    Returns (scores [BLOCK_M, BLOCK_N], the keys' positions i, the mask, the key tile).
+    """
+    in_sinks = block < sink_blocks
+    first = tl.where(in_sinks, lo + block * BLOCK_N, window_start + (block - sink_blocks) * BLOCK_N)
+    i = first + tl.arange(0, BLOCK_N)
+    k_tile = _load_tile(k, i, hi, row_stride, tl.arange(0, BLOCK_D), D)
+    allowed = _window_mask(t, i, lo, hi, sink_end, window) & ((i < sink_end) == in_sinks)[None, :]
+    scores = tl.where(allowed, _dot(q_tile, tl.trans(k_tile), BF16_DOT) * scale, float("-inf"))
+    return scores, i, allowed, k_tile
+
+
+@triton.jit
+def _window_setup(bounds, sinks, H: tl.constexpr):
+    """Program ids of a (block, batch row · head) grid → (block, row, head, lo, hi, sink_end)."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    row, h = bh // H, bh % H
+    lo, hi = tl.load(bounds + 2 * row), tl.load(bounds + 2 * row + 1)
+    return pid, row, h, lo, hi, tl.minimum(lo + sinks, hi)
+
+
+@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.jit
+def _window_fwd_kernel(
+    q, k, v, num, den, row_max, row_argmax, bounds, scale, T, window, sinks,
+    H: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+):
+    """Softmax part of the window hybrid, by online softmax over the sink keys, then the window keys:
+
+        num_t = Σ_{i ∈ W_t} e^{s_ti − c_t} v_i,   den_t = Σ_{i ∈ W_t} e^{s_ti − c_t},   c_t = max_{i ∈ W_t} s_ti
+
+    (c_t = 0 and sums 0 for an empty W_t). Also stores c_t and argmax_t, the first key attaining it (c_t's gradient
+    goes there). q, k: [B, T, H, D]; v, num: [B, T, H, V]; den, row_max, row_argmax (int32): [B, T, H]; bounds: int32
+    [B, 2], the real tokens [lo, hi) of each row. Grid: (T / BLOCK_M, B · H).
+    """
+    pid, row, h, lo, hi, sink_end = _window_setup(bounds, sinks, H)
+    t = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    token0 = row.to(tl.int64) * T  # the row's first token
+    q_tile = _load_tile(q + (token0 * H + h) * D, t, T, H * D, tl.arange(0, BLOCK_D), D)
+    k_base, v_base = k + (token0 * H + h) * D, v + (token0 * H + h) * V
+    vv = tl.arange(0, BLOCK_V)
+    running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    argmax = tl.zeros([BLOCK_M], dtype=tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    sink_blocks, window_start, blocks = _window_key_blocks(pid * BLOCK_M, pid * BLOCK_M + BLOCK_M, lo, hi, sink_end,
+                                                           window, BLOCK_N)
+    for block in range(blocks):
+        scores, i, _, _ = _window_block_scores(
+            q_tile, k_base, t, block, sink_blocks, window_start, lo, hi, sink_end, window, scale, H * D, D, BLOCK_N,
+            BLOCK_D, BF16_DOT,
+        )
+        block_max = tl.max(scores, axis=1)
+        new_max = tl.maximum(running_max, block_max)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: keeps every exp at 0, not nan
+        p = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(running_max - shift)
+        running_sum = running_sum * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + _dot(p, _load_tile(v_base, i, hi, H * V, vv, V), BF16_DOT)
+        argmax = tl.where(block_max > running_max, tl.min(i, axis=0) + tl.argmax(scores, axis=1), argmax)
+        running_max = new_max
+    stats = (token0 + t) * H + h  # offsets into the [B, T, H] buffers
+    _store_tile(num + h * V, acc, token0 + t, token0 + T, H * V, vv, V)
+    tl.store(den + stats, running_sum, mask=t < T)
+    tl.store(row_max + stats, tl.where(running_max == float("-inf"), 0.0, running_max), mask=t < T)
+    tl.store(row_argmax + stats, argmax, mask=t < T)
+
+
+@triton.jit
+def _window_score_grads(scores, allowed, i, row_max, argmax, d_max, dnum_tile, dden, v_tile, BF16_DOT: tl.constexpr):
+    """p_ti = e^{s_ti − c_t} and ds_ti = p_ti·(dnum_t·v_i + dden_t) + dc_t·[i = argmax_t] for a [queries, keys] tile."""
+    p = tl.exp(scores - row_max[:, None])
+    ds = p * (_dot(dnum_tile, tl.trans(v_tile), BF16_DOT) + dden[:, None])
+    return p, ds + tl.where(allowed & (i[None, :] == argmax[:, None]), d_max[:, None], 0.0)
+
+
+@triton.jit
+def _window_load_row_grads(dnum, dden, row_max, row_argmax, d_max, token0, t, T, h, H: tl.constexpr,
+                           V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dnum [len(t), BLOCK_V] and the per-query dden, c, argmax and dc of queries t of one row and head."""
+    stats = (token0 + t) * H + h
+    dnum_tile = _load_tile(dnum + h * V, token0 + t, token0 + T, H * V, tl.arange(0, BLOCK_V), V)
+    return (dnum_tile, tl.load(dden + stats, mask=t < T, other=0.0), tl.load(row_max + stats, mask=t < T, other=0.0),
+            tl.load(row_argmax + stats, mask=t < T, other=0), tl.load(d_max + stats, mask=t < T, other=0.0))
+
+
+@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.jit
+def _window_dq_kernel(
+    q, k, v, dnum, dden, row_max, row_argmax, d_max, dq, bounds, scale, T, window, sinks,
+    H: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+):
+    """dq_t = scale · Σ_i ds_ti k_i for a block of queries, visiting the keys as `_window_fwd_kernel` does.
+
+    ds_ti = p_ti (dnum_t·v_i + dden_t) + dc_t [i = argmax_t] with p_ti = e^{s_ti − c_t}; d_max holds dc_t, the gradient
+    w.r.t. c_t. Shapes as in `_window_fwd_kernel`; dq: [B, T, H, D]. Grid: (T / BLOCK_M, B · H).
+    """
+    pid, row, h, lo, hi, sink_end = _window_setup(bounds, sinks, H)
+    t = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    token0 = row.to(tl.int64) * T
+    dd = tl.arange(0, BLOCK_D)
+    q_tile = _load_tile(q + (token0 * H + h) * D, t, T, H * D, dd, D)
+    k_base, v_base = k + (token0 * H + h) * D, v + (token0 * H + h) * V
+    dnum_tile, dden_rows, max_rows, argmax_rows, d_max_rows = _window_load_row_grads(
+        dnum, dden, row_max, row_argmax, d_max, token0, t, T, h, H, V, BLOCK_V
+    )
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    sink_blocks, window_start, blocks = _window_key_blocks(pid * BLOCK_M, pid * BLOCK_M + BLOCK_M, lo, hi, sink_end,
+                                                           window, BLOCK_N)
+    for block in range(blocks):
+        scores, i, allowed, k_tile = _window_block_scores(
+            q_tile, k_base, t, block, sink_blocks, window_start, lo, hi, sink_end, window, scale, H * D, D, BLOCK_N,
+            BLOCK_D, BF16_DOT,
+        )
+        v_tile = _load_tile(v_base, i, hi, H * V, tl.arange(0, BLOCK_V), V)
+        _, ds = _window_score_grads(scores, allowed, i, max_rows, argmax_rows, d_max_rows, dnum_tile, dden_rows,
+                                    v_tile, BF16_DOT)
+        acc += _dot(ds, k_tile, BF16_DOT)
+    _store_tile(dq + (token0 * H + h) * D, acc * scale, t, T, H * D, dd, D)
+
+
+@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.jit
+def _window_dkdv_kernel(
+    q, k, v, dnum, dden, row_max, row_argmax, d_max, dk, dv, bounds, scale, T, window, sinks,
+    H: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+):
+    """dk_i = scale · Σ_t ds_ti q_t and dv_i = Σ_t p_ti dnum_t for a block of keys (ds, p as in `_window_dq_kernel`).
+
+    The queries visited: from the block's first key to the window's reach past its last key, or to the row's end
+    if the block holds sinks. Shapes as in `_window_fwd_kernel`; dk: [B, T, H, D], dv: [B, T, H, V].
+    Grid: (T / BLOCK_N, B · H).
+    """
+    pid, row, h, lo, hi, sink_end = _window_setup(bounds, sinks, H)
+    first = pid * BLOCK_N
+    i = first + tl.arange(0, BLOCK_N)
+    token0 = row.to(tl.int64) * T
+    dd, vv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_V)
+    k_tile = _load_tile(k + (token0 * H + h) * D, i, T, H * D, dd, D)
+    v_tile = _load_tile(v + (token0 * H + h) * V, i, T, H * V, vv, V)
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    q_stop = tl.where(first < sink_end, hi, tl.minimum(hi, first + BLOCK_N - 1 + window))
+    for q_first in range(tl.maximum(first, lo), q_stop, BLOCK_M):
+        t = q_first + tl.arange(0, BLOCK_M)
+        q_tile = _load_tile(q + (token0 * H + h) * D, t, T, H * D, dd, D)
+        dnum_tile, dden_rows, max_rows, argmax_rows, d_max_rows = _window_load_row_grads(
+            dnum, dden, row_max, row_argmax, d_max, token0, t, T, h, H, V, BLOCK_V
+        )
+        allowed = _window_mask(t, i, lo, hi, sink_end, window)
+        scores = tl.where(allowed, _dot(q_tile, tl.trans(k_tile), BF16_DOT) * scale, float("-inf"))
+        p, ds = _window_score_grads(scores, allowed, i, max_rows, argmax_rows, d_max_rows, dnum_tile, dden_rows,
+                                    v_tile, BF16_DOT)
+        dv_acc += _dot(tl.trans(p), dnum_tile, BF16_DOT)
+        dk_acc += _dot(tl.trans(ds), q_tile, BF16_DOT)
+    _store_tile(dk + (token0 * H + h) * D, dk_acc * scale, i, T, H * D, dd, D)
+    _store_tile(dv + (token0 * H + h) * V, dv_acc, i, T, H * V, vv, V)
+
+
+class _WindowSoftmax(torch.autograd.Function):
+    """(num, den) of the window softmax part, fp32 [B, T, H, V] and [B, T, H] (see `_window_fwd_kernel`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, scale, window, sinks):
+        batch, length, heads, head_dim = q.shape
+        value_dim = v.shape[-1]
+        num = v.new_empty(v.shape, dtype=torch.float32)
+        den, row_max = (q.new_empty(batch, length, heads, dtype=torch.float32) for _ in range(2))
+        row_argmax = q.new_empty(batch, length, heads, dtype=torch.int32)
+        block = WINDOW_BLOCK if max(head_dim, value_dim) <= 128 else WINDOW_BLOCK // 2
+        ctx.launch = dict(
+            scale=scale, T=length, window=window, sinks=sinks, H=heads, D=head_dim, V=value_dim, BLOCK_M=block,
+            BLOCK_N=block, BLOCK_D=_block(head_dim, 256), BLOCK_V=_block(value_dim, 256),
+            BF16_DOT=q.dtype == torch.bfloat16 and not INTERPRET,
+        )
+        ctx.grid = (triton.cdiv(length, block), batch * heads)
+        _window_fwd_kernel[ctx.grid](q, k, v, num, den, row_max, row_argmax, bounds, **ctx.launch)
+        ctx.save_for_backward(q, k, v, bounds, num, den, row_max, row_argmax)
+        return num, den
+
+    @staticmethod
+    def backward(ctx, dnum, dden):
+        q, k, v, bounds, num, den, row_max, row_argmax = ctx.saved_tensors
+        dnum, dden = dnum.contiguous(), dden.contiguous()
+        # num and den scale as e^{−c}: the gradient w.r.t. c, which reaches the argmax key's score.
+        d_max = -((dnum * num).sum(-1) + dden * den)
+        grads = (dnum, dden, row_max, row_argmax, d_max)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _window_dq_kernel[ctx.grid](q, k, v, *grads, dq, bounds, **ctx.launch)
+        _window_dkdv_kernel[ctx.grid](q, k, v, *grads, dk, dv, bounds, **ctx.launch)
+        return dq, dk, dv, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backend entry points (arguments already validated by `ops.linear_attention` / `ops.window_attention`)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_triton_inputs(**tensors: Tensor) -> None:
+    """Triton-specific checks, before any launch: device, interpreter, dtypes."""
+    devices = {x.device for x in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"backend 'triton' needs all tensors on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"backend 'triton' runs on CUDA tensors, got tensors on {device}; on CPU use backend 'torch' (or set "
+            "TRITON_INTERPRET=1 before importing hf_linear_attn to run the kernels in the slow Triton interpreter)"
+        )
+    for name, x in tensors.items():
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"backend 'triton' takes float16, bfloat16 or float32 tensors, got {name} in {x.dtype} "
+                "(backend 'torch' handles float64)"
+            )
+
+
+def _linear(q, k, v, log_decay, initial_state, *, scale, chunks, out_dtype):
+    """o [B, T, H, V] in out_dtype and the fp32 final states of the unnormalised linear attention."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    log_decay = None if log_decay is None else log_decay.contiguous()
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    return _ChunkedLinearAttention.apply(q, k, v, log_decay, initial_state, scale, chunks, out_dtype)
+
+
+def triton_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None,
+    *,
+    scale: float,
+    normalize: bool = False,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked linear attention in Triton: arguments and results as `ops_chunked.chunk_linear_attention`.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; log_decay: None or [B, T, H, 1 | K] (≤ 0); initial_state: None or
+    [N, H, K, V (+ 1 if normalize)]; cu_seqlens: None or [N + 1] (B == 1). Returns o [B, T, H, V] in v's dtype and
+    the fp32 final state (None unless output_final_state).
+    """
+    optional = {"log_decay": log_decay, "initial_state": initial_state}
+    _check_triton_inputs(q=q, k=k, v=v, **{name: x for name, x in optional.items() if x is not None})
+    chunks = _batch_chunks(*q.shape[:2], q.device) if cu_seqlens is None else _Chunks(cu_seqlens.tolist(), q.device)
+    value_dim = v.shape[-1]
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # its output column is the denominator
+    o, final_state = _linear(
+        q, k, v, log_decay, initial_state, scale=scale, chunks=chunks,
+        out_dtype=torch.float32 if normalize else v.dtype,
+    )
+    if normalize:
+        o = (o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)).to(v.dtype)
+    return o, final_state if output_final_state else None
+
+
+def _real_token_bounds(key_padding_mask: Tensor | None, batch: int, length: int, device: torch.device) -> Tensor:
+    """int32 [B, 2]: each row's real tokens [lo, hi). They must be contiguous (left or right padding)."""
+    if key_padding_mask is None:
+        return torch.tensor([[0, length]], dtype=torch.int32, device=device).expand(batch, 2).contiguous()
+    lo = key_padding_mask.int().argmax(-1)  # the first real token (0 for a row without any)
+    hi = lo + key_padding_mask.sum(-1)
+    pos = torch.arange(length, device=device)
+    if not torch.equal((pos >= lo[:, None]) & (pos < hi[:, None]), key_padding_mask):
+        raise ValueError("backend 'triton' needs the real tokens of each row contiguous (left or right padding)")
+    return torch.stack([lo, hi], dim=1).int()
+
+
+def triton_window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_feat: Tensor,
+    k_feat: Tensor,
+    window_gate: Tensor,
+    *,
+    window_size: int,
+    num_sink_tokens: int,
+    scale: float,
+    key_padding_mask: Tensor | None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Sliding-window softmax + linear attention in Triton: arguments and results as
+    `ops_chunked.chunk_window_attention`. The softmax head dims D and V must be ≤ 256."""
+    optional = {} if initial_state is None else {"initial_state": initial_state}
+    _check_triton_inputs(q=q, k=k, v=v, q_feat=q_feat, k_feat=k_feat, window_gate=window_gate, **optional)
+    batch, length, heads, head_dim = q.shape
+    value_dim = v.shape[-1]
+    if max(head_dim, value_dim) > 256:
+        raise ValueError(f"backend 'triton' supports window head dims up to 256, got D = {head_dim}, V = {value_dim}")
+    bounds = _real_token_bounds(key_padding_mask, batch, length, q.device)
+
+    # Linear part: key j reaches query t iff t − j ≥ window_size, so linear attention on keys and values delayed by
+    # window_size steps; sinks and pads get zero keys. The ones column returns the denominator with the numerator,
+    # and the state after the delayed sequence holds exactly the keys older than the next query's window.
+    real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
+    delay = min(window_size, length)
+    k_older = F.pad(k_feat * (real & ~sink)[..., None, None], (0, 0, 0, 0, delay, 0))[:, :length]
+    v_older = F.pad(torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), (0, 0, 0, 0, delay, 0))[:, :length]
+    linear, state = _linear(
+        q_feat, k_older, v_older, None, initial_state, scale=1.0, chunks=_batch_chunks(batch, length, q.device),
+        out_dtype=torch.float32,
+    )
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    num, den = _WindowSoftmax.apply(q, k, v, bounds, scale, min(window_size, length), num_sink_tokens)
+    gamma = torch.sigmoid(window_gate.float())
+    keep = real[..., None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
+    total_num = torch.where(keep[..., None], gamma[:, None] * num + linear[..., :value_dim], 0.0)
+    total_den = torch.where(keep, gamma * den + linear[..., value_dim], 1.0)
+    return (total_num / total_den[..., None]).to(v.dtype), state if output_final_state else None

@@ -1,0 +1,110 @@
+"""Compiles every Triton kernel specialization that a small workload of the triton backend launches, for a Hopper
+GPU (sm_90), on a machine without one. The interpreter accepts code that a GPU compiler rejects (dot blocks < 16,
+shapes it cannot lay out...): this catches it on CPU-only CI.
+
+    python tests/gpu_compile_check.py         # bfloat16, one head-dim set: a few dozen kernels
+    python tests/gpu_compile_check.py --all   # float16 / bfloat16 / float32, three head-dim sets
+
+Run it WITHOUT TRITON_INTERPRET. Kernel launches are recorded instead of run, so the workload computes nothing.
+Prints one line per kernel with its shared memory (Hopper allows 227 KiB) and exits 1 on any failure.
+"""
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hf_linear_attn import ops_triton
+from hf_linear_attn.ops import linear_attention, window_attention
+
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
+
+
+class Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the specialization instead of running it."""
+
+    def __init__(self, kernel, seen: dict):
+        while not isinstance(kernel, triton.runtime.jit.JITFunction):  # unwrap @triton.autotune
+            kernel = kernel.fn
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        return self.record
+
+    def record(self, *args, **kwargs):
+        bound = dict(zip([p.name for p in self.kernel.params][: len(args)], args, strict=True), **kwargs)
+        if "BF16_DOT" in bound:  # what a GPU run chooses (the launchers chose for the interpreter-free CPU)
+            first_tensor = next(x for x in bound.values() if isinstance(x, torch.Tensor))
+            bound["BF16_DOT"] = first_tensor.dtype == torch.bfloat16
+        signature, constexprs = {}, {}
+        for param in self.kernel.params:
+            value = bound[param.name]
+            if param.is_constexpr:
+                signature[param.name], constexprs[param.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = POINTER_TYPES[value.dtype]
+            else:
+                signature[param.name] = "fp32" if isinstance(value, float) else "i32"
+        key = (self.kernel.__name__, tuple(signature.items()), tuple(constexprs.items()))
+        self.seen.setdefault(key, (self.kernel, signature, constexprs))
+
+
+def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:
+    """Every specialization the triton backend launches for these dtypes, (K, V) head dims and normalize values,
+    forward and backward (normalize adds no kernel code, only a value column)."""
+    seen = {}
+    for name in dir(ops_triton):
+        if name.endswith("_kernel"):
+            setattr(ops_triton, name, Recorder(getattr(ops_triton, name), seen))
+    ops_triton._check_triton_inputs = lambda **_: None  # CPU tensors stand in for CUDA ones
+    batch, length, heads = 1, 100, 2
+    for dtype, (key_dim, value_dim) in itertools.product(dtypes, dims):
+        for decay, normalize in itertools.product((None, "scalar", "vector"), normalize_values):
+            q, k = (torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+            v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)
+            shape = {None: None, "scalar": (batch, length, heads), "vector": (batch, length, heads, key_dim)}[decay]
+            log_decay = None if shape is None else (-torch.rand(shape)).requires_grad_()
+            state = torch.zeros(batch, heads, key_dim, value_dim + int(normalize), requires_grad=True)
+            o, final = linear_attention(q, k, v, log_decay, normalize=normalize, initial_state=state,
+                                        output_final_state=True, backend="triton")
+            (o.float().sum() + final.sum()).backward()
+        tensors = [torch.randn(batch, length, heads, dim, dtype=dtype, requires_grad=True)
+                   for dim in (key_dim, key_dim, value_dim, 16, 16)]
+        gate = torch.zeros(heads, dtype=dtype, requires_grad=True)
+        o, _ = window_attention(*tensors, gate, window_size=8, num_sink_tokens=2, backend="triton")
+        o.float().sum().backward()
+    return seen
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--all", action="store_true", help="all input dtypes and three head-dim sets")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    if args.all:
+        seen = record_workload([torch.bfloat16, torch.float16, torch.float32], [(128, 128), (80, 47), (256, 256)],
+                               [False, True])
+    else:
+        seen = record_workload([torch.bfloat16], [(80, 47)], [False])
+    target, failures = GPUTarget("cuda", 90, 32), 0
+    for (name, _, _), (kernel, signature, constexprs) in seen.items():
+        modes = {key: value for key, value in constexprs.items() if key in ("DECAY", "REVERSE", "TRANSPOSE", "D", "K")}
+        try:
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                                      options={"num_warps": 4, "num_stages": 2})
+            print(f"ok   {name} {modes} shared {compiled.metadata.shared / 1024:.0f} KiB", flush=True)
+        except Exception as error:  # report every failing kernel, not only the first
+            failures += 1
+            print(f"FAIL {name} {modes}\n{error}", flush=True)
+    print(f"{len(seen)} kernels compiled for sm_90, {failures} failed")
+    return int(failures > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

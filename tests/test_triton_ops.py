@@ -1,0 +1,299 @@
+"""Triton backend: every kernel against the recurrent / reference oracles, outputs, final states and gradients.
+
+Without a GPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which is
+100-400x slower than torch: shapes are tiny. On a GPU the same tests run on CUDA tensors, where float32 dots use
+TF32 (hence the looser float32 tolerance there). The oracles run in float64 on the very values the kernels see
+(inputs rounded to the tested dtype first), so the tolerances measure the kernels' own arithmetic.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import test_window_ops as window_tests  # noqa: E402
+from test_ops import assert_all_close, make_inputs  # noqa: E402
+
+from hf_linear_attn import ops_triton  # noqa: E402
+from hf_linear_attn.ops import (  # noqa: E402
+    LINEAR_BACKENDS,
+    WINDOW_BACKENDS,
+    _pick_backend,
+    linear_attention,
+    window_attention,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not ops_triton.INTERPRET:
+    pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn", allow_module_level=True)
+
+C = ops_triton.CHUNK_SIZE
+DECAYS = [None, "fixed", "scalar", "vector"]
+# Largest error relative to the oracle's largest magnitude. Measured under the interpreter: float32 1.4e-6,
+# float16 4.7e-4, bfloat16 6e-3; a GPU adds TF32 (float32, float16) and bf16 rounding of dot operands.
+TOLERANCE = {
+    torch.float32: 1e-2 if DEVICE == "cuda" else 1e-5,
+    torch.float16: 1e-2,
+    torch.bfloat16: 3e-2,
+}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def outputs_and_grads(attention, inputs: dict, **kwargs) -> list[torch.Tensor]:
+    """Output, final state and the gradients of a fixed random weighting of both w.r.t. every input tensor."""
+    o, state = attention(**inputs, output_final_state=True, **kwargs)
+    gen = torch.Generator().manual_seed(123)
+    loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)).sum()
+               for x in (o, state))
+    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None])]
+
+
+def compare_with_oracle(attention, inputs: dict, oracle: str, dtype: torch.dtype, low: tuple[str, ...], **kwargs):
+    """Run `attention` with backend "triton" on DEVICE, with the tensors named in `low` in `dtype` and the others
+    in float32, against `oracle` in float64 on CPU on the same (rounded) values; check dtypes and closeness.
+    Tensors in kwargs (masks, cu_seqlens) are given on CPU."""
+    rounded = {
+        name: None if x is None else x.detach().to(dtype if name in low else torch.float32)
+        for name, x in inputs.items()
+    }
+    exact = {name: None if x is None else x.double().requires_grad_() for name, x in rounded.items()}
+    expected = outputs_and_grads(attention, exact, backend=oracle, **kwargs)
+    tested = {name: None if x is None else x.to(DEVICE).requires_grad_() for name, x in rounded.items()}
+    on_device = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
+    actual = outputs_and_grads(attention, tested, backend="triton", **on_device)
+
+    o, state, *grads = actual
+    assert o.dtype == dtype and state.dtype == torch.float32
+    assert [g.dtype for g in grads] == [x.dtype for x in tested.values() if x is not None]
+    assert_all_close([x.detach().double().cpu() for x in actual], expected, TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# linear_attention
+# ---------------------------------------------------------------------------------------------------------------
+
+LINEAR_LOW = ("q", "k", "v")  # the tensors given in the tested dtype; log_decay and the state stay float32
+
+
+@pytest.mark.parametrize("length, key_dim, value_dim", [(1, 5, 3), (C + 7, 20, 7)])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", DECAYS)
+def test_linear_matches_recurrent(decay, normalize, length, key_dim, value_dim):
+    inputs = make_inputs(decay, normalize, length, key_dim, value_dim, with_state=True)
+    compare_with_oracle(linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW, normalize=normalize)
+
+
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
+def test_linear_head_dims_beyond_one_block(decay):
+    """K, V > 64: several K and V blocks per kernel, and partial last blocks; three chunks, the last partial."""
+    inputs = make_inputs(decay, False, 2 * C + 3, 70, 67, batch=1, heads=1, with_state=True)
+    compare_with_oracle(linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_linear_half_precision(decay, dtype, normalize):
+    inputs = make_inputs(decay, normalize, C + 7, 20, 7, with_state=True)
+    compare_with_oracle(linear_attention, inputs, "recurrent", dtype, LINEAR_LOW, normalize=normalize)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
+def test_linear_packed_sequences(decay, normalize):
+    """cu_seqlens: each sequence from its own initial state, a zero-length one included (it keeps its state)."""
+    lengths = [5, 0, C + 6, 1, C]
+    inputs = make_inputs(decay, normalize, sum(lengths), 16, 8, batch=1)
+    state = make_inputs(decay, normalize, 1, 16, 8, batch=len(lengths), with_state=True, seed=2)["initial_state"]
+    inputs["initial_state"] = state
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
+    compare_with_oracle(
+        linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW, normalize=normalize, cu_seqlens=cu_seqlens
+    )
+
+
+@pytest.mark.parametrize("log_decay_value, tol", [(-30.0, 5e-4), (-1e4, 1e-1)])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_strong_decay_stays_finite(decay, log_decay_value, tol):
+    """Decays far past exp underflow: no inf / nan anywhere; error as the torch path's (prefix sums in float32)."""
+    inputs = make_inputs(decay, False, 2 * C + 5, 16, 8, batch=1, with_state=True)
+    log_decay = inputs["log_decay"].detach()
+    strong = torch.rand(log_decay.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+    inputs["log_decay"] = torch.where(strong, log_decay_value, log_decay).requires_grad_()
+    tested = {name: x.detach().float().to(DEVICE).requires_grad_() for name, x in inputs.items()}
+    expected = outputs_and_grads(linear_attention, inputs, backend="recurrent")
+    actual = outputs_and_grads(linear_attention, tested, backend="triton")
+    assert_all_close([x.detach().double().cpu() for x in actual], expected, tol)
+
+
+def test_non_contiguous_inputs_and_final_state_on_request():
+    inputs = make_inputs("vector", True, 9, 5, 3, dtype=torch.float32)
+    inputs = {name: x.detach().to(DEVICE) for name, x in inputs.items() if x is not None}
+    o, state = linear_attention(**inputs, normalize=True, backend="triton")
+    assert state is None
+    # [B, H, T, D] tensors seen as [B, T, H, D]: strided views
+    strided = {name: x.transpose(1, 2).contiguous().transpose(1, 2) for name, x in inputs.items()}
+    assert not strided["q"].is_contiguous()
+    torch.testing.assert_close(linear_attention(**strided, normalize=True, backend="triton")[0], o)
+
+
+def test_auto_picks_triton_for_cuda_tensors_only():
+    assert _pick_backend("auto", LINEAR_BACKENDS, torch.device("cuda", 0)) == "triton"
+    assert _pick_backend("auto", WINDOW_BACKENDS, torch.device("cuda", 0)) == "triton"
+    assert _pick_backend("auto", LINEAR_BACKENDS, torch.device("cpu")) == "torch"
+    assert _pick_backend("auto", WINDOW_BACKENDS, torch.device("cpu")) == "torch"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# window_attention
+# ---------------------------------------------------------------------------------------------------------------
+
+WINDOW_LOW = ("q", "k", "v", "q_feat", "k_feat", "window_gate")
+
+
+def padding_mask(length: int, side: str | None) -> torch.Tensor | None:
+    """Two rows, the second with a third of its tokens padded on `side` ("left" or "right"); None: no mask."""
+    if side is None:
+        return None
+    mask = torch.ones(2, length, dtype=torch.bool)
+    pads = length // 3
+    if side == "left":
+        mask[1, :pads] = False
+    else:
+        mask[1, length - pads :] = False
+    return mask
+
+
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+@pytest.mark.parametrize(
+    "length, window_size, num_sink_tokens, with_state",
+    [(1, 1, 0, False), (7, 1, 3, True), (C + 1, 37, 3, False), (2 * C + 2, C, 0, True), (2 * C + 5, 5, 3, True),
+     (40, 200, 3, False)],
+)
+def test_window_matches_reference(length, window_size, num_sink_tokens, with_state, padding):
+    inputs = window_tests.make_inputs(length)
+    if with_state:
+        inputs["initial_state"] = window_tests.initial_state()
+    compare_with_oracle(
+        window_attention, inputs, "reference", torch.float32, WINDOW_LOW, window_size=window_size,
+        num_sink_tokens=num_sink_tokens, key_padding_mask=padding_mask(length, padding),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_half_precision(dtype):
+    inputs = window_tests.make_inputs(2 * C + 3)
+    inputs["initial_state"] = window_tests.initial_state()
+    compare_with_oracle(window_attention, inputs, "reference", dtype, WINDOW_LOW, window_size=50, num_sink_tokens=3)
+
+
+def test_whole_sequence_window_is_softmax_attention():
+    length = C + 3
+    inputs = {name: x.detach().float().to(DEVICE) for name, x in window_tests.make_inputs(length).items()}
+    o, _ = window_attention(**inputs, window_size=length, num_sink_tokens=3, backend="triton")
+    q, k, v = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(o, expected, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrong inputs: a clear error before any kernel runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails the test if any kernel is launched."""
+
+    class Forbidden:
+        def __getitem__(self, grid):
+            raise AssertionError("a kernel was launched before the inputs were rejected")
+
+    for name in dir(ops_triton):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(ops_triton, name, Forbidden())
+
+
+def linear_args(**changes) -> dict:
+    """Valid linear_attention arguments for the triton backend (B = 1, T = 6, H = 2, K = 4, V = 3)."""
+    args = {
+        "q": torch.randn(1, 6, 2, 4, device=DEVICE),
+        "k": torch.randn(1, 6, 2, 4, device=DEVICE),
+        "v": torch.randn(1, 6, 2, 3, device=DEVICE),
+        "log_decay": -torch.rand(1, 6, 2, device=DEVICE),
+        "backend": "triton",
+    }
+    return {**args, **changes}
+
+
+def window_args(**changes) -> dict:
+    """Valid window_attention arguments for the triton backend (B = 2, T = 6, H = 2)."""
+    args = {name: x.detach().float().to(DEVICE) for name, x in window_tests.make_inputs(6).items()}
+    return {**args, "window_size": 2, "backend": "triton", **changes}
+
+
+@pytest.mark.parametrize(
+    "attention, kwargs, match",
+    [
+        (linear_attention, linear_args(q=torch.randn(1, 6, 2, 4, dtype=torch.float64, device=DEVICE)), "float64"),
+        (linear_attention, linear_args(initial_state=torch.zeros(1, 2, 4, 3, device="meta")), "one device"),
+        (linear_attention, linear_args(k=torch.randn(1, 6, 2, 5, device=DEVICE)), "k must have the shape"),
+        (linear_attention, linear_args(log_decay=torch.full((1, 6, 2), 0.1, device=DEVICE)), "log_decay must be ≤ 0"),
+        (linear_attention, linear_args(cu_seqlens=torch.tensor([0, 5])), "end at T"),
+        (linear_attention, linear_args(**{name: torch.randn(2, 3, 2, 4, device=DEVICE) for name in "qk"},
+                                       v=torch.randn(2, 3, 2, 3, device=DEVICE), log_decay=None,
+                                       cu_seqlens=torch.tensor([0, 1, 3])), "batch size 1"),
+        (window_attention, window_args(v=torch.randn(2, 6, 2, 300, device=DEVICE)), "up to 256"),
+        (window_attention, window_args(key_padding_mask=torch.tensor([[1, 0, 1, 1, 1, 1]] * 2, dtype=torch.bool,
+                                                                     device=DEVICE)), "contiguous"),
+        (window_attention, window_args(window_gate=torch.zeros(2, dtype=torch.float64, device=DEVICE)), "float64"),
+    ],
+)
+def test_invalid_inputs_raise_before_any_launch(no_launch, attention, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        attention(**kwargs)
+
+
+@pytest.mark.parametrize("attention, kwargs", [(linear_attention, linear_args()), (window_attention, window_args())])
+def test_cpu_tensors_without_the_interpreter_raise(no_launch, monkeypatch, attention, kwargs):
+    monkeypatch.setattr(ops_triton, "INTERPRET", False)
+    cpu = {name: x.cpu() if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        attention(**cpu)
+
+
+def test_module_imports_without_triton():
+    """Remote code must load where triton is missing: no triton backend then, and 'auto' stays on torch."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # `import triton` raises ImportError
+        import torch
+        from hf_linear_attn import ops, ops_triton
+        assert not ops_triton.HAS_TRITON and "triton" not in ops.LINEAR_BACKENDS | ops.WINDOW_BACKENDS
+        assert ops._pick_backend("auto", ops.LINEAR_BACKENDS, torch.device("cuda")) == "torch"
+        q = torch.randn(1, 5, 2, 4)
+        ops.linear_attention(q, q, q)
+        """
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_kernels_compile_for_a_hopper_gpu():
+    """What runs in the interpreter must also compile for a GPU: every kernel, built for sm_90 without one."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_compile_check.py")], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "0 failed" in result.stdout
