@@ -126,11 +126,7 @@ def save_with_tokenizer(model, path):
 
 
 def run_convert(*argv):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
-    import convert
+    from training import convert
 
     return convert.main(list(argv))
 

@@ -1,0 +1,55 @@
+"""Stage-1 attention transfer (training/distill.py) on a tiny converted Llama."""
+
+import pytest
+import torch
+from test_conversion import save_with_tokenizer, teacher
+from transformers import AutoModelForCausalLM
+
+from hf_linear_attn import convert_to_linear_attention
+from training.data import DataArguments
+from training.distill import DistillArguments, distill, set_attention_transfer
+from training.loop import TrainArguments
+
+
+def transfer_loss(model, ids: torch.Tensor) -> float:
+    layers = set_attention_transfer(model, True)
+    with torch.no_grad():
+        model.model(ids, use_cache=False)
+    loss = sum(layer.transfer_loss.item() for layer in layers)
+    set_attention_transfer(model, False)
+    return loss
+
+
+def test_attention_transfer_lowers_the_layer_loss_and_trains_only_feature_maps(tmp_path):
+    source = teacher("llama")
+    student = convert_to_linear_attention(source, feature_map="hedgehog", feature_dim=8, window_size=4,
+                                          num_sink_tokens=1)
+    save_with_tokenizer(student, tmp_path / "converted")
+    words = [f"w{i}" for i in range(90)]
+    generator = torch.Generator().manual_seed(0)
+    lines = [" ".join(words[j] for j in torch.randint(0, 90, (60,), generator=generator)) for _ in range(40)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:32]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[32:]) + "\n")
+    out = tmp_path / "distilled"
+    distill(
+        DistillArguments(model_name_or_path=str(tmp_path / "converted")),
+        DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "valid.txt"),
+                      block_size=48, max_eval_samples=4),
+        TrainArguments(output_dir=str(out), max_steps=25, per_device_train_batch_size=4, learning_rate=3e-2,
+                       warmup_steps=0, lr_scheduler_type="constant", report_to="none", logging_steps=5),
+    )
+    trained = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(3, 93, (2, 48), generator=generator)
+    assert transfer_loss(trained, ids) < 0.8 * transfer_loss(student.eval(), ids)
+    before, after = student.state_dict(), trained.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("feature_map" in k or "window_gate" in k for k in changed), changed
+    assert not trained.model.layers[0].self_attn.attention_transfer  # saved as an ordinary model
+
+
+def test_distill_refuses_a_softmax_checkpoint(tmp_path):
+    save_with_tokenizer(teacher("qwen2"), tmp_path / "softmax")
+    with pytest.raises(ValueError, match="not a linear-attention model"):
+        distill(DistillArguments(model_name_or_path=str(tmp_path / "softmax")), DataArguments(block_size=32),
+                TrainArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none"))
+    assert not (tmp_path / "out").exists()

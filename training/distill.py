@@ -1,0 +1,116 @@
+"""Stage 1 of the conversion recipe: attention transfer (LoLCATs).
+
+    accelerate launch training/distill.py --model_name_or_path CONVERTED_DIR --output_dir DIR \
+        [--config configs/RECIPE.yaml] [--max_steps 200 --block_size 512 ...]
+
+Every linear-attention layer of the converted model (`training/convert.py`) computes, from the
+same frozen q/k/v, both its own output and the softmax output of the teacher it replaced; the loss
+is the MSE between the two per-head outputs (before `o_proj`), summed over layers, and the
+teacher's output is what flows on to the next layer (teacher forcing), so each layer learns from
+exactly the inputs it will see. Only the feature maps and the window mixing γ train
+(`--trainable_parameters`). The LM head is never run: the loss is layer-local.
+
+Runs on the fine-tuning loop (`training.loop`: accelerate, checkpoints every `--save_steps`,
+`--resume_from_checkpoint latest`, progress bar, eval loss on held-out rows). Stage 2 (LoRA
+recovery with next-token loss) is `training/finetune.py` on the result, e.g.
+`--use_lora --lora_r 8 --lora_alpha 16`.
+"""
+
+# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `training` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from accelerate.utils import set_seed
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_linear_attn
+from hf_linear_attn.modeling_linear_attention import LinearAttention
+from training.checkpoints import export_model
+from training.data import DataArguments, build_datasets, check_data_arguments
+from training.loop import TrainArguments, TrainResult, check_train_arguments, make_accelerator, train
+from training.recipes import parse_recipe_args
+
+
+@dataclass
+class DistillArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A converted LinearAttentionForCausalLM checkpoint (training/convert.py)."}
+    )
+    trainable_parameters: list[str] = field(
+        default_factory=lambda: ["feature_map", "window_gate"],
+        metadata={"help": "Regexes of the parameter names that train (default: feature maps and window γ)."},
+    )
+
+
+def transfer_layers(model: nn.Module) -> list[LinearAttention]:
+    """The layers attention transfer trains: every LinearAttention (softmax layers are teachers already)."""
+    return [m for m in model.modules() if isinstance(m, LinearAttention)]
+
+
+def set_attention_transfer(model: nn.Module, enabled: bool) -> list[LinearAttention]:
+    layers = transfer_layers(model)
+    for layer in layers:
+        layer.attention_transfer = enabled
+        layer.transfer_loss = None
+    return layers
+
+
+def attention_transfer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over layers of the per-head output MSE against the softmax teacher, as (loss [rows], weight [rows]).
+
+    The batch's packed rows run through the decoder only (`model.model`), documents kept apart; every row
+    gets the batch's loss with weight 1, so the loop's weighted mean is that loss."""
+    decoder = getattr(model, "module", model).model  # unwrap DDP; the LM head plays no part
+    rows = batch["input_ids"].shape[0]
+    decoder(input_ids=batch["input_ids"].reshape(1, -1), position_ids=batch["position_ids"].reshape(1, -1),
+            use_cache=False)
+    loss = torch.stack([layer.transfer_loss for layer in transfer_layers(decoder)]).sum()
+    return loss.expand(rows), torch.ones(rows, device=loss.device)
+
+
+def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainArguments) -> TrainResult:
+    """Run stage 1 and save the student (attention transfer switched off) to `train_args.output_dir`."""
+    if not args.model_name_or_path:
+        raise ValueError("--model_name_or_path (a converted checkpoint, see training/convert.py) is required.")
+    check_data_arguments(data_args)
+    check_train_arguments(train_args)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    if not isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
+        raise ValueError(f"{args.model_name_or_path} holds a {type(model).__name__}, not a linear-attention model; "
+                         "convert it first with training/convert.py.")
+    if not transfer_layers(model):
+        raise ValueError(f"{args.model_name_or_path} has no linear-attention layer to distill (all softmax_layers).")
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    accelerator = make_accelerator(train_args)
+    set_seed(train_args.seed)
+    datasets = build_datasets(data_args, tokenizer, train_args.seed, accelerator.main_process_first())
+    set_attention_transfer(model, True)
+    result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
+                   loss_fn=attention_transfer_loss, trainable=args.trainable_parameters, run_name="distill",
+                   perplexity=False)
+    set_attention_transfer(accelerator.unwrap_model(result.model), False)
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    export_model(accelerator, result.model, train_args.output_dir, tokenizer)
+    accelerator.print(f"Attention transfer: {result.global_step} steps on {result.tokens_seen:,} tokens "
+                      f"(eval: {result.eval_metrics}); student in {train_args.output_dir}")
+    accelerator.end_training()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_recipe_args((DistillArguments, DataArguments, TrainArguments), sys.argv[1:] if argv is None else argv)
+    distill(*args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
