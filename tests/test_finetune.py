@@ -1,0 +1,361 @@
+"""training/finetune.py and its building blocks: recipe parsing, data packing, the loop, checkpoints, LoRA."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from conftest import tiny_model
+from datasets import Dataset
+from safetensors.torch import load_file
+from training_utils import (
+    ROOT,
+    TINY_RECIPE,
+    dataset_cache,  # noqa: F401 - fixture
+    read_log,
+    script_env,
+    single_thread,  # noqa: F401 - fixture
+    tiny_args,
+    write_documents,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from hf_linear_attn import LinearAttentionForCausalLM
+from training import checkpoints, finetune
+from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows, pack_documents
+from training.loop import (
+    EpochShuffleSampler,
+    TrainArguments,
+    causal_lm_loss,
+    make_accelerator,
+    packed_forward,
+    train,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def run(*args: str):
+    return finetune.run(finetune.parse_args(list(args)))
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def piece_losses(model, rows) -> tuple[float, int]:
+    """Summed next-token loss and token count over the document pieces of packed rows, each piece run
+    through the model alone: what packing must reproduce."""
+    total, count = 0.0, 0
+    for row in rows:
+        ids, positions = row["input_ids"], row["position_ids"]
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        for begin, end in zip(starts[:-1], starts[1:], strict=True):
+            piece = torch.tensor(ids[begin:end])[None]
+            if piece.shape[1] < 2:
+                continue
+            with torch.no_grad():
+                logits = model(piece, use_cache=False).logits[0, :-1]
+            total += F.cross_entropy(logits.float(), piece[0, 1:], reduction="sum").item()
+            count += piece.shape[1] - 1
+    return total, count
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, dataset_cache):  # noqa: F811
+    """A short from-scratch run of the tiny recipe on the embedded corpus, logging to tensorboard."""
+    output = tmp_path_factory.mktemp("trained")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    result = run(*tiny_args(output, dataset_cache, "--max_steps", "12", "--report_to", "tensorboard"))
+    torch.set_num_threads(threads)
+    return output, result
+
+
+# Recipes and flags ---------------------------------------------------------------------------------
+
+
+def test_recipe_fields_and_command_line_overrides(tmp_path):
+    model_args, data_args, train_args, hub_args = finetune.parse_args(
+        ["--config", str(TINY_RECIPE), "--learning_rate", "0.5", "--use_lora", "--lora_target_modules", "q_proj"]
+    )
+    recipe = yaml.safe_load(TINY_RECIPE.read_text())
+    assert model_args.config_name == recipe["config_name"]
+    assert data_args.block_size == recipe["block_size"] and train_args.max_steps == recipe["max_steps"]
+    assert train_args.learning_rate == 0.5  # the flag wins over the recipe
+    assert model_args.use_lora and model_args.lora_target_modules == ["q_proj"]
+    assert hub_args.license == recipe["license"]
+    # Without a recipe: the dataclass defaults (run_clm names).
+    model_args, data_args, train_args, _ = finetune.parse_args(["--model_name_or_path", "x", "--block_size", "32"])
+    assert model_args.model_name_or_path == "x" and data_args.block_size == 32 and train_args.max_steps == -1
+    with pytest.raises(ValueError, match="no_such_flag"):
+        finetune.parse_args(["--no_such_flag", "1"])
+
+
+# Bad input: every case fails with a clear error before training starts -----------------------------
+
+
+def _bad_input_cases(tmp_path, cache):
+    docs = write_documents(tmp_path / "docs.jsonl")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("learning_rat: 0.1\n")
+    llama = tmp_path / "llama"
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=300).save_pretrained(llama)
+    incomplete = tmp_path / "out-incomplete" / "checkpoint-3"
+    incomplete.mkdir(parents=True)
+    (incomplete / "model.safetensors").write_bytes(b"partial")
+    occupied = tmp_path / "occupied"
+    (occupied / "checkpoint-2").mkdir(parents=True)
+    (occupied / "checkpoint-2" / checkpoints.STATE_FILE).write_text(json.dumps({"global_step": 2}))
+    out = tmp_path / "out"
+    return {
+        "missing file": (FileNotFoundError, "no such file",
+                         tiny_args(out, cache, "--train_file", str(tmp_path / "missing.jsonl"))),
+        "unknown column": (ValueError, "'body' is not a column",
+                           tiny_args(out, cache, "--train_file", str(docs), "--text_column", "body")),
+        "unknown recipe key": (SystemExit, r"typo.yaml: unknown key\(s\) \['learning_rat'\]", ["--config", str(typo)]),
+        "not linear attention": (ValueError, "'llama' model, not a linear-attention",
+                                 tiny_args(out, cache, "--config_name", "", "--model_name_or_path", str(llama))),
+        "lora targets": (ValueError, r"\['qkv'\] match no module",
+                         tiny_args(out, cache, "--use_lora", "--lora_target_modules", "q_proj", "qkv")),
+        "trainable pattern": (ValueError, "'nothing_like_this' matches no parameter",
+                              tiny_args(out, cache, "--trainable_parameters", "nothing_like_this")),
+        "incomplete resume folder": (ValueError, "not a complete checkpoint",
+                                     tiny_args(out, cache, "--resume_from_checkpoint", str(incomplete))),
+        "nothing to resume": (FileNotFoundError, "no complete checkpoint",
+                              tiny_args(out, cache, "--resume_from_checkpoint", "latest")),
+        "earlier run in output_dir": (ValueError, "already holds checkpoints", tiny_args(occupied, cache)),
+        "no model": (ValueError, "exactly one of", tiny_args(out, cache, "--model_name_or_path", "x")),
+        "push without repo": (ValueError, "needs --hub_model_id", tiny_args(out, cache, "--push_to_hub")),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing file", "unknown column", "unknown recipe key", "not linear attention",
+                                  "lora targets", "trainable pattern", "incomplete resume folder",
+                                  "nothing to resume", "earlier run in output_dir", "no model", "push without repo"])
+def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):  # noqa: F811
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(finetune, "train", no_training)
+    error, message, args = _bad_input_cases(tmp_path, dataset_cache)[case]
+    with pytest.raises(error) as caught:
+        run(*args)
+    # Command-line errors exit with argparse's usage message; the others raise.
+    assert re.search(message, capsys.readouterr().err if error is SystemExit else str(caught.value))
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+# Data --------------------------------------------------------------------------------------------------
+
+
+def test_packing_marks_documents_and_rows():
+    packed = pack_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]], block_size=4)
+    assert packed["input_ids"] == [[5, 6, 7, 8], [9, 10, 11, 12]]  # the tail (13, 14) fills no row
+    assert packed["position_ids"] == [[0, 1, 2, 0], [0, 0, 1, 2]]  # restart per document and per row
+    assert packed["labels"] == [[-100, 6, 7, -100], [-100, -100, 11, 12]]
+
+
+def test_packed_rows_keep_documents_apart():
+    """The loss over packed rows equals the loss of every document piece run alone: no state or
+    attention crosses a boundary (LoLCATs window + Hedgehog and decayed variants)."""
+    docs = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            for n in (9, 30, 2, 17, 25, 40)]
+    rows = Dataset.from_dict(pack_documents(docs, block_size=32))
+    for variant in ({"feature_map": "hedgehog", "feature_dim": 8, "window_size": 4, "num_sink_tokens": 1},
+                    {"feature_map": "identity", "normalize": False, "decay": "scalar", "softmax_layers": [1]}):
+        model = tiny_model(**variant)
+        with torch.no_grad():
+            loss_sum, count = causal_lm_loss(model, collate_rows(list(rows)))
+        expected_sum, expected_count = piece_losses(model, rows)
+        assert int(count.sum()) == expected_count
+        torch.testing.assert_close(loss_sum.sum().item(), expected_sum, rtol=1e-5, atol=1e-4)
+
+
+def test_each_epoch_has_its_own_order_fixed_by_seed_and_epoch():
+    sampler = EpochShuffleSampler(50, seed=3)
+    orders = []
+    for epoch in (0, 1, 0):
+        sampler.epoch = epoch
+        torch.manual_seed(epoch + 100)  # the global RNG plays no part
+        orders.append(list(sampler))
+    assert sorted(orders[0]) == list(range(50))
+    assert orders[0] == orders[2] != orders[1]
+
+
+def test_text_files_chat_templates_and_the_tokenisation_cache(tmp_path, dataset_cache):  # noqa: F811
+    tokenizer = byte_level_tokenizer()
+    text = tmp_path / "book.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: " + "linear state " * 20 for i in range(40)))
+    args = DataArguments(train_file=str(text), block_size=32, cache_dir=str(dataset_cache))
+    first = build_datasets(args, tokenizer, seed=0)
+    second = build_datasets(args, tokenizer, seed=0)
+    assert first["train"]._fingerprint == second["train"]._fingerprint  # the cached map is reused
+    assert first["train"].cache_files == second["train"].cache_files
+    starts = sum(row.count(0) for row in first["train"]["position_ids"])
+    assert starts > len(first["train"])  # paragraphs are documents: more restarts than rows
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                      {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+                             for i in range(60)))
+    args = DataArguments(train_file=str(chats), text_column="messages", chat_template=True, block_size=32,
+                         cache_dir=str(dataset_cache))
+    rows = build_datasets(args, tokenizer, seed=0)
+    decoded = tokenizer.decode(rows["train"][0]["input_ids"])
+    assert "<|im_start|>user\nquestion" in decoded or "<|im_start|>assistant\nanswer" in decoded
+
+
+# Training, evaluation, saving -------------------------------------------------------------------------
+
+
+def test_trains_evaluates_and_saves_an_ordinary_checkpoint(trained, dataset_cache):  # noqa: F811
+    output, result = trained
+    log = read_log(output)
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5
+    assert result.tokens_seen == 12 * 4 * 64 and log[-2]["tokens_seen"] == result.tokens_seen
+    assert result.eval_metrics["perplexity"] == pytest.approx(torch.tensor(result.eval_metrics["eval_loss"]).exp())
+    assert any(path.name.startswith("events.out.tfevents") for path in (output / "runs").rglob("*"))
+
+    # The final folder is an ordinary checkpoint: model (with code), tokenizer, card and run summary.
+    model = AutoModelForCausalLM.from_pretrained(output).eval()
+    assert type(model) is LinearAttentionForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    assert tokenizer.decode(tokenizer("Jargon")["input_ids"]) == "Jargon"
+    assert (output / "modeling_linear_attention.py").exists() and (output / "README.md").exists()
+    summary = json.loads((output / "training_summary.json").read_text())
+    assert summary["steps"] == 12 and summary["recipe"]["max_steps"] == 12
+
+    # The reported eval loss is the exact token mean over the held-out rows, each document alone.
+    model_args, data_args, train_args, _ = finetune.parse_args(tiny_args(output, dataset_cache))
+    rows = build_datasets(data_args, tokenizer, train_args.seed)["validation"]
+    total, count = piece_losses(model, rows)
+    assert result.eval_metrics["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_resume_after_sigkill_reproduces_the_loss_curve(tmp_path, dataset_cache):  # noqa: F811
+    """A run killed with SIGKILL and resumed from `latest` logs exactly the losses of an uninterrupted
+    run, step by step, across epoch ends (same data order, optimizer, scheduler and RNG state)."""
+    docs = write_documents(tmp_path / "docs.jsonl")
+    common = ["--train_file", str(docs), "--max_steps", "24", "--gradient_accumulation_steps", "2",
+              "--save_steps", "3", "--save_total_limit", "2", "--eval_steps", "8"]
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "training/finetune.py", *tiny_args(killed, dataset_cache, *common)],
+                               cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (killed / "log.jsonl").exists() or len(read_log(killed)) < 10:
+        assert process.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    interrupted_at = max(r["step"] for r in read_log(killed))
+    resume_from = checkpoints.complete_checkpoints(killed)[-1]
+    assert 0 < checkpoints.read_trainer_state(resume_from)["global_step"] <= interrupted_at < 24
+
+    resumed = run(*tiny_args(killed, dataset_cache, *common, "--resume_from_checkpoint", "latest"))
+    uninterrupted = run(*tiny_args(tmp_path / "uninterrupted", dataset_cache, *common))
+    assert resumed.global_step == uninterrupted.global_step == 24
+    assert read_log(killed) == read_log(tmp_path / "uninterrupted")
+    assert resumed.tokens_seen == uninterrupted.tokens_seen
+    for name, tensor in weights(tmp_path / "uninterrupted").items():
+        assert torch.equal(weights(killed)[name], tensor), name
+
+
+def test_checkpoints_are_atomic_and_only_the_last_k_are_kept(tmp_path, dataset_cache, monkeypatch):  # noqa: F811
+    out = tmp_path / "out"
+    run(*tiny_args(out, dataset_cache, "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2"))
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-4", "checkpoint-6"]
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-4", "checkpoint-6"]
+
+    # A save that dies after writing its files but before the commit (rename) leaves no checkpoint-8.
+    def crash(path):
+        raise KeyboardInterrupt("killed while saving")
+
+    monkeypatch.setattr(checkpoints, "_fsync_tree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(*tiny_args(out, dataset_cache, "--max_steps", "8", "--save_steps", "2", "--save_total_limit", "2",
+                       "--resume_from_checkpoint", "latest"))
+    monkeypatch.undo()
+    assert (out / ".tmp-checkpoint-8" / "model.safetensors").exists() and not (out / "checkpoint-8").exists()
+    # Folders that look like checkpoints but were not committed: no trainer state, or a torn one.
+    (out / "checkpoint-10").mkdir()
+    (out / "checkpoint-10" / "model.safetensors").write_bytes(b"torn")
+    (out / "checkpoint-12").mkdir()
+    (out / "checkpoint-12" / checkpoints.STATE_FILE).write_text('{"global_step": 1')
+    assert checkpoints.resolve_resume_checkpoint(out, "latest").name == "checkpoint-6"
+
+    result = run(*tiny_args(out, dataset_cache, "--max_steps", "8", "--save_steps", "2", "--save_total_limit", "2",
+                            "--resume_from_checkpoint", "latest"))
+    assert result.global_step == 8
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-6", "checkpoint-8"]
+    assert not (out / ".tmp-checkpoint-8").exists()  # leftovers of the interrupted save are cleaned up
+
+
+def test_gradient_checkpointing_accumulation_and_mixed_precision(tmp_path, dataset_cache):  # noqa: F811
+    common = ["--max_steps", "3", "--gradient_accumulation_steps", "2"]
+    plain = run(*tiny_args(tmp_path / "plain", dataset_cache, *common))
+    checkpointed = run(*tiny_args(tmp_path / "ckpt", dataset_cache, *common, "--gradient_checkpointing"))
+    bf16 = run(*tiny_args(tmp_path / "bf16", dataset_cache, *common, "--mixed_precision", "bf16"))
+    losses = [[r["loss"] for r in result.log_history if "loss" in r] for result in (plain, checkpointed, bf16)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)  # recomputation changes nothing
+    assert losses[2] == pytest.approx(losses[0], abs=0.05)  # bf16 autocast: close, not equal
+    assert plain.tokens_seen == 3 * 2 * 4 * 64
+
+
+# What trains --------------------------------------------------------------------------------------------
+
+
+def test_lora_trains_only_adapters_and_merges_into_the_weights(trained, tmp_path, dataset_cache):  # noqa: F811
+    base, _ = trained
+    args = ["--config_name", "", "--model_name_or_path", str(base), "--max_steps", "3", "--learning_rate", "0.01",
+            "--use_lora", "--lora_target_modules", "q_proj", "v_proj"]
+    run(*tiny_args(tmp_path / "merged", dataset_cache, *args, "--trainable_parameters", "window_gate"))
+    before, after = weights(base), weights(tmp_path / "merged")
+    assert set(before) == set(after)  # merged: a plain checkpoint, no LoRA tensors
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    expected = {n for n in before if n.endswith(("q_proj.weight", "v_proj.weight", "window_gate"))}
+    assert changed == expected
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "merged")) is LinearAttentionForCausalLM
+
+    run(*tiny_args(tmp_path / "adapter", dataset_cache, *args, "--merge_lora", "false"))
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    assert any("lora_B" in name and param.abs().sum() > 0 for name, param in adapted.named_parameters())
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+
+
+def test_train_api_with_a_custom_loss_and_selected_parameters(tmp_path):
+    """What distillation builds on: its own loss, only feature maps and window gates train."""
+    model = tiny_model(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1).train()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    docs = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(5, 60)]
+    rows = Dataset.from_dict(pack_documents(docs, block_size=32))
+
+    def logit_energy(model, batch):  # per row: summed mean squared logit, and the number of tokens
+        logits = packed_forward(model, batch).logits
+        per_token = logits.reshape(*batch["input_ids"].shape, -1).pow(2).mean(-1)
+        return per_token.sum(1), torch.full_like(per_token[:, 0], per_token.shape[1])
+
+    args = TrainArguments(output_dir=str(tmp_path), max_steps=6, learning_rate=0.05, per_device_train_batch_size=4,
+                          logging_steps=1, report_to="none", lr_scheduler_type="constant")
+    accelerator = make_accelerator(args)
+    result = train(model, rows, rows, args, accelerator, loss_fn=logit_energy,
+                   trainable=[r"feature_map", r"window_gate"], run_name="distill", perplexity=False)
+    accelerator.end_training()
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, initial[name])}
+    assert changed and all("feature_map" in name or "window_gate" in name for name in changed)
+    assert {name for name in initial if "window_gate" in name} <= changed
+    assert set(result.eval_metrics) == {"eval_loss"}
+    losses = [r["loss"] for r in result.log_history if "loss" in r]
+    assert losses[-1] < losses[0]

@@ -1,0 +1,116 @@
+"""Pushing to the Hub, for real, against a local server speaking the Hub HTTP API (tests/hub_server.py)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_model
+from hub_server import HubServer, card_metadata_errors
+from huggingface_hub import ModelCard
+from training_utils import ROOT, dataset_cache, script_env, tiny_args  # noqa: F401 - fixture
+from transformers import AutoModelForCausalLM
+
+from training.model_card import render_model_card
+
+# Runs where hf_linear_attn is not installed: loads both pushed repos from the server with
+# trust_remote_code=True (the code files travel with the weights) and saves their logits.
+DOWNLOAD = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_linear_attn"] = None  # as on a machine without `pip install hf-linear-attn`
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = torch.load(sys.argv[1])
+    logits = {}
+    for repo in sys.argv[3:]:
+        tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
+        assert tokenizer.decode(tokenizer("Linear state")["input_ids"]) == "Linear state"
+        model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            logits[repo] = model(ids).logits
+    torch.save(logits, sys.argv[2])
+    """
+)
+
+
+@pytest.fixture
+def hub():
+    with HubServer() as server:
+        yield server
+
+
+def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, dataset_cache):  # noqa: F811
+    env = script_env(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN="hf_test", HF_HOME=str(tmp_path / "home"))
+    out = tmp_path / "out"
+    train = subprocess.run(
+        [sys.executable, "training/finetune.py",
+         *tiny_args(out, dataset_cache, "--max_steps", "2", "--push_to_hub", "--hub_model_id", "someone/tiny-linear")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    cli = subprocess.run([sys.executable, "training/push_to_hub.py", str(out), "someone/tiny-linear-mit",
+                          "--license", "mit"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "someone/tiny-linear-mit" in cli.stdout
+    assert hub.validations and all(errors == [] for errors in hub.validations)  # the Hub check of each card ran
+    rejected = subprocess.run([sys.executable, "training/push_to_hub.py", str(out), "someone/rejected",
+                               "--license", "my-own-licence"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert rejected.returncode != 0 and "my-own-licence" in rejected.stderr
+    assert hub.repos["someone/rejected"].files == {}  # the card is validated before any file is sent
+
+    files = set(hub.repos["someone/tiny-linear"].files)
+    assert {"config.json", "model.safetensors", "modeling_linear_attention.py", "configuration_linear_attention.py",
+            "tokenizer.json", "README.md", "training_summary.json"} <= files
+    assert not any(name.startswith(("checkpoint-", "runs/")) or name == "log.jsonl" for name in files)
+
+    ids = torch.randint(3, 259, (2, 40), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    download = subprocess.run(
+        [sys.executable, "-c", DOWNLOAD, str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
+         "someone/tiny-linear", "someone/tiny-linear-mit"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert download.returncode == 0, download.stderr[-3000:]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+    for repo, logits in torch.load(tmp_path / "logits.pt").items():
+        assert torch.equal(logits, expected), repo
+
+    # The card: metadata the Hub accepts, model-index with the run's held-out metrics, licence.
+    summary = json.loads((out / "training_summary.json").read_text())
+    for repo, license in (("someone/tiny-linear", "apache-2.0"), ("someone/tiny-linear-mit", "mit")):
+        text = hub.repos[repo].files["README.md"].decode()
+        assert card_metadata_errors(text) == []
+        card = ModelCard(text)
+        assert card.data.license == license
+        assert card.data.model_name == repo
+        results = {result.metric_type: result.metric_value for result in card.data.eval_results}
+        assert results["perplexity"] == pytest.approx(summary["eval"]["perplexity"], rel=1e-5)
+        assert results["loss"] == pytest.approx(summary["eval"]["eval_loss"], rel=1e-5)
+        assert f'from_pretrained("{repo}", trust_remote_code=True)' in text
+        assert "| 4,096 |" in text  # the measured memory table
+
+
+def test_card_validation_rejects_bad_metadata():
+    assert card_metadata_errors("---\nlicense: not-a-licence\n---\n# x\n")
+    assert card_metadata_errors("---\nmodel-index:\n- name: x\n  results:\n  - task: {}\n---\n")
+    assert card_metadata_errors("# no metadata\n")
+
+
+def test_card_of_a_converted_checkpoint_inherits_the_source_licence(tmp_path):
+    source = tmp_path / "softmax-source"
+    source.mkdir()
+    (source / "README.md").write_text("---\nlicense: llama3.2\n---\n# A softmax model\n")
+    model = tiny_model(feature_map="hedgehog", feature_dim=8, window_size=4, softmax_layers=[1])
+    model.config.base_model_name_or_path = str(source)
+    model.save_pretrained(tmp_path / "converted")
+    card = render_model_card(tmp_path / "converted", repo_id="someone/converted")
+    assert card.data.license == "llama3.2" and "inherited from the base model" in card.text
+    assert f"converted from the softmax model **{source}**" in card.text
+    assert card.data.base_model is None  # a local path is no Hub id
+    assert "full-softmax layers | 1 |" in card.text and "only the full-softmax layers (1)" in card.text
+    assert render_model_card(tmp_path / "converted", license="mit").data.license == "mit"

@@ -1,0 +1,243 @@
+"""Data pipeline: documents from `datasets`, tokenised (cached), packed into fixed-length rows.
+
+Sources, in `DataArguments`: a Hub dataset or local dataset folder (`dataset_name`), local files
+(`train_file` / `validation_file`: .txt, .json/.jsonl, .parquet, .csv), or, when neither is given, the
+embedded offline corpus `training/corpus/jargon.jsonl` (public domain, see its README). A document is
+one record's `text_column`; with `chat_template` that column holds a conversation (a list of
+`{"role", "content"}` messages) rendered by the tokenizer's chat template. Without a validation
+split, `validation_split_percentage` of the documents are held out (disjoint from training).
+
+Packing. Every document is tokenised and ends with EOS; documents are concatenated and cut into rows
+of `block_size` tokens. Each row carries `position_ids` that restart at 0 where a document starts and
+at the start of the row (a document cut by a row boundary continues as a fresh piece), and `labels`
+equal to the tokens except -100 at every restart, so no token is predicted across a boundary. The
+collator stacks rows into `[rows, block_size]` tensors; `training.loop.packed_forward` flattens them
+into the one-row layout of `transformers.DataCollatorWithFlattening`, which the model maps to
+per-document state resets (no attention or state leaks across documents).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from datasets import DatasetDict, load_dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+EMBEDDED_CORPUS = Path(__file__).resolve().parent / "corpus" / "jargon.jsonl"
+FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+TEXT_SAMPLING = ("line", "paragraph", "document")
+IGNORE_INDEX = -100
+BYTE_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 (as the tests' tiny configs expect)
+# A ChatML-style template for the embedded byte-level tokenizer (plain-text markers, no special tokens).
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class DataArguments:
+    """Where the documents come from and how they are cut (names follow transformers' run_clm.py)."""
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A Hub dataset id or a local dataset folder (load_dataset)."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Local training documents: .txt, .json/.jsonl, .parquet or .csv."}
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Local held-out documents (same formats); default: split off train."}
+    )
+    text_column: str = field(default="text", metadata={"help": "The column holding each document."})
+    chat_template: bool = field(
+        default=False,
+        metadata={"help": "text_column holds conversations (lists of {role, content}); render them with the "
+                          "tokenizer's chat template."},
+    )
+    sample_by: str = field(
+        default="paragraph",
+        metadata={"help": f"What one document of a .txt file is: one of {TEXT_SAMPLING}."},
+    )
+    block_size: int = field(default=512, metadata={"help": "Tokens per packed row."})
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "Percent of the documents held out when there is no validation split."}
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many rows."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where datasets (and their tokenised caches) are stored."}
+    )
+
+
+def check_data_arguments(args: DataArguments) -> None:
+    """Raise a clear error for inconsistent or missing data sources, before anything is loaded."""
+    if args.dataset_name and (args.train_file or args.validation_file):
+        raise ValueError("Give either --dataset_name or --train_file/--validation_file, not both.")
+    if args.validation_file and not args.train_file:
+        raise ValueError("--validation_file needs --train_file.")
+    for name in ("train_file", "validation_file"):
+        path = getattr(args, name)
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--{name} {path}: no such file.")
+        if Path(path).suffix not in FILE_BUILDERS:
+            raise ValueError(f"--{name} {path}: unsupported file type; use one of {sorted(FILE_BUILDERS)}.")
+    if args.train_file and args.validation_file and Path(args.train_file).suffix != Path(args.validation_file).suffix:
+        raise ValueError("--train_file and --validation_file must have the same file type.")
+    if args.sample_by not in TEXT_SAMPLING:
+        raise ValueError(f"--sample_by {args.sample_by!r}: use one of {TEXT_SAMPLING}.")
+    if args.block_size < 2:
+        raise ValueError(f"--block_size {args.block_size}: a row needs at least 2 tokens.")
+    if not 0 < args.validation_split_percentage < 100:
+        raise ValueError(f"--validation_split_percentage {args.validation_split_percentage}: must lie in (0, 100).")
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer that needs no download or training: one token per UTF-8 byte (256) after
+    `<pad>`, `<s>`, `</s>` (ids 0, 1, 2), with a ChatML-style chat template. Used when a model is
+    trained from a config and no `tokenizer_name` is given; `save_pretrained` stores it with the model."""
+    vocab = {token: i for i, token in enumerate([*BYTE_SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    pad, bos, eos = BYTE_SPECIAL_TOKENS
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos, eos_token=eos)
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _describe_source(args: DataArguments) -> str:
+    if args.dataset_name:
+        return f"dataset {args.dataset_name!r}"
+    if args.train_file:
+        return f"file {args.train_file}"
+    return f"the embedded corpus {EMBEDDED_CORPUS.name}"
+
+
+def dataset_names(args: DataArguments) -> list[str]:
+    """What the model was trained on, for the model card (a Hub id, file names, or the embedded corpus)."""
+    if args.dataset_name:
+        return [args.dataset_name]
+    if args.train_file:
+        return [Path(args.train_file).name]
+    return [f"embedded: {EMBEDDED_CORPUS.name} (The Jargon File 4.4.7, public domain)"]
+
+
+def load_documents(args: DataArguments, seed: int) -> DatasetDict:
+    """The raw documents as a DatasetDict with `train` and `validation` splits.
+
+    The validation split is the source's own (`validation`, or `--validation_file`) or, when there is
+    none, a seeded `validation_split_percentage` share of the training documents.
+    """
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
+    else:
+        files = {"train": args.train_file or str(EMBEDDED_CORPUS)}
+        if args.validation_file:
+            files["validation"] = args.validation_file
+        builder = FILE_BUILDERS[Path(files["train"]).suffix]
+        options = {"sample_by": args.sample_by} if builder == "text" else {}
+        raw = load_dataset(builder, data_files=files, cache_dir=args.cache_dir, **options)
+    if "train" not in raw:
+        raise ValueError(f"{_describe_source(args)} has no 'train' split (splits: {list(raw)}).")
+    columns = raw["train"].column_names
+    if args.text_column not in columns:
+        raise ValueError(
+            f"--text_column {args.text_column!r} is not a column of {_describe_source(args)}; its columns are "
+            f"{columns}."
+        )
+    if "validation" not in raw:
+        split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
+        raw = DatasetDict(train=split["train"], validation=split["test"])
+    return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def _document_texts(batch: dict[str, list], args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    column = batch[args.text_column]
+    if not args.chat_template:
+        return [text for text in column if isinstance(text, str) and text.strip()]
+    return [tokenizer.apply_chat_template(messages, tokenize=False) for messages in column if messages]
+
+
+def _tokenize(batch: dict[str, list], args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> dict[str, list]:
+    """Token ids per non-empty document, each ending with EOS."""
+    texts = _document_texts(batch, args, tokenizer)
+    # A rendered chat already holds the template's special tokens.
+    ids = tokenizer(texts, add_special_tokens=not args.chat_template)["input_ids"]
+    eos = tokenizer.eos_token_id
+    return {"input_ids": [doc if eos is None or (doc and doc[-1] == eos) else [*doc, eos] for doc in ids]}
+
+
+def pack_documents(documents: list[list[int]], block_size: int) -> dict[str, list[list[int]]]:
+    """Cut the concatenated documents into rows of `block_size` tokens (the tail that does not fill a
+    row is dropped). `position_ids` restart at 0 at each document start and at each row start;
+    `labels` are the tokens with -100 at those restarts."""
+    lengths = [len(doc) for doc in documents if doc]
+    if not lengths:
+        return {"input_ids": [], "labels": [], "position_ids": []}
+    tokens = np.fromiter((t for doc in documents for t in doc), dtype=np.int64, count=sum(lengths))
+    starts = np.zeros(len(tokens), dtype=bool)
+    starts[np.cumsum([0, *lengths[:-1]])] = True
+    rows = len(tokens) // block_size
+    tokens = tokens[: rows * block_size].reshape(rows, block_size)
+    starts = starts[: rows * block_size].reshape(rows, block_size)
+    starts[:, 0] = True
+    index = np.arange(block_size)
+    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    labels = np.where(starts, IGNORE_INDEX, tokens)
+    return {"input_ids": tokens.tolist(), "labels": labels.tolist(), "position_ids": positions.tolist()}
+
+
+def _pack(batch: dict[str, list], block_size: int) -> dict[str, list[list[int]]]:
+    return pack_documents(batch["input_ids"], block_size)
+
+
+def build_datasets(
+    args: DataArguments,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    main_process_first: contextlib.AbstractContextManager | None = None,
+) -> DatasetDict:
+    """Packed `train` / `validation` rows (`input_ids`, `labels`, `position_ids`, each `block_size` long).
+
+    Tokenisation and packing are `Dataset.map` calls, cached by `datasets` (a second run with the same
+    data, tokenizer and block size reads the cache). Pass `accelerator.main_process_first()` as
+    `main_process_first` so that one process fills the cache and the others read it.
+    """
+    if args.chat_template and not tokenizer.chat_template:
+        raise ValueError("--chat_template was given but the tokenizer has no chat template.")
+    with main_process_first or contextlib.nullcontext():
+        raw = load_documents(args, seed)
+        tokenized = raw.map(
+            _tokenize, batched=True, remove_columns=raw["train"].column_names,
+            fn_kwargs={"args": args, "tokenizer": tokenizer},
+            num_proc=args.preprocessing_num_workers, desc="Tokenising",
+        )
+        packed = tokenized.map(
+            _pack, batched=True, remove_columns=["input_ids"], fn_kwargs={"block_size": args.block_size},
+            num_proc=args.preprocessing_num_workers,
+            desc=f"Packing into rows of {args.block_size}",
+        )
+    for split, rows in packed.items():
+        if len(rows) == 0:
+            raise ValueError(
+                f"The {split} split of {_describe_source(args)} holds fewer than block_size={args.block_size} "
+                "tokens: lower --block_size or add text."
+            )
+    if args.max_eval_samples is not None:
+        packed["validation"] = packed["validation"].select(range(min(args.max_eval_samples, len(packed["validation"]))))
+    return packed
+
+
+def collate_rows(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack packed rows into `input_ids`, `labels`, `position_ids` tensors of shape [rows, block_size]."""
+    return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in rows[0]}
+

@@ -1,0 +1,401 @@
+"""The training loop on `accelerate`, shared by fine-tuning and distillation.
+
+API (what `training/distill.py` and other stages build on)::
+
+    accelerator = make_accelerator(args)                        # before loading data and model
+    rows = build_datasets(data_args, tokenizer, args.seed, accelerator.main_process_first())  # training.data
+    result = train(model, rows["train"], rows["validation"], args, accelerator,
+                   loss_fn=causal_lm_loss,                      # or your own LossFn
+                   trainable=[r"feature_map", r"window_gate"],  # regexes over parameter names, or None
+                   run_name="distill", perplexity=False)
+    export_model(accelerator, result.model, args.output_dir, tokenizer)  # training.checkpoints
+    accelerator.end_training()  # at the very end: closes the trackers and the process group
+
+- `loss_fn(model, batch) -> (loss_sum, count)`: `batch` holds `[rows, block_size]` tensors
+  (`input_ids`, `labels`, `position_ids`, as `training.data.collate_rows` stacks packed rows) already
+  on the device; `model` is the prepared (wrapped) model. Return per-row tensors `[rows]`: the summed
+  loss and the number of items it sums over (tokens, heads x tokens, ...). Training minimises
+  `loss_sum.sum() / count.sum()` per micro-batch; evaluation reports the item-weighted mean over the
+  whole held-out set, exactly, on any number of processes (per-row values let accelerate drop the rows
+  it repeats to even out the last batch). `packed_forward` runs the model on packed rows with document
+  boundaries respected; `causal_lm_loss` is next-token cross-entropy on top of it.
+- `trainable`: parameters whose name matches any regex train, all others are frozen (each pattern must
+  match something); None leaves `requires_grad` as the caller set it (e.g. PEFT's LoRA). Only trainable
+  parameters reach the optimizer and the gradient clipping.
+- `perplexity`: also report exp(eval loss) (for cross-entropy objectives).
+- A frozen teacher (distillation) is not the loop's business: let `loss_fn` close over it, on
+  `accelerator.device`, in eval mode and without gradients.
+- `args.resume_from_checkpoint`: a checkpoint folder or `latest`; `make_accelerator` resets accelerate's
+  process-wide settings, so one process can run several stages one after the other.
+
+The loop: AdamW (no weight decay on biases and norms), a `transformers` LR schedule with warm-up,
+gradient accumulation (`accelerator.accumulate`), clipping, mixed precision and every distributed
+backend from the accelerate config, periodic evaluation, a tqdm bar with loss and tokens/s, metrics to
+accelerate's trackers and to `OUTPUT_DIR/log.jsonl`, atomic checkpoints every `save_steps` and exact
+resumption (`training.checkpoints`): data order, optimizer, scheduler and RNG states are restored, so a
+run killed and resumed follows the uninterrupted loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration, is_tensorboard_available
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from training.checkpoints import load_checkpoint, resolve_resume_checkpoint, save_checkpoint
+from training.data import IGNORE_INDEX, collate_rows
+
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+LOG_FILE = "log.jsonl"
+logger = get_logger(__name__)
+
+
+@dataclass
+class TrainArguments:
+    """The loop's settings (names follow transformers' `TrainingArguments` / run_clm.py)."""
+
+    output_dir: str = field(default="outputs/finetune", metadata={"help": "Checkpoints and the final model."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Delete the checkpoints and log already in output_dir and start over."}
+    )
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the training rows."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Packed rows per process per micro-batch."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Packed rows per process in evaluation."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate (AdamW)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and norms)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
+    seed: int = field(default=42, metadata={"help": "Seed of initialisation, data split and data order."})
+    mixed_precision: str | None = field(
+        default=None, metadata={"help": "no, fp16 or bf16; default: what `accelerate launch` / its config says."}
+    )
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward."})
+    logging_steps: int = field(default=10, metadata={"help": "Log the training loss every N steps."})
+    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps (0: only at the end)."})
+    save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: never)."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint folder, or `latest` (newest complete one in output_dir)."}
+    )
+    report_to: str = field(
+        default="auto",
+        metadata={"help": "Trackers, comma-separated (tensorboard, wandb, ...), `none`, or `auto` (tensorboard "
+                          "when installed)."},
+    )
+
+
+def check_train_arguments(args: TrainArguments) -> None:
+    """Raise a clear error for values the loop cannot run with, before anything is loaded."""
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        raise ValueError("Set --max_steps > 0 or --num_train_epochs > 0.")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
+    if args.lr_scheduler_type not in SCHEDULERS:
+        raise ValueError(f"--lr_scheduler_type {args.lr_scheduler_type!r}: use one of {SCHEDULERS}.")
+    if args.mixed_precision not in (None, "no", "fp16", "bf16"):
+        raise ValueError(f"--mixed_precision {args.mixed_precision!r}: use no, fp16 or bf16.")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise ValueError(f"--save_total_limit must be >= 1, got {args.save_total_limit}.")
+
+
+def make_accelerator(args: TrainArguments) -> Accelerator:
+    """The Accelerator for `args`: gradient accumulation over exactly `gradient_accumulation_steps`
+    micro-batches (also across epoch ends, so that resumption is exact), trackers per `report_to`,
+    tensorboard logs under `OUTPUT_DIR/runs`.
+
+    accelerate keeps its settings in process-wide singletons; they are reset here (the process group
+    stays), so one process can run several stages with different settings, e.g. distillation in fp32
+    and then fine-tuning in bf16."""
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    if args.report_to == "auto":
+        trackers = ["tensorboard"] if is_tensorboard_available() else []
+    elif args.report_to == "none":
+        trackers = []
+    else:
+        trackers = [name.strip() for name in args.report_to.split(",") if name.strip()]
+    return Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                            logging_dir=str(Path(args.output_dir) / "runs")),
+    )
+
+
+def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Make exactly the parameters whose name matches one of the regexes `patterns` trainable; returns
+    their names. Raises if a pattern matches no parameter."""
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(re.search(pattern, name) for name in names):
+            sample = ", ".join(names[:12])
+            raise ValueError(f"Trainable-parameter pattern {pattern!r} matches no parameter (names look like: "
+                             f"{sample}, ...).")
+    selected = []
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(any(re.search(pattern, name) for pattern in patterns))
+        if parameter.requires_grad:
+            selected.append(name)
+    return selected
+
+
+def packed_forward(model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
+    """Run `model` on packed rows `[rows, block_size]` as one row (DataCollatorWithFlattening's layout):
+    position_ids restarting at 0 mark the documents, which the model keeps apart. Returns the output,
+    whose tensors have the flattened length rows * block_size."""
+    return model(
+        input_ids=batch["input_ids"].reshape(1, -1),
+        position_ids=batch["position_ids"].reshape(1, -1),
+        use_cache=False,
+        **kwargs,
+    )
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy per packed row: (summed loss [rows], predicted tokens [rows])."""
+    rows, length = batch["input_ids"].shape
+    logits = packed_forward(model, batch).logits.reshape(rows, length, -1)[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    token_loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return token_loss.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation of the rows that depends only on (seed, epoch): set `epoch` before each pass.
+
+    Unlike a RandomSampler it draws from no global RNG, so a resumed run sees the same order."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+@dataclass
+class TrainResult:
+    """What `train` returns; pass `model` (the prepared model) to `training.checkpoints.export_model`."""
+
+    model: nn.Module
+    global_step: int
+    tokens_seen: int
+    eval_metrics: dict[str, float]
+    log_history: list[dict[str, Any]]
+
+
+class MetricsLog:
+    """Training metrics as JSON lines in `OUTPUT_DIR/log.jsonl` (main process). On resume, entries past
+    the checkpoint's step (written by the interrupted run) are dropped, so the file is one curve."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None) -> None:
+        self.path, self.enabled = path, enabled
+        self.history: list[dict[str, Any]] = []
+        if enabled and resume_step is not None and path.exists():
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.history = [record for record in records if record["step"] <= resume_step]
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(record) + "\n" for record in self.history))
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.enabled:
+            with self.path.open("a") as stream:
+                stream.write(json.dumps(record) + "\n")
+
+
+def _optimizer(model: nn.Module, args: TrainArguments) -> torch.optim.Optimizer:
+    decayed, plain = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (decayed if parameter.dim() >= 2 else plain).append(parameter)
+    if not decayed and not plain:
+        raise ValueError("No parameter is trainable: check the trainable-parameter selection.")
+    groups = [{"params": decayed, "weight_decay": args.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
+                             betas=(args.adam_beta1, args.adam_beta2))
+
+
+def _tracker_config(config: dict[str, Any]) -> dict[str, Any]:
+    # TensorBoard's hparams take only scalars and strings.
+    return {key: value if isinstance(value, (int, float, str, bool)) else str(value) for key, value in config.items()}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, loss_fn: LossFn, accelerator: Accelerator,
+             perplexity: bool = True) -> dict[str, float]:
+    """Item-weighted mean of `loss_fn` over every held-out row (each counted once on any number of
+    processes); with `perplexity`, also exp of it."""
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for batch in loader:
+        loss_sum, items = loss_fn(model, batch)
+        loss_sum, items = accelerator.gather_for_metrics((loss_sum.detach().float(), items.detach().float()))
+        total += loss_sum.double().sum().cpu()
+        count += items.double().sum().cpu()
+    model.train(was_training)
+    loss = (total / count.clamp(min=1)).item()
+    metrics = {"eval_loss": loss}
+    if perplexity:
+        metrics["perplexity"] = math.exp(min(loss, 700.0))
+    return metrics
+
+
+def _optimizer_step(
+    model: nn.Module,
+    stream: Iterator[dict[str, torch.Tensor]],
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer,
+    accelerator: Accelerator,
+    args: TrainArguments,
+) -> tuple[float, int]:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches of `stream`, with clipping.
+    Returns the loss (mean over micro-batches and processes) and the tokens fed (all processes)."""
+    step_loss = torch.zeros((), device=accelerator.device)
+    tokens = 0
+    for _ in range(args.gradient_accumulation_steps):
+        batch = next(stream)
+        with accelerator.accumulate(model):
+            loss_sum, count = loss_fn(model, batch)
+            loss = loss_sum.sum() / count.sum().clamp(min=1)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_loss += loss.detach() / args.gradient_accumulation_steps
+        tokens += batch["input_ids"].numel()
+    tokens = accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")
+    return accelerator.reduce(step_loss, reduction="mean").item(), int(tokens)
+
+
+def train(
+    model: nn.Module,
+    train_dataset: Dataset,
+    eval_dataset: Dataset | None,
+    args: TrainArguments,
+    accelerator: Accelerator,
+    *,
+    loss_fn: LossFn = causal_lm_loss,
+    trainable: Sequence[str] | None = None,
+    collate_fn: Callable[[list[Any]], dict[str, torch.Tensor]] = collate_rows,
+    run_name: str = "finetune",
+    perplexity: bool = True,
+    tracker_config: dict[str, Any] | None = None,
+) -> TrainResult:
+    """Train `model` in place (see the module docstring). Call on every process."""
+    if trainable is not None:
+        select_trainable(model, trainable)
+    output_dir = Path(args.output_dir)
+    optimizer = _optimizer(model, args)
+    sampler = EpochShuffleSampler(len(train_dataset), args.seed)
+    train_loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                              collate_fn=collate_fn)
+    eval_loader = None
+    if eval_dataset is not None:
+        eval_loader = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn)
+        eval_loader = accelerator.prepare(eval_loader)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    accumulation = args.gradient_accumulation_steps
+    if accelerator.gradient_accumulation_steps != accumulation:  # a DeepSpeed config can impose its own
+        raise ValueError(f"The accelerate config sets gradient_accumulation_steps="
+                         f"{accelerator.gradient_accumulation_steps} but --gradient_accumulation_steps is "
+                         f"{accumulation}; leave it unset (auto) in the DeepSpeed config.")
+    batches_per_epoch = len(train_loader)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(
+        args.num_train_epochs * batches_per_epoch / accumulation)
+    # The schedule counts optimizer steps; stepped by hand (a prepared scheduler steps once per process).
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=total_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    geometry = {"num_processes": accelerator.num_processes, "per_device_train_batch_size":
+                args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation}
+
+    global_step, tokens_seen = 0, 0
+    if args.resume_from_checkpoint:
+        state = load_checkpoint(accelerator, resolve_resume_checkpoint(output_dir, args.resume_from_checkpoint))
+        global_step, tokens_seen = state["global_step"], state["tokens_seen"]
+        if state["geometry"] != geometry:
+            logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: the data order differs "
+                           "from the interrupted run.", main_process_only=True)
+    log = MetricsLog(output_dir / LOG_FILE, accelerator.is_main_process,
+                     global_step if args.resume_from_checkpoint else None)
+    accelerator.init_trackers(run_name, config=_tracker_config(tracker_config or asdict(args)))
+
+    def micro_batches(start: int) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, skip = divmod(start, batches_per_epoch)
+        while True:
+            sampler.epoch = epoch
+            yield from accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            epoch, skip = epoch + 1, 0
+
+    stream = micro_batches(global_step * accumulation)
+    progress = tqdm(total=total_steps, initial=global_step, desc=run_name, disable=not accelerator.is_main_process,
+                    dynamic_ncols=True)
+    eval_metrics: dict[str, float] = {}
+    window_loss, window_steps, window_tokens, window_seconds = 0.0, 0, 0, 0.0  # since the last log line
+    model.train()
+    while global_step < total_steps:
+        started = time.perf_counter()
+        step_loss, step_tokens = _optimizer_step(model, stream, loss_fn, optimizer, accelerator, args)
+        if not accelerator.optimizer_step_was_skipped:
+            scheduler.step()
+        global_step += 1
+        tokens_seen += step_tokens
+        window_loss, window_steps = window_loss + step_loss, window_steps + 1
+        window_tokens, window_seconds = window_tokens + step_tokens, window_seconds + time.perf_counter() - started
+        tokens_per_second = window_tokens / max(window_seconds, 1e-9)  # training time only (no eval, no saving)
+        progress.update(1)
+        progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_per_second:,.0f}",
+                             lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        if global_step % args.logging_steps == 0 or global_step == total_steps:
+            record = {"step": global_step, "loss": window_loss / window_steps,
+                      "learning_rate": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
+                      "tokens_per_second": tokens_per_second}
+            log.append(record)
+            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=global_step)
+            window_loss, window_steps, window_tokens, window_seconds = 0.0, 0, 0, 0.0
+        if eval_loader is not None and (
+            global_step == total_steps or (args.eval_steps > 0 and global_step % args.eval_steps == 0)
+        ):
+            eval_metrics = evaluate(model, eval_loader, loss_fn, accelerator, perplexity)
+            log.append({"step": global_step, **eval_metrics})
+            accelerator.log(eval_metrics, step=global_step)
+            if accelerator.is_main_process:
+                progress.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+        if args.save_steps > 0 and global_step % args.save_steps == 0:
+            save_checkpoint(accelerator, output_dir, {"global_step": global_step, "tokens_seen": tokens_seen,
+                                                      "geometry": geometry}, keep_last=args.save_total_limit)
+    progress.close()
+    return TrainResult(model, global_step, tokens_seen, eval_metrics, log.history)

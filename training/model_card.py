@@ -1,0 +1,153 @@
+"""Model cards for saved linear-attention checkpoints, rendered from `model_cards/`.
+
+`write_model_card(folder)` fills the Jinja template `model_cards/linear_attention_model_card.md` through
+`huggingface_hub.ModelCard.from_template` and writes `folder/README.md`. Its inputs are the folder's
+`config.json`, its safetensors headers (parameter count) and `training_summary.json`, which
+`training/finetune.py` writes at the end of a run: base model, datasets, steps, tokens seen, held-out
+metrics, licence and the full recipe. A converted checkpoint also names its softmax source in
+`config.base_model_name_or_path`. The metadata (`ModelCardData`) carries licence, base model (the first
+of these two that is a Hub id), datasets, tags and the evaluation as model-index results. The licence
+is, in order: the one given, the one the run recorded, or the one in the card of the fine-tuned or
+the source model (read locally or from the Hub).
+
+The memory table is measured, not estimated: a model with this checkpoint's attention layout (heads,
+head and feature dimensions, window, decay, softmax layers; tiny embeddings and MLPs, so it costs
+little) runs a forward pass at each context length and reports `LinearAttentionCache.nbytes()`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from safetensors import safe_open
+
+import hf_linear_attn
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "linear_attention_model_card.md"
+SUMMARY_FILE = "training_summary.json"
+CACHE_CONTEXTS = (512, 4096)
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def is_hub_id(name: str | None) -> bool:
+    """True for names that look like Hub repo ids and are not local paths."""
+    return bool(name) and not Path(name).exists() and bool(_HUB_ID.match(name))
+
+
+def inherited_license(base_model: str | None) -> str | None:
+    """The licence in the card of `base_model` (a local folder or a Hub id), or None if unknown."""
+    if not base_model:
+        return None
+    local = Path(base_model) / "README.md"
+    try:
+        card = ModelCard.load(local if local.is_file() else base_model)
+    except (OSError, ValueError):  # no card, offline, not on the Hub
+        return None
+    return card.data.license
+
+
+def _human_bytes(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    exponent = min(int(math.log(count, 1024)), 3)
+    return f"{count / 1024**exponent:,.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
+
+
+def measure_cache_bytes(config: dict[str, Any], contexts: tuple[int, ...] = CACHE_CONTEXTS) -> list[dict[str, Any]]:
+    """Per context length: the cache bytes of one sequence for this attention layout, and those of the
+    key/value cache of a softmax model of the same shape (2 x layers x KV heads x head_dim x tokens)."""
+    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
+    layout = hf_linear_attn.LinearAttentionConfig.from_dict(
+        {**config, "vocab_size": 16, "hidden_size": 16, "intermediate_size": 16, "tie_word_embeddings": False}
+    )
+    model = hf_linear_attn.LinearAttentionForCausalLM(layout).to(dtype).eval()
+    item = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for tokens in contexts:
+        cache = hf_linear_attn.LinearAttentionCache(layout)
+        with torch.no_grad():
+            model(torch.zeros(1, tokens, dtype=torch.long), cache=cache, use_cache=True)
+        softmax = 2 * layout.num_hidden_layers * layout.num_key_value_heads * layout.head_dim * tokens * item
+        rows.append({"tokens": tokens, "linear": _human_bytes(cache.nbytes()), "softmax": _human_bytes(softmax)})
+    return rows
+
+
+def _num_parameters(folder: Path) -> int:
+    """Parameters stored in the folder's safetensors files (read from their headers only)."""
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as weights:
+            total += sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())  # noqa: SIM118
+    return total
+
+
+def render_model_card(folder: str | Path, repo_id: str | None = None, license: str | None = None) -> ModelCard:
+    """The model card of the checkpoint in `folder` (see the module docstring); `repo_id` names the
+    repository in the loading snippets (default: the folder)."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} holds no config.json: not a saved model checkpoint.")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != hf_linear_attn.LinearAttentionConfig.model_type:
+        raise ValueError(f"{folder} holds a {config.get('model_type')!r} checkpoint, not a linear-attention model.")
+    summary_file = folder / SUMMARY_FILE
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    base_model = summary.get("base_model")  # the checkpoint this run fine-tuned
+    converted_from = config.get("base_model_name_or_path")  # the softmax model it was converted from
+    hub_base = next((name for name in (base_model, converted_from) if is_hub_id(name)), None)
+    recorded_license = license or summary.get("license")
+    final_license = recorded_license or inherited_license(base_model) or inherited_license(converted_from)
+    model_name = repo_id or folder.name
+    dataset_id = summary.get("dataset_name")
+    eval_metrics = summary.get("eval") or {}
+    data_label = ", ".join(summary.get("datasets") or []) or "held-out text"
+    eval_results = [
+        EvalResult(task_type="text-generation", dataset_type=dataset_id or "custom", dataset_name=data_label,
+                   dataset_split="validation", metric_type=name if name == "perplexity" else "loss",
+                   metric_name=name, metric_value=round(value, 6))
+        for name, value in eval_metrics.items()
+    ]
+    card_data = ModelCardData(
+        license=final_license,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["linear-attention", "hf-linear-attn", f"feature-map-{config['feature_map']}"],
+        base_model=hub_base,
+        datasets=[dataset_id] if is_hub_id(dataset_id) else None,
+        model_name=model_name,
+        eval_results=eval_results or None,
+    )
+    recipe = summary.get("recipe")
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(TEMPLATE),
+        model_name=model_name,
+        repo_id=repo_id or str(folder),
+        base_model=base_model,
+        converted_from=converted_from,
+        config=config,
+        num_parameters=_num_parameters(folder),
+        cache_rows=measure_cache_bytes(config),
+        datasets=summary.get("datasets"),
+        steps=summary.get("steps"),
+        tokens_seen=summary.get("tokens_seen"),
+        recipe_yaml=yaml.safe_dump(recipe, sort_keys=False) if recipe else None,
+        eval_metrics=eval_metrics,
+        license=final_license,
+        license_inherited=final_license is not None and recorded_license is None,
+    )
+
+
+def write_model_card(folder: str | Path, repo_id: str | None = None, license: str | None = None) -> ModelCard:
+    """Render the card (see `render_model_card`) and save it as `folder/README.md`."""
+    card = render_model_card(folder, repo_id, license)
+    card.save(Path(folder) / "README.md")
+    return card
