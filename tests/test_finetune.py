@@ -135,12 +135,15 @@ def _bad_input_cases(tmp_path, cache):
         "earlier run in output_dir": (ValueError, "already holds checkpoints", tiny_args(occupied, cache)),
         "no model": (ValueError, "exactly one of", tiny_args(out, cache, "--model_name_or_path", "x")),
         "push without repo": (ValueError, "needs --hub_model_id", tiny_args(out, cache, "--push_to_hub")),
+        "bf16 weights that train": (ValueError, "weights that train stay float32",
+                                    tiny_args(out, cache, "--dtype", "bfloat16")),
     }
 
 
 @pytest.mark.parametrize("case", ["missing file", "unknown column", "unknown recipe key", "not linear attention",
                                   "lora targets", "trainable pattern", "incomplete resume folder",
-                                  "nothing to resume", "earlier run in output_dir", "no model", "push without repo"])
+                                  "nothing to resume", "earlier run in output_dir", "no model", "push without repo",
+                                  "bf16 weights that train"])
 def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):  # noqa: F811
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
@@ -327,7 +330,8 @@ def test_lora_trains_only_adapters_and_merges_into_the_weights(trained, tmp_path
     assert changed == expected
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "merged")) is LinearAttentionForCausalLM
 
-    run(*tiny_args(tmp_path / "adapter", dataset_cache, *args, "--merge_lora", "false"))
+    # A bf16 frozen base with float32 adapters, saved as a PEFT adapter.
+    run(*tiny_args(tmp_path / "adapter", dataset_cache, *args, "--merge_lora", "false", "--dtype", "bfloat16"))
     from peft import PeftModel
 
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")

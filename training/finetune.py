@@ -67,6 +67,7 @@ from training.push_to_hub import HubArguments, push_to_hub
 from training.recipes import parse_recipe_args
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -86,6 +87,12 @@ class ModelArguments:
         default=None, metadata={"help": "Tokenizer folder or Hub id (default: the model's, or built-in bytes)."}
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow code from the checkpoint's folder."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": f"Dtype of the loaded weights, one of {WEIGHT_DTYPES}. Weights that train stay float32 "
+                          "(use --mixed_precision for bf16 compute); bfloat16 / float16 halve the memory of the "
+                          "frozen base under LoRA."},
+    )
     trainable_parameters: list[str] | None = field(
         default=None,
         metadata={"help": "Regexes over parameter names that train (default: all; with LoRA: LoRA only, plus these)."},
@@ -118,6 +125,11 @@ def check_arguments(model_args: ModelArguments, data_args: DataArguments, train_
     if bool(model_args.model_name_or_path) == bool(model_args.config_name):
         raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) and --config_name "
                          "(train from a config); see configs/finetune_tiny.yaml for a complete recipe.")
+    if model_args.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"--dtype {model_args.dtype!r}: use one of {WEIGHT_DTYPES}.")
+    if model_args.dtype != "float32" and (not model_args.use_lora or model_args.trainable_parameters):
+        raise ValueError(f"--dtype {model_args.dtype} is for the frozen base of a LoRA run: weights that train "
+                         "stay float32 (--mixed_precision bf16 gives bf16 compute).")
     if model_args.use_lora:
         if model_args.lora_r < 1:
             raise ValueError(f"--lora_r must be >= 1, got {model_args.lora_r}.")
@@ -190,13 +202,12 @@ def fit_to_tokenizer(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBas
 
 
 def build_model(model_args: ModelArguments, config: PretrainedConfig) -> PreTrainedModel:
-    """Load the checkpoint (fp32 master weights) or initialise from the config (seeded by the caller)."""
+    """Load the checkpoint or initialise from the config (seeded by the caller), in `model_args.dtype`."""
+    dtype = getattr(torch, model_args.dtype)
     if model_args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path, config=config, dtype=torch.float32,
-            trust_remote_code=model_args.trust_remote_code,
-        )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=model_args.trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=config, dtype=dtype,
+                                                    trust_remote_code=model_args.trust_remote_code)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
 
 
 def apply_lora(model: PreTrainedModel, model_args: ModelArguments) -> torch.nn.Module:
