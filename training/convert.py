@@ -76,6 +76,10 @@ def main(argv: list[str]) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: no tokenizer could be loaded from {args.model_name_or_path}: {error}") from error
+    if 2 * len(tokenizer) < source_config.vocab_size:
+        # Some transformers releases build an empty placeholder tokenizer when a folder has none.
+        raise SystemExit(f"error: no tokenizer found in {args.model_name_or_path} (what loads has {len(tokenizer)} "
+                         f"tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
     student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], **options)
