@@ -51,11 +51,11 @@ class DemoArguments:
     window_size: int = 64
     num_sink_tokens: int = 4
     block_size: int = field(default=256, metadata={"help": "Tokens per training / evaluation row."})
-    distill_steps: int = 60
+    distill_steps: int = 360
     distill_batch_size: int = 1
     learning_rate: float = 1e-2
-    eval_rows: int = 8
-    passkey_lengths: list[int] = field(default_factory=lambda: [256])
+    eval_rows: int = 16
+    passkey_lengths: list[int] = field(default_factory=lambda: [256, 1024])
     passkey_trials: int = 3
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
     prompt: str = "The hacker's favourite programming language is"
