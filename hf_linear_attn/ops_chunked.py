@@ -119,12 +119,16 @@ def chunk_linear_attention(
         state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
     else:
         state = initial_state.to(dtype)
+    # unbind once: indexing [:, :, n] inside the loop would make autograd scatter every step's gradient into a
+    # zero tensor of the full [B, H, N, ...] size, i.e. O(N²) work in backward.
+    contributions = chunk_states.unbind(dim=2)
+    decays = None if chunk_decay is None else chunk_decay.unbind(dim=2)
     entering = []  # the state each chunk starts from
     for n in range(chunks):
         entering.append(state)
-        if chunk_decay is not None:
-            state = chunk_decay[:, :, n] * state
-        state = state + chunk_states[:, :, n]
+        if decays is not None:
+            state = decays[n] * state
+        state = state + contributions[n]
 
     q_decayed = q if b is None else q * b.exp()  # decay from the chunk start to each query
     o = q_decayed @ torch.stack(entering, dim=2) + _intra_chunk_scores(q, k, b) @ v  # [B, H, N, C, V (+ 1)]
