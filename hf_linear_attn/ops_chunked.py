@@ -119,19 +119,23 @@ def chunk_linear_attention(
         state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
     else:
         state = initial_state.to(dtype)
-    # unbind once: indexing [:, :, n] inside the loop would make autograd scatter every step's gradient into a
-    # zero tensor of the full [B, H, N, ...] size, i.e. O(N²) work in backward.
-    contributions = chunk_states.unbind(dim=2)
-    decays = None if chunk_decay is None else chunk_decay.unbind(dim=2)
-    entering = []  # the state each chunk starts from
-    for n in range(chunks):
-        entering.append(state)
-        if decays is not None:
-            state = decays[n] * state
-        state = state + contributions[n]
+    if chunk_decay is None:
+        # Without decay the state entering chunk n is a plain (exclusive) prefix sum over chunks.
+        entering = torch.cat([torch.zeros_like(chunk_states[:, :, :1]), chunk_states[:, :, :-1]], dim=2)
+        entering = state[:, :, None] + entering.cumsum(dim=2)  # [B, H, N, K, V (+ 1)]
+        state = entering[:, :, -1] + chunk_states[:, :, -1]
+    else:
+        # unbind once: indexing [:, :, n] inside the loop would make autograd scatter every step's gradient
+        # into a zero tensor of the full [B, H, N, ...] size, i.e. O(N²) work in backward.
+        contributions, decays = chunk_states.unbind(dim=2), chunk_decay.unbind(dim=2)
+        states = []  # the state each chunk starts from
+        for n in range(chunks):
+            states.append(state)
+            state = decays[n] * state + contributions[n]
+        entering = torch.stack(states, dim=2)
 
     q_decayed = q if b is None else q * b.exp()  # decay from the chunk start to each query
-    o = q_decayed @ torch.stack(entering, dim=2) + _intra_chunk_scores(q, k, b) @ v  # [B, H, N, C, V (+ 1)]
+    o = q_decayed @ entering + _intra_chunk_scores(q, k, b) @ v  # [B, H, N, C, V (+ 1)]
     if normalize:
         o = o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)
     o = o.permute(0, 2, 3, 1, 4).reshape(batch, chunks * CHUNK_SIZE, heads, value_dim)[:, :length]
