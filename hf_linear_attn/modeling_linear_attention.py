@@ -228,6 +228,8 @@ class LinearAttention(AttentionProjections):
         cache_layer: this layer's slot of a LinearAttentionCache, read and then advanced by T positions.
         cu_seqlens: None or [N + 1] boundaries of N documents packed into a batch of one (no cache).
         """
+        if self.attention_transfer and cache_layer is not None:  # checked before any work
+            raise ValueError("attention transfer runs without a cache (use_cache=False)")
         b, t, _ = hidden_states.shape
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
         q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D], [B, T, H_kv, D] x 2
@@ -242,7 +244,7 @@ class LinearAttention(AttentionProjections):
         if hasattr(self, "o_norm"):
             o = self.o_norm(o)
         if self.attention_transfer:
-            o = self.transfer_from_softmax(o, q, k, v, new_mask, cache_layer, cu_seqlens)
+            o = self.transfer_from_softmax(o, q, k, v, new_mask, cu_seqlens)
         return self.o_proj(o.reshape(b, t, -1))
 
     def transfer_from_softmax(
@@ -252,13 +254,10 @@ class LinearAttention(AttentionProjections):
         k: torch.Tensor,
         v: torch.Tensor,
         new_mask: torch.Tensor | None,
-        cache_layer: LinearStateLayer | None,
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
         """Set `transfer_loss` = MSE(o, softmax teacher output) over real tokens; return the teacher output
         [B, T, H, D] (detached: q/k/v are the teacher's and stay frozen)."""
-        if cache_layer is not None:
-            raise ValueError("attention transfer runs without a cache (use_cache=False)")
         with torch.no_grad():
             teacher = causal_softmax_attention(
                 q.transpose(1, 2), self.repeat_kv(k).transpose(1, 2), self.repeat_kv(v).transpose(1, 2),
