@@ -1,6 +1,7 @@
 """training/finetune.py and its building blocks: recipe parsing, data packing, the loop, checkpoints, LoRA."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -25,7 +26,7 @@ from training_utils import (
     tiny_args,
     write_documents,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionForCausalLM
 from training import checkpoints, finetune
@@ -115,6 +116,9 @@ def _bad_input_cases(tmp_path, cache):
     occupied = tmp_path / "occupied"
     (occupied / "checkpoint-2").mkdir(parents=True)
     (occupied / "checkpoint-2" / checkpoints.STATE_FILE).write_text(json.dumps({"global_step": 2}))
+    teacher = tmp_path / "teacher"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 vocab_size=300)).save_pretrained(teacher)
     out = tmp_path / "out"
     return {
         "missing file": (FileNotFoundError, "no such file",
@@ -137,13 +141,20 @@ def _bad_input_cases(tmp_path, cache):
         "push without repo": (ValueError, "needs --hub_model_id", tiny_args(out, cache, "--push_to_hub")),
         "bf16 weights that train": (ValueError, "weights that train stay float32",
                                     tiny_args(out, cache, "--dtype", "bfloat16")),
+        "teacher vocabulary": (ValueError, "teacher .* predicts 300 tokens but the model 259",
+                               tiny_args(out, cache, "--teacher_name_or_path", str(teacher))),
+        "kl weight": (ValueError, r"--kl_weight must be in \[0, 1\], got 1.5",
+                      tiny_args(out, cache, "--teacher_name_or_path", str(teacher), "--kl_weight", "1.5")),
+        "gguf without teacher": (ValueError, "--teacher_gguf_file names a file inside",
+                                 tiny_args(out, cache, "--teacher_gguf_file", "model.gguf")),
     }
 
 
 @pytest.mark.parametrize("case", ["missing file", "unknown column", "unknown recipe key", "not linear attention",
                                   "lora targets", "trainable pattern", "incomplete resume folder",
                                   "nothing to resume", "earlier run in output_dir", "no model", "push without repo",
-                                  "bf16 weights that train"])
+                                  "bf16 weights that train", "teacher vocabulary", "kl weight",
+                                  "gguf without teacher"])
 def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):  # noqa: F811
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
@@ -199,8 +210,8 @@ def test_text_files_chat_templates_and_the_tokenisation_cache(tmp_path, dataset_
     text = tmp_path / "book.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: " + "linear state " * 20 for i in range(40)))
     args = DataArguments(train_file=str(text), block_size=32, cache_dir=str(dataset_cache))
-    first = build_datasets(args, tokenizer, seed=0)
-    second = build_datasets(args, tokenizer, seed=0)
+    first = build_datasets(args, tokenizer)
+    second = build_datasets(args, tokenizer)
     assert first["train"]._fingerprint == second["train"]._fingerprint  # the cached map is reused
     assert first["train"].cache_files == second["train"].cache_files
     starts = sum(row.count(0) for row in first["train"]["position_ids"])
@@ -212,7 +223,7 @@ def test_text_files_chat_templates_and_the_tokenisation_cache(tmp_path, dataset_
                              for i in range(60)))
     args = DataArguments(train_file=str(chats), text_column="messages", chat_template=True, block_size=32,
                          cache_dir=str(dataset_cache))
-    rows = build_datasets(args, tokenizer, seed=0)
+    rows = build_datasets(args, tokenizer)
     decoded = tokenizer.decode(rows["train"][0]["input_ids"])
     assert "<|im_start|>user\nquestion" in decoded or "<|im_start|>assistant\nanswer" in decoded
 
@@ -240,7 +251,7 @@ def test_trains_evaluates_and_saves_an_ordinary_checkpoint(trained, dataset_cach
 
     # The reported eval loss is the exact token mean over the held-out rows, each document alone.
     model_args, data_args, train_args, _ = finetune.parse_args(tiny_args(output, dataset_cache))
-    rows = build_datasets(data_args, tokenizer, train_args.seed)["validation"]
+    rows = build_datasets(data_args, tokenizer)["validation"]
     total, count = piece_losses(model, rows)
     assert result.eval_metrics["eval_loss"] == pytest.approx(total / count, rel=1e-5)
 
@@ -337,6 +348,72 @@ def test_lora_trains_only_adapters_and_merges_into_the_weights(trained, tmp_path
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     assert any("lora_B" in name and param.abs().sum() > 0 for name, param in adapted.named_parameters())
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
+
+
+# Logit distillation (stage 2's optional KL to the teacher) -------------------------------------------------
+
+
+def tiny_teacher(vocab_size: int = 259) -> LlamaForCausalLM:
+    torch.manual_seed(7)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size)).eval()
+
+
+def test_logit_distillation_loss_is_cross_entropy_plus_kl_per_document():
+    """Against a direct computation on each document alone: packing must keep documents apart for the
+    teacher too, and the loss must be (1 − w)·CE + w·T²·KL(teacher ‖ model) per predicted token."""
+    student, teacher = tiny_model(vocab_size=259).eval(), tiny_teacher()
+    docs = [torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 30, 17, 40)]
+    batch = collate_rows(list(Dataset.from_dict(pack_documents(docs, block_size=32))))
+    weight, temperature = 0.3, 2.0
+    with torch.no_grad():
+        loss_sum, tokens = finetune.logit_distillation_loss(teacher, weight, temperature)(student, batch)
+        expected, expected_tokens = 0.0, 0
+        for row_ids, row_positions in zip(batch["input_ids"], batch["position_ids"], strict=True):
+            starts = [*(row_positions == 0).nonzero().flatten().tolist(), len(row_ids)]
+            for begin, end in zip(starts[:-1], starts[1:], strict=True):
+                piece = row_ids[begin:end][None]
+                if piece.shape[1] < 2:
+                    continue
+                logits, target = student(piece).logits[0, :-1], teacher(piece).logits[0, :-1]
+                ce = F.cross_entropy(logits, piece[0, 1:], reduction="sum")
+                kl = F.kl_div(F.log_softmax(logits / temperature, -1), F.log_softmax(target / temperature, -1),
+                              log_target=True, reduction="sum")
+                expected += ((1 - weight) * ce + weight * temperature**2 * kl).item()
+                expected_tokens += piece.shape[1] - 1
+        assert tokens.sum().item() == expected_tokens
+        assert loss_sum.sum().item() == pytest.approx(expected, rel=1e-5)
+        plain_sum, _ = causal_lm_loss(student, batch)
+        only_ce, _ = finetune.logit_distillation_loss(teacher, 0.0, temperature)(student, batch)
+    torch.testing.assert_close(only_ce, plain_sum)
+
+
+def test_kl_to_the_teacher_trains_towards_it_and_evaluation_stays_perplexity(trained, tmp_path, dataset_cache):  # noqa: F811
+    base, _ = trained
+    teacher_dir = tmp_path / "teacher"
+    tiny_teacher().save_pretrained(teacher_dir)
+    out = tmp_path / "distilled"
+    args = finetune.parse_args(tiny_args(out, dataset_cache, "--config_name", "", "--model_name_or_path", str(base),
+                                         "--teacher_name_or_path", str(teacher_dir), "--kl_weight", "1",
+                                         "--max_steps", "8", "--learning_rate", "0.01"))
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows = collate_rows(list(build_datasets(args[1], tokenizer)["validation"]))
+    kl_only = finetune.logit_distillation_loss(tiny_teacher(), 1.0, 1.0)
+
+    def mean_kl(model):
+        with torch.no_grad():
+            loss_sum, tokens = kl_only(model.eval(), rows)
+        return loss_sum.sum().item() / tokens.sum().item()
+
+    result = finetune.run(args)
+    before, after = AutoModelForCausalLM.from_pretrained(base), AutoModelForCausalLM.from_pretrained(out)
+    assert mean_kl(after) < 0.9 * mean_kl(before)
+    # Held-out metrics are next-token cross-entropy of the trained model, not the KL objective.
+    ce_sum, ce_tokens = causal_lm_loss(after.eval(), rows)
+    assert result.eval_metrics["eval_loss"] == pytest.approx(ce_sum.sum().item() / ce_tokens.sum().item(), rel=1e-5)
+    assert result.eval_metrics["perplexity"] == pytest.approx(math.exp(result.eval_metrics["eval_loss"]))
+    recipe = json.loads((out / "training_summary.json").read_text())["recipe"]
+    assert recipe["teacher_name_or_path"] == str(teacher_dir) and recipe["kl_weight"] == 1.0
 
 
 def test_train_api_with_a_custom_loss_and_selected_parameters(tmp_path):

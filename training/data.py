@@ -69,6 +69,10 @@ class DataArguments:
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "Percent of the documents held out when there is no validation split."}
     )
+    validation_split_seed: int = field(
+        default=42, metadata={"help": "Seed of that held-out share: fixed apart from the training seed, so that every "
+                                      "stage and the evaluation hold out the same documents."}
+    )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many rows."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
     cache_dir: str | None = field(
@@ -131,11 +135,11 @@ def dataset_names(args: DataArguments) -> list[str]:
     return [f"embedded: {EMBEDDED_CORPUS.name} (The Jargon File 4.4.7, public domain)"]
 
 
-def load_documents(args: DataArguments, seed: int) -> DatasetDict:
+def load_documents(args: DataArguments) -> DatasetDict:
     """The raw documents as a DatasetDict with `train` and `validation` splits.
 
     The validation split is the source's own (`validation`, or `--validation_file`) or, when there is
-    none, a seeded `validation_split_percentage` share of the training documents.
+    none, a `validation_split_percentage` share (drawn with `validation_split_seed`) of the training documents.
     """
     if args.dataset_name:
         raw = load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
@@ -155,7 +159,8 @@ def load_documents(args: DataArguments, seed: int) -> DatasetDict:
             f"{columns}."
         )
     if "validation" not in raw:
-        split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
+        split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100,
+                                              seed=args.validation_split_seed)
         raw = DatasetDict(train=split["train"], validation=split["test"])
     return DatasetDict(train=raw["train"], validation=raw["validation"])
 
@@ -203,7 +208,6 @@ def _pack(batch: dict[str, list], block_size: int) -> dict[str, list[list[int]]]
 def build_datasets(
     args: DataArguments,
     tokenizer: PreTrainedTokenizerBase,
-    seed: int,
     main_process_first: contextlib.AbstractContextManager | None = None,
 ) -> DatasetDict:
     """Packed `train` / `validation` rows (`input_ids`, `labels`, `position_ids`, each `block_size` long).
@@ -215,7 +219,7 @@ def build_datasets(
     if args.chat_template and not tokenizer.chat_template:
         raise ValueError("--chat_template was given but the tokenizer has no chat template.")
     with main_process_first or contextlib.nullcontext():
-        raw = load_documents(args, seed)
+        raw = load_documents(args)
         tokenized = raw.map(
             _tokenize, batched=True, remove_columns=raw["train"].column_names,
             fn_kwargs={"args": args, "tokenizer": tokenizer},

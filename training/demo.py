@@ -9,9 +9,12 @@
    with sink tokens, linear attention beyond it.
 3. Stage 1, attention transfer (`training.distill`) on the embedded public-domain corpus; the held-out
    documents are never trained on.
-4. Evaluate (`training.evaluate`) the teacher, the training-free sliding-window baseline, the converted
-   model before and after stage 1: held-out perplexity, passkey retrieval, decode cache bytes and latency.
-5. Generate a sample and print a summary; the distilled checkpoint is in OUTPUT_DIR/stage1.
+4. Stage 2, recovery (`training.finetune`): LoRA on q/k/v/o with next-token loss plus KL to the teacher's
+   next-token distribution (`kl_weight`), merged into the weights; skipped with `--recovery_steps 0`.
+5. Evaluate (`training.evaluate`) the teacher, the training-free sliding-window baseline, the converted
+   model, and the model after each stage: held-out perplexity, passkey retrieval, decode cache bytes and
+   latency; the numbers also go into the model card (README.md) of each checkpoint.
+6. Generate a sample and print a summary; the final checkpoint is OUTPUT_DIR/stage2 (stage1 without stage 2).
 """
 
 # ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
@@ -36,7 +39,10 @@ from hf_linear_attn.conversion import load_teacher
 from training import evaluate
 from training.data import DataArguments
 from training.distill import DistillArguments, distill
+from training.finetune import ModelArguments
+from training.finetune import run as finetune
 from training.loop import TrainArguments
+from training.push_to_hub import HubArguments
 from training.recipes import parse_recipe_args
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -51,9 +57,15 @@ class DemoArguments:
     window_size: int = 64
     num_sink_tokens: int = 4
     block_size: int = field(default=256, metadata={"help": "Tokens per training / evaluation row."})
-    distill_steps: int = 360
+    distill_steps: int = 300
     distill_batch_size: int = 1
     learning_rate: float = 1e-2
+    recovery_steps: int = field(default=90, metadata={"help": "Stage 2 (LoRA) optimizer steps; 0 skips it."})
+    recovery_batch_size: int = 1
+    recovery_learning_rate: float = 1e-3
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    kl_weight: float = field(default=1.0, metadata={"help": "Stage 2 loss: (1 - w) CE + w KL(teacher || model)."})
     eval_rows: int = 16
     passkey_lengths: list[int] = field(default_factory=lambda: [256, 1024])
     passkey_trials: int = 3
@@ -80,11 +92,11 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     folder = smollm2_folder()
 
-    print(f"[1/5] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
+    print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     teacher = load_teacher(folder, gguf_file=GGUF_FILE)
 
-    print("[2/5] Converting to linear attention", flush=True)
+    print("[2/6] Converting to linear attention", flush=True)
     options = dict(feature_map=args.feature_map, feature_dim=args.feature_dim, window_size=args.window_size,
                    num_sink_tokens=args.num_sink_tokens)
     student = convert_to_linear_attention(teacher, **options)
@@ -93,7 +105,7 @@ def main(argv: list[str]) -> int:
     tokenizer.save_pretrained(out / "converted")
     del teacher, student
 
-    print(f"[3/5] Stage 1: attention transfer, {args.distill_steps} steps of {args.distill_batch_size} x "
+    print(f"[3/6] Stage 1: attention transfer, {args.distill_steps} steps of {args.distill_batch_size} x "
           f"{args.block_size} tokens", flush=True)
     data = DataArguments(block_size=args.block_size, max_eval_samples=args.eval_rows)
     distill(
@@ -104,19 +116,40 @@ def main(argv: list[str]) -> int:
                        lr_scheduler_type="cosine", warmup_steps=max(1, args.distill_steps // 10),
                        logging_steps=10, report_to="none"),
     )
+    models = {"converted": out / "converted", "stage 1": out / "stage1"}
 
-    print("[4/5] Evaluating teacher, sliding-window baseline, converted and distilled models", flush=True)
+    if args.recovery_steps > 0:
+        print(f"[4/6] Stage 2: LoRA recovery (r {args.lora_r}), {args.recovery_steps} steps of "
+              f"{args.recovery_batch_size} x {args.block_size} tokens, KL weight {args.kl_weight}", flush=True)
+        finetune((
+            ModelArguments(model_name_or_path=str(out / "stage1"), use_lora=True, lora_r=args.lora_r,
+                           lora_alpha=args.lora_alpha, teacher_name_or_path=folder, teacher_gguf_file=GGUF_FILE,
+                           kl_weight=args.kl_weight),
+            data,
+            TrainArguments(output_dir=str(out / "stage2"), overwrite_output_dir=True, max_steps=args.recovery_steps,
+                           per_device_train_batch_size=args.recovery_batch_size,
+                           learning_rate=args.recovery_learning_rate, lr_scheduler_type="cosine",
+                           warmup_steps=max(1, args.recovery_steps // 10), logging_steps=10, save_steps=0,
+                           report_to="none"),
+            HubArguments(),
+        ))
+        models["stage 2"] = out / "stage2"
+    else:
+        print("[4/6] Stage 2 skipped (--recovery_steps 0)", flush=True)
+    final = list(models.values())[-1]
+
+    print("[5/6] Evaluating teacher, sliding-window baseline, converted and trained models", flush=True)
     evaluate.main([
         "--teacher", folder, "--gguf_file", GGUF_FILE,
-        "--models", f"converted={out / 'converted'}", f"stage 1={out / 'stage1'}",
+        "--models", *(f"{label}={path}" for label, path in models.items()),
         "--block_size", str(args.block_size), "--max_eval_rows", str(args.eval_rows),
         "--baseline_window", str(args.window_size), "--baseline_sinks", str(args.num_sink_tokens),
         "--passkey_lengths", *map(str, args.passkey_lengths), "--passkey_trials", str(args.passkey_trials),
         "--decode_contexts", *map(str, args.decode_contexts), "--output_dir", str(out / "evaluation"),
     ])
 
-    print("[5/5] Sample from the distilled model", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(out / "stage1").eval()
+    print(f"[6/6] Sample from {final}", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         sample = model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=tokenizer.eos_token_id)
@@ -127,7 +160,7 @@ def main(argv: list[str]) -> int:
     decode = json.loads((out / "evaluation" / "decode.json").read_text())["rows"]
     summary = {"minutes": (time.perf_counter() - start) / 60, "sample": text, "quality": quality, "decode": decode}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nSummary ({summary['minutes']:.1f} min; checkpoint: {out / 'stage1'}):")
+    print(f"\nSummary ({summary['minutes']:.1f} min; checkpoint with model card: {final}):")
     print((out / "evaluation" / "evaluation.md").read_text().split("\n\n", 1)[1])
     print((out / "evaluation" / "decode.md").read_text().split("\n\n", 1)[1])
     return 0

@@ -91,7 +91,7 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     accelerator = make_accelerator(train_args)
     set_seed(train_args.seed)
-    datasets = build_datasets(data_args, tokenizer, train_args.seed, accelerator.main_process_first())
+    datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     set_attention_transfer(model, True)
     result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
                    loss_fn=attention_transfer_loss, trainable=args.trainable_parameters, run_name="distill",

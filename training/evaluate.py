@@ -11,11 +11,14 @@ Reports, for the teacher, the training-free baseline "teacher restricted to a sl
   `passkey_lengths` tokens, `passkey_trials` trials, greedy decoding;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context.
 Writes `evaluation.md`, `evaluation.json` and `evaluation.png` to `--output_dir` and prints the tables.
+Unless `--update_model_cards false`, every linear-attention checkpoint evaluated also gets the numbers in
+its folder (`evaluation.json`) and a model card (`README.md`) that shows them.
 """
 
 # ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -32,13 +35,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # the decode measurements are the 
 import torch
 import torch.nn.functional as F
 from bench_decode import cache_bytes, decode_times, new_cache, prefill
-from common import write_report
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from common import machine, write_report
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
 from training.data import IGNORE_INDEX, DataArguments, build_datasets, collate_rows
 from training.loop import causal_lm_loss
+from training.model_card import EVALUATION_FILE, write_model_card
 from training.recipes import parse_recipe_args
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -59,8 +63,11 @@ class EvaluateArguments:
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
     decode_tokens: int = field(default=8, metadata={"help": "Decode steps timed after each context."})
     prefill_chunk: int = 1024
-    seed: int = 0
+    seed: int = field(default=0, metadata={"help": "Seed of the passkey trials (keys, depths)."})
     output_dir: str = "outputs/evaluate"
+    update_model_cards: bool = field(
+        default=True, metadata={"help": "Write the results and a model card into each linear-attention checkpoint."}
+    )
 
 
 def document_mask(position_ids: torch.Tensor, window: int = 0, sinks: int = 0) -> torch.Tensor:
@@ -142,7 +149,7 @@ def main(argv: list[str]) -> int:
     tokenizer_source = args.tokenizer_name or args.teacher or next(iter(models.values()))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **(load_kwargs if tokenizer_source == args.teacher
                                                                    else {}))
-    rows = list(build_datasets(data_args, tokenizer, seed=args.seed)["validation"])[: args.max_eval_rows]
+    rows = list(build_datasets(data_args, tokenizer)["validation"])[: args.max_eval_rows]
     print(f"Evaluating on {len(rows)} held-out rows of {data_args.block_size} tokens")
 
     candidates: list[tuple[str, Callable[[], PreTrainedModel]]] = []
@@ -197,6 +204,15 @@ def main(argv: list[str]) -> int:
 
     write_report(decode, {"model": "model", "context": "context", "cache_bytes": "cache bytes",
                           "ms_per_token": "ms/token"}, args.output_dir, "decode", plot)
+    if args.update_model_cards:
+        for label, path in models.items():
+            if AutoConfig.from_pretrained(path).model_type == hf_linear_attn.LinearAttentionConfig.model_type:
+                record = {"label": label, "machine": machine(), "eval_rows": len(rows),
+                          "block_size": data_args.block_size, "passkey_trials": args.passkey_trials,
+                          "rows": quality, "decode": decode}
+                (Path(path) / EVALUATION_FILE).write_text(json.dumps(record, indent=2))
+                write_model_card(path)
+                print(f"  model card with these numbers: {Path(path) / 'README.md'}")
     return 0
 
 

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the `training` package im
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from transformers import (
@@ -51,14 +52,25 @@ from transformers import (
 )
 
 import hf_linear_attn
+from hf_linear_attn.conversion import load_teacher
 from training.checkpoints import complete_checkpoints, export_model, resolve_resume_checkpoint
-from training.data import DataArguments, build_datasets, byte_level_tokenizer, check_data_arguments, dataset_names
+from training.data import (
+    IGNORE_INDEX,
+    DataArguments,
+    build_datasets,
+    byte_level_tokenizer,
+    check_data_arguments,
+    dataset_names,
+)
 from training.loop import (
     LOG_FILE,
+    LossFn,
     TrainArguments,
     TrainResult,
+    causal_lm_loss,
     check_train_arguments,
     make_accelerator,
+    packed_forward,
     select_trainable,
     train,
 )
@@ -108,6 +120,17 @@ class ModelArguments:
     merge_lora: bool = field(
         default=True, metadata={"help": "Merge LoRA into the saved weights (else save a PEFT adapter)."}
     )
+    teacher_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Logit distillation: a frozen causal LM with the same vocabulary (e.g. the softmax "
+                          "model a conversion started from) whose next-token distributions the model also learns."},
+    )
+    teacher_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file of the teacher, in its folder."})
+    kl_weight: float = field(
+        default=0.5, metadata={"help": "With a teacher, the loss is (1 - w) * cross-entropy + w * T^2 * KL(teacher "
+                                       "|| model), per token; w in [0, 1] (1: KL only)."}
+    )
+    kl_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature T of both distributions."})
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments, HubArguments)
@@ -136,6 +159,12 @@ def check_arguments(model_args: ModelArguments, data_args: DataArguments, train_
         if model_args.trainable_parameters and not model_args.merge_lora:
             raise ValueError("--trainable_parameters with an unmerged LoRA adapter: a PEFT adapter does not store "
                              "the base weights that would train; set --merge_lora true.")
+    if model_args.teacher_gguf_file and not model_args.teacher_name_or_path:
+        raise ValueError("--teacher_gguf_file names a file inside --teacher_name_or_path, which is not set.")
+    if not 0.0 <= model_args.kl_weight <= 1.0:
+        raise ValueError(f"--kl_weight must be in [0, 1], got {model_args.kl_weight}.")
+    if model_args.kl_temperature <= 0:
+        raise ValueError(f"--kl_temperature must be > 0, got {model_args.kl_temperature}.")
     if hub_args.push_to_hub:
         if not hub_args.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id USER/NAME.")
@@ -225,6 +254,46 @@ def apply_lora(model: PreTrainedModel, model_args: ModelArguments) -> torch.nn.M
     return get_peft_model(model, config)
 
 
+def load_distillation_teacher(model_args: ModelArguments, config: PretrainedConfig) -> PreTrainedModel:
+    """The frozen teacher of logit distillation (eval mode, no gradients), checked to predict over the
+    model's vocabulary."""
+    kwargs = {"gguf_file": model_args.teacher_gguf_file} if model_args.teacher_gguf_file else {}
+    teacher = load_teacher(model_args.teacher_name_or_path, dtype=getattr(torch, model_args.dtype),
+                           trust_remote_code=model_args.trust_remote_code, **kwargs)
+    teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
+    if teacher_vocab != config.vocab_size:
+        raise ValueError(f"The teacher {model_args.teacher_name_or_path} predicts {teacher_vocab} tokens but the "
+                         f"model {config.vocab_size}: logit distillation needs the same vocabulary.")
+    return teacher.eval().requires_grad_(False)
+
+
+def logit_distillation_loss(teacher: PreTrainedModel, kl_weight: float, temperature: float) -> LossFn:
+    """A loop loss: per packed row, Σ over predicted tokens of (1 − w)·CE + w·T²·KL(teacher ‖ model), with
+    both distributions at temperature T (T² keeps the gradient scale of the KL term independent of T), and
+    the number of those tokens. The teacher sees the same packed rows, documents kept apart."""
+
+    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, length = batch["input_ids"].shape
+        labels = batch["labels"][:, 1:]
+        predicted = labels != IGNORE_INDEX
+        logits = packed_forward(model, batch).logits.reshape(rows, length, -1)[:, :-1].float()  # [rows, L-1, V]
+        with torch.no_grad():
+            target = packed_forward(teacher, batch).logits.reshape(rows, length, -1)[:, :-1].float()
+        token_loss = torch.zeros(predicted.shape, device=logits.device)
+        if kl_weight < 1:
+            cross_entropy = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
+                                            reduction="none")
+            token_loss = token_loss + (1 - kl_weight) * cross_entropy
+        if kl_weight > 0:
+            log_model = F.log_softmax(logits / temperature, dim=-1)
+            log_teacher = F.log_softmax(target / temperature, dim=-1)
+            kl = (log_teacher.exp() * (log_teacher - log_model)).sum(-1)  # [rows, L-1]
+            token_loss = token_loss + kl_weight * temperature**2 * kl.masked_fill(~predicted, 0.0)
+        return token_loss.sum(dim=1), predicted.sum(dim=1)
+
+    return loss_fn
+
+
 def trainable_patterns(model_args: ModelArguments) -> list[str] | None:
     """Regexes of the parameters that train (None: all of a plain model)."""
     if model_args.use_lora:
@@ -273,8 +342,12 @@ def run(args: Arguments) -> TrainResult:
     config = load_config(model_args)
     tokenizer = load_tokenizer(model_args)
     fit_to_tokenizer(config, tokenizer, from_scratch=bool(model_args.config_name))
-    datasets = build_datasets(data_args, tokenizer, train_args.seed, accelerator.main_process_first())
+    datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     model = build_model(model_args, config)
+    loss_fn = causal_lm_loss
+    if model_args.teacher_name_or_path:
+        teacher = load_distillation_teacher(model_args, config).to(accelerator.device)
+        loss_fn = logit_distillation_loss(teacher, model_args.kl_weight, model_args.kl_temperature)
     if train_args.gradient_checkpointing:
         # transformers 5.24 renamed it (the old name warns); 5.5 has only the old one.
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -284,8 +357,9 @@ def run(args: Arguments) -> TrainResult:
     patterns = trainable_patterns(model_args)
     if patterns is not None:
         select_trainable(model, patterns)
-    result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
-                   tracker_config=recipe_dict(args))
+    # Held-out metrics stay next-token cross-entropy and perplexity whatever the training objective.
+    result = train(model, datasets["train"], datasets["validation"], train_args, accelerator, loss_fn=loss_fn,
+                   eval_loss_fn=causal_lm_loss, tracker_config=recipe_dict(args))
     export_model(accelerator, result.model, train_args.output_dir, tokenizer, merge_lora=model_args.merge_lora)
     if accelerator.is_main_process:
         write_summary(args, result)

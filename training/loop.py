@@ -3,7 +3,7 @@
 API (what `training/distill.py` and other stages build on)::
 
     accelerator = make_accelerator(args)                        # before loading data and model
-    rows = build_datasets(data_args, tokenizer, args.seed, accelerator.main_process_first())  # training.data
+    rows = build_datasets(data_args, tokenizer, accelerator.main_process_first())  # training.data
     result = train(model, rows["train"], rows["validation"], args, accelerator,
                    loss_fn=causal_lm_loss,                      # or your own LossFn
                    trainable=[r"feature_map", r"window_gate"],  # regexes over parameter names, or None
@@ -19,6 +19,8 @@ API (what `training/distill.py` and other stages build on)::
   whole held-out set, exactly, on any number of processes (per-row values let accelerate drop the rows
   it repeats to even out the last batch). `packed_forward` runs the model on packed rows with document
   boundaries respected; `causal_lm_loss` is next-token cross-entropy on top of it.
+- `eval_loss_fn`: what evaluation reports, when it differs from the training objective (e.g. plain
+  next-token cross-entropy while training on a distillation loss); default `loss_fn`.
 - `trainable`: parameters whose name matches any regex train, all others are frozen (each pattern must
   match something); None leaves `requires_grad` as the caller set it (e.g. PEFT's LoRA). Only trainable
   parameters reach the optimizer and the gradient clipping.
@@ -87,7 +89,9 @@ class TrainArguments:
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
-    seed: int = field(default=42, metadata={"help": "Seed of initialisation, data split and data order."})
+    seed: int = field(
+        default=42, metadata={"help": "Seed of initialisation and data order (the held-out split has its own)."}
+    )
     mixed_precision: str | None = field(
         default=None, metadata={"help": "no, fp16 or bf16; default: what `accelerate launch` / its config says."}
     )
@@ -308,6 +312,7 @@ def train(
     accelerator: Accelerator,
     *,
     loss_fn: LossFn = causal_lm_loss,
+    eval_loss_fn: LossFn | None = None,
     trainable: Sequence[str] | None = None,
     collate_fn: Callable[[list[Any]], dict[str, torch.Tensor]] = collate_rows,
     run_name: str = "finetune",
@@ -389,7 +394,7 @@ def train(
         if eval_loader is not None and (
             global_step == total_steps or (args.eval_steps > 0 and global_step % args.eval_steps == 0)
         ):
-            eval_metrics = evaluate(model, eval_loader, loss_fn, accelerator, perplexity)
+            eval_metrics = evaluate(model, eval_loader, eval_loss_fn or loss_fn, accelerator, perplexity)
             log.append({"step": global_step, **eval_metrics})
             accelerator.log(eval_metrics, step=global_step)
             if accelerator.is_main_process:

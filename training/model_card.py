@@ -5,8 +5,11 @@
 `config.json`, its safetensors headers (parameter count) and `training_summary.json`, which
 `training/finetune.py` writes at the end of a run: base model, datasets, steps, tokens seen, held-out
 metrics, licence and the full recipe. A converted checkpoint also names its softmax source in
-`config.base_model_name_or_path`. The metadata (`ModelCardData`) carries licence, base model (the first
-of these two that is a Hub id), datasets, tags and the evaluation as model-index results. The licence
+`config.base_model_name_or_path`. `evaluation.json`, which `training/evaluate.py` writes into every
+linear-attention checkpoint it evaluates, adds the comparison with the softmax teacher (perplexity,
+passkey retrieval, decode cache bytes and latency, as measured). The metadata (`ModelCardData`) carries
+licence, base model (the first of these two that is a Hub id), datasets, tags and the evaluation as
+model-index results. The licence
 is, in order: the one given, the one the run recorded, or the one in the card of the fine-tuned or
 the source model (read locally or from the Hub).
 
@@ -32,6 +35,7 @@ import hf_linear_attn
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "linear_attention_model_card.md"
 SUMMARY_FILE = "training_summary.json"
+EVALUATION_FILE = "evaluation.json"
 CACHE_CONTEXTS = (512, 4096)
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
@@ -79,6 +83,36 @@ def measure_cache_bytes(config: dict[str, Any], contexts: tuple[int, ...] = CACH
     return rows
 
 
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.3g}" if value < 10 else f"{value:,.1f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def comparison_tables(evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The template's view of an `evaluation.json`: header and formatted rows of the quality and decode
+    tables, with this checkpoint's rows marked in bold."""
+    quality, decode, label = evaluation["rows"], evaluation["decode"], evaluation["label"]
+    titles = {"perplexity": "perplexity", "vs_teacher": "× teacher"}
+    keys = ["perplexity", "vs_teacher", *[k for k in quality[0] if k.startswith("passkey@")]]
+
+    def row(cells: list[Any], mine: bool) -> list[str]:
+        return [f"**{_cell(c)}**" if mine else _cell(c) for c in cells]
+
+    return {
+        "quality_header": ["model", *(titles.get(k, k.replace("@", " @")) for k in keys)],
+        "quality_rows": [row([r["model"], *(r.get(k) for k in keys)], r["model"] == label) for r in quality],
+        "decode_rows": [row([r["model"], r["context"], r["cache_bytes"], r["ms_per_token"]], r["model"] == label)
+                        for r in decode],
+        "rows_evaluated": evaluation.get("eval_rows"),
+        "block_size": evaluation.get("block_size"),
+        "passkey_trials": evaluation.get("passkey_trials"),
+        "machine": evaluation.get("machine"),
+    }
+
+
 def _num_parameters(folder: Path) -> int:
     """Parameters stored in the folder's safetensors files (read from their headers only)."""
     total = 0
@@ -115,6 +149,8 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
                    metric_name=name, metric_value=round(value, 6))
         for name, value in eval_metrics.items()
     ]
+    evaluation_file = folder / EVALUATION_FILE
+    comparison = comparison_tables(json.loads(evaluation_file.read_text())) if evaluation_file.is_file() else None
     card_data = ModelCardData(
         license=final_license,
         library_name="transformers",
@@ -141,6 +177,7 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         tokens_seen=summary.get("tokens_seen"),
         recipe_yaml=yaml.safe_dump(recipe, sort_keys=False) if recipe else None,
         eval_metrics=eval_metrics,
+        comparison=comparison,
         license=final_license,
         license_inherited=final_license is not None and recorded_license is None,
     )
