@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo tour test test-oldest bench lint clean
+.PHONY: install demo tour lm-eval test test-oldest bench lint clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,14 @@ demo: install
 # A quick tour of every attention variant on small random models (configs/tour.yaml).
 tour: install
 	$(PY) training/tour.py
+
+# lm-eval-harness on a checkpoint (default: the demo's), as an ordinary `hf` model, with the local tasks
+# in configs/lm_eval (built from the held-out documents of the embedded corpus): make lm-eval MODEL=DIR
+MODEL ?= outputs/demo/stage2
+lm-eval: install
+	$(PY) -m lm_eval --model hf --model_args pretrained=$(MODEL),trust_remote_code=True --device cpu \
+		--batch_size 4 --tasks jargon_cloze,jargon_perplexity --include_path configs/lm_eval \
+		--output_path outputs/lm_eval
 
 test: install
 	$(PY) -m pytest -q tests
