@@ -317,25 +317,29 @@ class LinearAttention(AttentionProjections):
         """The sliding-window hybrid: o [B, T, H, V].
 
         With a cache, the new tokens run behind the retained raw keys/values (sinks + last window_size
-        positions) from the folded linear state; afterwards the cache keeps the new sinks/window and the
+        positions) from the folded linear state (queries only for the new tokens on the reference path,
+        which decoding uses); afterwards the cache keeps the new sinks/window and the
         state of everything older, so memory stays constant.
         """
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
         if new_mask is None:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
+        backend = self.config.linear_attention_backend
+        if backend == "auto" and t == 1:
+            backend = "reference"  # one decode step over the few retained tokens: the direct form has fewest ops
+        # The window hybrid's oracle is its quadratic reference form.
+        backend = "reference" if backend in ("recurrent", "parallel") else backend
         state = None
         if cache_layer is not None and cache_layer.window_keys is not None:
             kept = cache_layer.window_mask.shape[1]
             k = torch.cat([cache_layer.window_keys, k], dim=1)
             v = torch.cat([cache_layer.window_values, v], dim=1)
             new_mask = torch.cat([cache_layer.window_mask, new_mask], dim=1)
-            q = torch.cat([q.new_zeros(b, kept, *q.shape[2:]), q], dim=1)  # retained slots need no output
+            if backend != "reference":  # the chunked kernels need a query per key; retained slots need no output
+                q = torch.cat([q.new_zeros(b, kept, *q.shape[2:]), q], dim=1)
             state = cache_layer.state
         k_all, v_all = self.repeat_kv(k), self.repeat_kv(v)
-        backend = self.config.linear_attention_backend
-        if backend == "auto" and t == 1:
-            backend = "reference"  # one decode step over the few retained tokens: the direct form has fewest ops
         o, state = window_attention(
             q, k_all, v_all, self.feature_map_q(q), self.feature_map_k(k_all), self.window_gate,
             window_size=window,
@@ -344,8 +348,7 @@ class LinearAttention(AttentionProjections):
             key_padding_mask=None if bool(new_mask.all()) else new_mask,
             initial_state=state,
             output_final_state=cache_layer is not None,
-            # The window hybrid's oracle is its quadratic reference form.
-            backend="reference" if backend in ("recurrent", "parallel") else backend,
+            backend=backend,
         )
         if cache_layer is not None:
             cache_layer.update_window(k, v, new_mask, window, sinks)

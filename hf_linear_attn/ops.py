@@ -176,15 +176,20 @@ def window_attention(
     with s_ti = scale · q_t·k_i, c_t = max_{i∈W_t} s_ti and γ = sigmoid(window_gate). When window_size ≥ T
     this is exactly causal softmax attention.
 
+    The queries may cover only the last T_q ≤ T positions (q, q_feat [B, T_q, H, ·]): a decode step behind
+    a cache's retained keys computes just the new rows, O(T_q·T) instead of O(T²). Only the reference
+    backend takes T_q < T ("auto" picks it then); the chunked ones need one query per key.
+
     Args:
-        q, k: [B, T, H, D] queries and keys of the softmax part (after RoPE). v: [B, T, H, V].
-        q_feat, k_feat: [B, T, H, F] feature-mapped queries and keys of the linear part.
+        q, k: [B, T_q, H, D] queries and [B, T, H, D] keys of the softmax part (after RoPE). v: [B, T, H, V].
+        q_feat, k_feat: [B, T_q, H, F] and [B, T, H, F] feature-mapped queries and keys of the linear part.
         window_gate: [H] logits of the per-head softmax weight γ.
         window_size: ≥ 1, number of most recent tokens (the query's own included) under softmax.
         num_sink_tokens: ≥ 0, number of first real tokens always under softmax.
         scale: of the softmax scores; None means D ** -0.5.
-        key_padding_mask: None or bool [B, T], True for real tokens. Pad keys contribute nothing; pad
-            queries output 0. Real tokens must be contiguous (left or right padding).
+        key_padding_mask: None or bool [B, T], True for real tokens (the queries are its last T_q
+            positions). Pad keys contribute nothing; pad queries output 0. Real tokens must be contiguous
+            (left or right padding).
         initial_state: None or [B, H, F, V + 1]: Σ φ(k_j) [v_j, 1]ᵀ over keys older than the whole input
             (a decode cache's folded tokens), added to every query's linear part.
         output_final_state: also return initial_state plus every real, non-sink key that lies outside the
@@ -193,29 +198,34 @@ def window_attention(
         backend: "reference" (T x T), "torch" (chunked), "triton" (when triton is installed) or "auto".
 
     Returns:
-        o: [B, T, H, V] in the dtype of v; the final linear state (fp32, [B, H, F, V + 1]) or None.
+        o: [B, T_q, H, V] in the dtype of v; the final linear state (fp32, [B, H, F, V + 1]) or None.
     """
-    name = _pick_backend(backend, WINDOW_BACKENDS, q.device)
     for arg, x, dims in (
-        ("q", q, "[B, T, H, D]"),
+        ("q", q, "[B, T_q, H, D]"),
         ("k", k, "[B, T, H, D]"),
         ("v", v, "[B, T, H, V]"),
-        ("q_feat", q_feat, "[B, T, H, F]"),
+        ("q_feat", q_feat, "[B, T_q, H, F]"),
         ("k_feat", k_feat, "[B, T, H, F]"),
     ):
         _check_4d_floating(arg, x, dims)
-    batch, length, heads, head_dim = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q, [B, T, H, D] = {tuple(q.shape)}, got {tuple(k.shape)}")
-    for arg, x in (("v", v), ("q_feat", q_feat)):
-        if x.shape[:3] != q.shape[:3]:
-            raise ValueError(f"{arg} must have B, T, H = {tuple(q.shape[:3])}, got shape {tuple(x.shape)}")
-    if k_feat.shape != q_feat.shape:
-        raise ValueError(
-            f"k_feat must have the shape of q_feat {tuple(q_feat.shape)}, got {tuple(k_feat.shape)}"
-        )
-    if length == 0:
+    batch, length, heads, head_dim = k.shape
+    queries = q.shape[1]
+    if (q.shape[0], q.shape[2], q.shape[3]) != (batch, heads, head_dim) or queries > length:
+        raise ValueError(f"q must be [B, T_q, H, D] with T_q ≤ T and the B, H, D of k {tuple(k.shape)}, "
+                         f"got shape {tuple(q.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must have B, T, H = {tuple(k.shape[:3])}, got shape {tuple(v.shape)}")
+    if q_feat.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q_feat must have B, T_q, H = {tuple(q.shape[:3])}, got shape {tuple(q_feat.shape)}")
+    if k_feat.shape != (*k.shape[:3], q_feat.shape[-1]):
+        raise ValueError(f"k_feat must have shape {(*k.shape[:3], q_feat.shape[-1])} ([B, T, H, F] with the F of "
+                         f"q_feat), got {tuple(k_feat.shape)}")
+    if queries == 0:
         raise ValueError("q, k, v must hold at least one token, got T = 0")
+    name = "reference" if backend == "auto" and queries < length else _pick_backend(backend, WINDOW_BACKENDS, q.device)
+    if queries < length and name != "reference":
+        raise ValueError(f"backend {name!r} needs one query per key (T_q = T); got T_q = {queries} < T = {length}: "
+                         "use backend 'reference' (or 'auto') for queries behind cached keys")
     if tuple(window_gate.shape) != (heads,) or not window_gate.is_floating_point():
         raise ValueError(
             f"window_gate must be a floating-point tensor of shape ({heads},) (one logit per head), "

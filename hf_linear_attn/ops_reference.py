@@ -207,10 +207,11 @@ def reference_window_attention(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Sliding-window softmax + linear attention (LoLCATs) from the full [B, H, T, T] score matrix.
+    """Sliding-window softmax + linear attention (LoLCATs) from the full [B, H, T_q, T] score matrix.
 
-    q, k: [B, T, H, D] (softmax part); v: [B, T, H, V]; q_feat, k_feat: [B, T, H, F] (feature-mapped, linear
-    part); window_gate: [H] logits of γ = sigmoid(window_gate); key_padding_mask: None or bool [B, T], True
+    q, k: [B, T_q, H, D] and [B, T, H, D] (softmax part), the queries at the last T_q ≤ T positions;
+    v: [B, T, H, V]; q_feat, k_feat: [B, T_q, H, F] and [B, T, H, F] (feature-mapped, linear part);
+    window_gate: [H] logits of γ = sigmoid(window_gate); key_padding_mask: None or bool [B, T], True
     for real tokens. For query t the softmax set W_t holds the real keys i ≤ t with t − i < window_size plus
     the sinks i ≤ t; the linear set L_t holds the other real keys i ≤ t. With s_ti = scale · q_t·k_i and
     c_t = max_{i∈W_t} s_ti:
@@ -221,14 +222,15 @@ def reference_window_attention(
     initial_state (None or [B, H, F, V + 1]) adds q_feat_tᵀ S_0 to every numerator and denominator; the
     final state is S_0 + Σ φ(k_j) [v_j, 1]ᵀ over real non-sink keys j ≤ T − 1 − window_size.
 
-    Returns o [B, T, H, V] in v's dtype (pad queries get zeros) and the final state or None.
+    Returns o [B, T_q, H, V] in v's dtype (pad queries get zeros) and the final state or None.
     """
-    batch, length = q.shape[:2]
+    batch, length = k.shape[:2]
+    first_query = length - q.shape[1]
     dtype = accumulation_dtype(q, k, v, q_feat, k_feat)
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
     pos = torch.arange(length, device=q.device)
-    distance = pos[:, None] - pos[None, :]  # query index − key index, [T, T]
-    causal = (distance >= 0) & real[:, None, :]  # [B, T, T]: real keys not in the future
+    distance = pos[first_query:, None] - pos[None, :]  # query index − key index, [T_q, T]
+    causal = (distance >= 0) & real[:, None, :]  # [B, T_q, T]: real keys not in the future
     in_window = causal & ((distance < window_size) | sink[:, None, :])
     in_linear = causal & ~in_window
 
@@ -238,19 +240,21 @@ def reference_window_attention(
     c = torch.where(c.isfinite(), c, 0.0)  # a pad query has an empty window: keep exp(−inf − c) = 0, not nan
     gamma = torch.sigmoid(window_gate.to(dtype))[:, None, None]  # [H, 1, 1]
     linear_scores = torch.einsum("bthf,bihf->bhti", q_feat.to(dtype), k_feat.to(dtype))
-    weights = gamma * (scores - c).exp() + linear_scores * in_linear[:, None]  # [B, H, T, T]
+    weights = gamma * (scores - c).exp() + linear_scores * in_linear[:, None]  # [B, H, T_q, T]
     v_ones = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # [B, T, H, V + 1]
     total = weights @ v_ones.transpose(1, 2)  # [B, H, T, V + 1]: numerator and denominator
     if initial_state is not None:
         total = total + q_feat.to(dtype).transpose(1, 2) @ initial_state.to(dtype)
     value_dim = v.shape[-1]
-    keep = real[:, None, :, None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
+    keep = real[:, None, first_query:, None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
     o = torch.where(keep, total[..., :value_dim], 0.0) / torch.where(keep, total[..., value_dim:], 1.0)
     final_state = None
     if output_final_state:
-        folded = real & ~sink & (pos <= length - 1 - window_size)  # [B, T]
-        k_folded = k_feat.to(dtype) * folded[..., None, None]
-        final_state = torch.einsum("bthf,bthv->bhfv", k_folded, v_ones)
+        # Only keys before T − window_size can fold: a decode step sums over a handful, not the whole window.
+        count = max(length - window_size, 0)
+        folded = (real & ~sink)[:, :count]  # [B, count]
+        k_folded = k_feat[:, :count].to(dtype) * folded[..., None, None]
+        final_state = torch.einsum("bthf,bthv->bhfv", k_folded, v_ones[:, :count])
         if initial_state is not None:
             final_state = final_state + initial_state.to(dtype)
     return o.transpose(1, 2).to(v.dtype), final_state

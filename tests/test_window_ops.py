@@ -130,6 +130,35 @@ def test_continuing_from_the_carried_state_equals_one_shot(backend, split, windo
     torch.testing.assert_close(rest_state, full_state, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("length, queries, window_size, num_sink_tokens", [(9, 1, 4, 2), (40, 3, 8, 0), (12, 12, 5, 1),
+                                                                          (5, 2, 8, 2)])
+def test_queries_behind_keys_are_the_last_rows_of_the_full_computation(length, queries, window_size,
+                                                                       num_sink_tokens, with_state):
+    """What a decode step runs: only the last T_q queries against all T keys (reference backend, also
+    picked by "auto"). Outputs are the full computation's last rows; the final state and the gradients
+    of everything but the skipped queries are the same."""
+    inputs = make_inputs(length)
+    mask = left_padding(length, 2)
+    state = initial_state() if with_state else None
+    kwargs = dict(window_size=window_size, num_sink_tokens=num_sink_tokens, key_padding_mask=mask,
+                  initial_state=state, output_final_state=True)
+    full_o, full_state = window_attention(**inputs, backend="reference", **kwargs)
+    short = {**inputs, "q": inputs["q"][:, -queries:], "q_feat": inputs["q_feat"][:, -queries:]}
+    o, final_state = window_attention(**short, backend="auto", **kwargs)
+    torch.testing.assert_close(o, full_o[:, -queries:], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final_state, full_state, rtol=1e-12, atol=1e-12)
+
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(
+        final_state.shape, generator=gen, dtype=o.dtype)
+    leaves = list(inputs.values()) + ([state] if with_state else [])
+    full_loss = (full_o[:, -queries:] * weights[0]).sum() + (full_state * weights[1]).sum()
+    loss = (o * weights[0]).sum() + (final_state * weights[1]).sum()
+    for got, expected in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(full_loss, leaves), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
 def _args(**changes) -> dict:
     """Valid arguments for window_attention (B = 1, T = 6, H = 2) with `changes` applied."""
     args = {name: x.detach() for name, x in make_inputs(6, batch=1, dtype=torch.float32).items()}
@@ -152,6 +181,9 @@ def _args(**changes) -> dict:
         (_args(key_padding_mask=torch.ones(1, 5, dtype=torch.bool)), "key_padding_mask"),
         (_args(backend="recurrent"), "backend"),
         (_args(initial_state=torch.zeros(1, 2, 6, 5)), "initial_state"),
+        (_args(q=torch.randn(1, 7, 2, 8), q_feat=torch.rand(1, 7, 2, 6)), "T_q ≤ T"),
+        (_args(q=torch.randn(1, 2, 2, 8), q_feat=torch.rand(1, 2, 2, 6), backend="torch"), "one query per key"),
+        (_args(q_feat=torch.rand(1, 2, 2, 6)), "q_feat must have B, T_q, H"),
     ],
 )
 def test_invalid_arguments_raise(kwargs, argument):
