@@ -1,5 +1,7 @@
 """Stage-1 attention transfer (training/distill.py) on a tiny converted Llama."""
 
+import json
+
 import pytest
 import torch
 from test_conversion import save_with_tokenizer, teacher
@@ -45,6 +47,12 @@ def test_attention_transfer_lowers_the_layer_loss_and_trains_only_feature_maps(t
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("feature_map" in k or "window_gate" in k for k in changed), changed
     assert not trained.model.layers[0].self_attn.attention_transfer  # saved as an ordinary model
+    # The run is recorded for the model card.
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["script"] == "training/distill.py" and summary["steps"] == 25
+    assert summary["base_model"] == str(tmp_path / "converted") and summary["recipe"]["learning_rate"] == 3e-2
+    card = (out / "README.md").read_text()
+    assert "Recipe (`training/distill.py`" in card and "| eval_loss |" in card
 
 
 def test_distill_refuses_a_softmax_checkpoint(tmp_path):

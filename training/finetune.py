@@ -28,7 +28,6 @@ linear-attention model, LoRA targets that match nothing, nothing to resume) is r
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -60,7 +59,6 @@ from training.data import (
     build_datasets,
     byte_level_tokenizer,
     check_data_arguments,
-    dataset_names,
 )
 from training.loop import (
     LOG_FILE,
@@ -74,7 +72,7 @@ from training.loop import (
     select_trainable,
     train,
 )
-from training.model_card import SUMMARY_FILE, write_model_card
+from training.model_card import write_model_card, write_training_summary
 from training.push_to_hub import HubArguments, push_to_hub
 from training.recipes import parse_recipe_args
 
@@ -313,22 +311,6 @@ def recipe_dict(args: Arguments) -> dict[str, Any]:
     return {key: value for values in args for key, value in dataclasses.asdict(values).items()}
 
 
-def write_summary(args: Arguments, result: TrainResult) -> None:
-    """`OUTPUT_DIR/training_summary.json`: what the model card reports about this run."""
-    model_args, data_args, train_args, hub_args = args
-    summary = {
-        "base_model": model_args.model_name_or_path,
-        "dataset_name": data_args.dataset_name,
-        "datasets": dataset_names(data_args),
-        "steps": result.global_step,
-        "tokens_seen": result.tokens_seen,
-        "eval": result.eval_metrics,
-        "license": hub_args.license,  # None: the card inherits the base model's
-        "recipe": recipe_dict(args),
-    }
-    (Path(train_args.output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-
-
 def run(args: Arguments) -> TrainResult:
     """Set up everything (checking all inputs first), train, save and optionally push."""
     model_args, data_args, train_args, hub_args = args
@@ -362,7 +344,9 @@ def run(args: Arguments) -> TrainResult:
                    eval_loss_fn=causal_lm_loss, tracker_config=recipe_dict(args))
     export_model(accelerator, result.model, train_args.output_dir, tokenizer, merge_lora=model_args.merge_lora)
     if accelerator.is_main_process:
-        write_summary(args, result)
+        write_training_summary(train_args.output_dir, script="training/finetune.py",
+                               base_model=model_args.model_name_or_path, data_args=data_args, result=result,
+                               recipe=recipe_dict(args), license=hub_args.license)
         if not (model_args.use_lora and not model_args.merge_lora):  # an adapter folder has no model config
             write_model_card(train_args.output_dir, repo_id=hub_args.hub_model_id)
         if hub_args.push_to_hub:

@@ -3,13 +3,13 @@
 `write_model_card(folder)` fills the Jinja template `model_cards/linear_attention_model_card.md` through
 `huggingface_hub.ModelCard.from_template` and writes `folder/README.md`. Its inputs are the folder's
 `config.json`, its safetensors headers (parameter count) and `training_summary.json`, which
-`training/finetune.py` writes at the end of a run: base model, datasets, steps, tokens seen, held-out
-metrics, licence and the full recipe. A converted checkpoint also names its softmax source in
-`config.base_model_name_or_path`. `evaluation.json`, which `training/evaluate.py` writes into every
-linear-attention checkpoint it evaluates, adds the comparison with the softmax teacher (perplexity,
-passkey retrieval, decode cache bytes and latency, as measured). The metadata (`ModelCardData`) carries
-licence, base model (the first of these two that is a Hub id), datasets, tags and the evaluation as
-model-index results. The licence
+`write_training_summary` writes at the end of a `training/finetune.py` or `training/distill.py` run:
+script, base model, datasets, steps, tokens seen, held-out metrics, licence and the full recipe. A
+converted checkpoint also names its softmax source in `config.base_model_name_or_path`.
+`evaluation.json`, which `training/evaluate.py` writes into every linear-attention checkpoint it
+evaluates, adds the comparison with the softmax teacher (perplexity, passkey retrieval, decode cache
+bytes and latency, as measured). The metadata (`ModelCardData`) carries licence, base model (the first
+of these two that is a Hub id), datasets, tags and the evaluation as model-index results. The licence
 is, in order: the one given, the one the run recorded, or the one in the card of the fine-tuned or
 the source model (read locally or from the Hub).
 
@@ -32,12 +32,32 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from safetensors import safe_open
 
 import hf_linear_attn
+from training.data import dataset_names
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "linear_attention_model_card.md"
 SUMMARY_FILE = "training_summary.json"
 EVALUATION_FILE = "evaluation.json"
 CACHE_CONTEXTS = (512, 4096)
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def write_training_summary(output_dir: str | Path, *, script: str, base_model: str | None, data_args: Any,
+                           result: Any, recipe: dict[str, Any], license: str | None = None) -> None:
+    """`OUTPUT_DIR/training_summary.json` for the model card: `script` that trained, the checkpoint it started
+    from, the data (`training.data.DataArguments`), steps / tokens / held-out metrics (`training.loop.TrainResult`),
+    the recipe as run, and the licence given (None: the card inherits the base model's)."""
+    summary = {
+        "script": script,
+        "base_model": base_model,
+        "dataset_name": data_args.dataset_name,
+        "datasets": dataset_names(data_args),
+        "steps": result.global_step,
+        "tokens_seen": result.tokens_seen,
+        "eval": result.eval_metrics,
+        "license": license,
+        "recipe": recipe,
+    }
+    (Path(output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
 
 
 def is_hub_id(name: str | None) -> bool:
@@ -176,6 +196,7 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         steps=summary.get("steps"),
         tokens_seen=summary.get("tokens_seen"),
         recipe_yaml=yaml.safe_dump(recipe, sort_keys=False) if recipe else None,
+        script=summary.get("script", "training/finetune.py"),
         eval_metrics=eval_metrics,
         comparison=comparison,
         license=final_license,
