@@ -99,9 +99,9 @@ class ModelArguments:
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow code from the checkpoint's folder."})
     dtype: str = field(
         default="float32",
-        metadata={"help": f"Dtype of the loaded weights, one of {WEIGHT_DTYPES}. Weights that train stay float32 "
-                          "(use --mixed_precision for bf16 compute); bfloat16 / float16 halve the memory of the "
-                          "frozen base under LoRA."},
+        metadata={"help": f"Dtype of the loaded weights (the teacher's too), one of {WEIGHT_DTYPES}. Weights that "
+                          "train stay float32 (use --mixed_precision for bf16 compute); bfloat16 / float16 halve the "
+                          "memory of the frozen base under LoRA."},
     )
     trainable_parameters: list[str] | None = field(
         default=None,
