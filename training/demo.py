@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
                            learning_rate=args.recovery_learning_rate, lr_scheduler_type="cosine",
                            warmup_steps=max(1, args.recovery_steps // 10), logging_steps=10, save_steps=0,
                            report_to="none"),
-            HubArguments(),
+            HubArguments(license="apache-2.0"),  # SmolLM2's licence, for the model card (offline: not looked up)
         ))
         models["stage 2"] = out / "stage2"
     else:
