@@ -18,53 +18,108 @@ from torch import Tensor
 from .ops_reference import NORM_EPS, accumulation_dtype, run_per_sequence, window_token_masks
 
 CHUNK_SIZE = 64
-SUB_CHUNK_SIZE = 16  # vector decay: sub-block size of the intra-chunk product; must divide CHUNK_SIZE
+SCAN_GROUP_SIZE = 16  # decays: chunks per group of the inter-chunk state scan (see _decayed_prefix_states)
+SUB_CHUNK_SIZE = 8  # vector decay: sub-block size of the intra-chunk product; must divide CHUNK_SIZE
 
 
 def _masked_exp(exponent: Tensor, mask: Tensor) -> Tensor:
-    """exp(exponent) where mask, else 0. Masking before exp keeps both exp and its gradient finite."""
-    return torch.where(mask, exponent, -torch.inf).exp()
+    """exp(exponent) where mask, else 0, in place of exponent (a temporary: the vector-decay ones are the
+    largest tensors here). The mask is added as a 0 / −inf bias before exp, which keeps exp and its gradient
+    finite, and has no work in backward (a masked_fill would mask the gradient once more)."""
+    bias = torch.zeros(mask.shape, dtype=exponent.dtype, device=exponent.device).masked_fill_(~mask, -torch.inf)
+    return exponent.add_(bias).exp_()
 
 
 def _vector_decay_scores(q: Tensor, k: Tensor, b: Tensor) -> Tensor:
     """A[t, i] = Σ_k q_tk k_ik exp(b_tk − b_ik) for i ≤ t, 0 above the diagonal, per chunk.
 
     q, k, b: [..., C, K] with b the cumulative log decay within the chunk (non-increasing along C).
-    Returns [..., C, C]. exp(b_t − b_i) is never formed for i > t (it may overflow): diagonal sub-blocks
-    use an explicit masked [L, L, K] decay; for keys in earlier sub-blocks it is factored as
-    exp(b_t − r) · exp(r − b_i) around r = b at the end of the sub-block before the query's, where both
-    exponents are ≤ 0. Memory O(C·K·(L + C/L)) per chunk instead of O(C·C·K).
+    Returns [..., C, C]. exp(b_t − b_i) is never formed for i > t (it may overflow): for keys in earlier
+    sub-blocks than the query it is factored as exp(b_t − r) · exp(r − b_i) around r = b at the end of the
+    sub-block before the query's, where both exponents are ≤ 0, and those scores are one matmul; inside a
+    sub-block an explicit masked [L, L, K] decay is used. Memory O(C·K·(L + C/L)) per chunk instead of
+    O(C·C·K).
     """
     *lead, length, key_dim = q.shape
     size = SUB_CHUNK_SIZE
     blocks = length // size
     qs, ks, bs = (x.reshape(*lead, blocks, size, key_dim) for x in (q, k, b))
 
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    decay = _masked_exp(bs[..., :, None, :] - bs[..., None, :, :], causal[..., None])  # [..., M, L, L, K]
-    diagonal = torch.einsum("...tk,...ik,...tik->...ti", qs, ks, decay)  # [..., M, L, L]
-
     # r_m = b just before sub-block m starts (0 for m = 0, where no earlier key exists anyway).
     r = F.pad(b, (0, 0, 1, 0))[..., :length:size, :]  # [..., M, K]
     q_tilde = qs * (bs - r[..., None, :]).exp()  # [..., M, L, K]
     earlier = torch.arange(length, device=q.device) < size * torch.arange(blocks, device=q.device)[:, None]
-    k_tilde = k[..., None, :, :] * _masked_exp(r[..., None, :] - b[..., None, :, :], earlier[..., None])
-    off_diagonal = q_tilde @ k_tilde.transpose(-1, -2)  # [..., M, L, C], 0 for keys not in earlier sub-blocks
+    # Exponents below add −b rather than subtract b: backward would negate a subtrahend's full-size gradient.
+    k_tilde = k[..., None, :, :] * _masked_exp(r[..., None, :] + (-b)[..., None, :, :], earlier[..., None])
+    scores = q_tilde @ k_tilde.transpose(-1, -2)  # [..., M, L, C], 0 for keys not in earlier sub-blocks
 
-    eye = torch.eye(blocks, dtype=q.dtype, device=q.device)
-    diagonal = torch.einsum("...mti,mn->...mtni", diagonal, eye)  # placed on the block diagonal
-    return (off_diagonal.view(*lead, blocks, size, blocks, size) + diagonal).reshape(*lead, length, length)
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    decay = _masked_exp(bs[..., :, None, :] + (-bs)[..., None, :, :], causal[..., None])  # [..., M, L, L, K]
+    # A matrix-vector product per query contracts K (einsum would run one tiny bmm per (t, i) pair).
+    diagonal = (decay * ks[..., None, :, :]) @ qs[..., None]  # [..., M, L (t), L (i), 1]
+    scores = scores.view(*lead, blocks, size, blocks, size)
+    scores.diagonal(dim1=-4, dim2=-2).copy_(diagonal[..., 0].movedim(-3, -1))  # into the diagonal sub-blocks
+    return scores.view(*lead, length, length)
 
 
 def _intra_chunk_scores(q: Tensor, k: Tensor, b: Tensor | None) -> Tensor:
     """Causal decayed scores inside each chunk: q, k [..., C, K], b None or [..., C, 1 | K] -> [..., C, C]."""
-    length = q.shape[-2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     if b is None:
-        return (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
+        return (q @ k.transpose(-1, -2)).tril_()
     if b.shape[-1] == 1:
+        causal = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
         return (q @ k.transpose(-1, -2)) * _masked_exp(b - b.transpose(-1, -2), causal)
     return _vector_decay_scores(q, k, b)
+
+
+def _decayed_prefix_states(chunk_states: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """The state each chunk starts from under decay: E_0 = state, E_{n+1} = exp(g_n) ⊙ E_n + C_n.
+
+    chunk_states C: [B, H, N, K, V]; chunk_log_decay g: [B, H, N, 1 | K] (≤ 0), the log decay over each whole
+    chunk, applied to the rows of the state; state: [B, H, K, V]. Returns E [B, H, N, K, V] and the final
+    state E_N. A loop over chunks runs a few small ops per chunk in forward and backward, whose fixed cost
+    dominated at long T; here the chunks form groups of L = SCAN_GROUP_SIZE, solved all at once, and only the
+    G group boundaries are a loop. With a_j the log decay from the group start to chunk j's start,
+    E_j = exp(a_j) ⊙ E_0 + Σ_{m<j} exp(a_j − a_{m+1}) ⊙ C_m: every exponent is ≤ 0 and masked before exp.
+    """
+    batch, heads, chunks, key_dim, value_dim = chunk_states.shape
+    size = SCAN_GROUP_SIZE
+    groups = -(-chunks // size)
+    # Zero padding to whole groups: a chunk with C = 0 and g = 0 leaves the state as it is.
+    pad = groups * size - chunks
+    c = F.pad(chunk_states, (0, 0, 0, 0, 0, pad)).view(batch, heads, groups, size, key_dim, value_dim)
+    g = F.pad(chunk_log_decay, (0, 0, 0, pad)).view(batch, heads, groups, size, -1)
+    after = g.cumsum(dim=3)  # a_{m+1}: to the end of chunk m, [B, H, G, L, 1 | K]
+    before = F.pad(after, (0, 0, 1, 0))  # a_j, j = 0 .. L (the next group's start), [B, H, G, L + 1, 1 | K]
+    earlier = torch.arange(size, device=g.device) < torch.arange(size + 1, device=g.device)[:, None]  # m < j
+    weights = _masked_exp(before[..., :, None, :] - after[..., None, :, :], earlier[..., None])  # [.., L + 1, L, ·]
+    inside = torch.einsum("...jmk,...mkv->...jkv", weights.expand(*weights.shape[:-1], key_dim), c)
+
+    # unbind once: indexing [:, :, n] inside the loop would make autograd scatter every step's gradient into
+    # a zero tensor of the full [B, H, G, ...] size, i.e. O(G²) work in backward.
+    decays, contributions = before[..., -1, :, None].exp().unbind(dim=2), inside[..., -1, :, :].unbind(dim=2)
+    starts = []  # the state each group starts from
+    for decay, contribution in zip(decays, contributions, strict=True):
+        starts.append(state)
+        state = decay * state + contribution
+    entering = before[..., :-1, :, None].exp() * torch.stack(starts, dim=2)[:, :, :, None] + inside[..., :-1, :, :]
+    return entering.view(batch, heads, groups * size, key_dim, value_dim)[:, :, :chunks], state
+
+
+def _to_chunks(x: Tensor, dtype: torch.dtype, chunk_size: int, ones_column: bool = False) -> Tensor:
+    """[B, T, H, D] -> [B, H, N, C, D (+ 1 if ones_column)], contiguous in dtype, in one copy.
+
+    Contiguous, every chunk is a plain matrix and the batched matmuls run on views, without copies. The tail
+    is zero padded to whole chunks: a step with k = v = log_decay = 0 is a no-op. ones_column appends a
+    column of ones, whose output is the normaliser; its padding is ones too, harmless since k is zero there.
+    """
+    batch, length, heads, dim = x.shape
+    chunks = -(-length // chunk_size)
+    pad = (0, int(ones_column), 0, chunks * chunk_size - length)
+    x = x.to(dtype).transpose(1, 2)
+    # F.pad allocates a contiguous result, but with nothing to pad it clones x's strides.
+    x = F.pad(x, pad, value=float(ones_column)) if any(pad) else x.contiguous()
+    return x.view(batch, heads, chunks, chunk_size, x.shape[-1])
 
 
 def chunk_linear_attention(
@@ -93,52 +148,39 @@ def chunk_linear_attention(
     batch, length, heads, key_dim = q.shape
     value_dim, out_dtype = v.shape[-1], v.dtype
     dtype = accumulation_dtype(q, k, v)
-    chunks = -(-length // CHUNK_SIZE)
+    # Precision is chosen here (`dtype`): under autocast, bmm would return bf16 and the in-place fp32
+    # accumulation below would fail.
+    with torch.autocast(q.device.type, enabled=False):
+        q, k = _to_chunks(q, dtype, CHUNK_SIZE), _to_chunks(k, dtype, CHUNK_SIZE)
+        v = _to_chunks(v, dtype, CHUNK_SIZE, ones_column=normalize)  # [B, H, N, C, V (+ 1)]
+        # b: log of the decay accumulated from the chunk start, [B, H, N, C, 1 | K]; None skips all decay math.
+        b = None if log_decay is None else _to_chunks(log_decay, dtype, CHUNK_SIZE).cumsum(dim=3)
 
-    def to_chunks(x: Tensor) -> Tensor:
-        """[B, T, H, D] -> [B, H, N, C, D]. Zero padding: a step with k = v = log_decay = 0 is a no-op."""
-        x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, chunks * CHUNK_SIZE - length))
-        return x.reshape(batch, chunks, CHUNK_SIZE, heads, x.shape[-1]).permute(0, 3, 1, 2, 4)
+        if initial_state is None:
+            state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
+        else:
+            state = initial_state.to(dtype)
+        # Each chunk's own contribution to the state (every key decayed to the chunk end), then the state each
+        # chunk starts from.
+        if b is None:
+            chunk_states = k.transpose(-1, -2) @ v  # [B, H, N, K, V (+ 1)]
+            # Without decay the state entering chunk n is a plain (exclusive) prefix sum over chunks.
+            entering = torch.cat([state[:, :, None], chunk_states[:, :, :-1]], dim=2).cumsum_(dim=2)
+            state = entering[:, :, -1] + chunk_states[:, :, -1]
+        else:
+            b_last = b[..., -1:, :]  # [B, H, N, 1, 1 | K]
+            chunk_states = (k * (b_last - b).exp()).transpose(-1, -2) @ v
+            entering, state = _decayed_prefix_states(chunk_states, b_last[..., 0, :], state)
 
-    if normalize:
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # its output column is the denominator
-    q, k, v = to_chunks(q) * scale, to_chunks(k), to_chunks(v)
-    # b: log of the decay accumulated from the chunk start, [B, H, N, C, 1 | K]; None skips all decay math.
-    b = None if log_decay is None else to_chunks(log_decay).cumsum(dim=3)
-
-    # Each chunk's own contribution to the state (every key decayed to the chunk end), and the decay of the
-    # whole chunk applied to the state it starts from.
-    if b is None:
-        chunk_states, chunk_decay = k.transpose(-1, -2) @ v, None  # [B, H, N, K, V]
-    else:
-        b_last = b[..., -1:, :]  # [B, H, N, 1, 1 | K]
-        chunk_states = (k * (b_last - b).exp()).transpose(-1, -2) @ v
-        chunk_decay = b_last.transpose(-1, -2).exp()  # [B, H, N, 1 | K, 1]
-
-    if initial_state is None:
-        state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
-    else:
-        state = initial_state.to(dtype)
-    if chunk_decay is None:
-        # Without decay the state entering chunk n is a plain (exclusive) prefix sum over chunks.
-        entering = torch.cat([torch.zeros_like(chunk_states[:, :, :1]), chunk_states[:, :, :-1]], dim=2)
-        entering = state[:, :, None] + entering.cumsum(dim=2)  # [B, H, N, K, V (+ 1)]
-        state = entering[:, :, -1] + chunk_states[:, :, -1]
-    else:
-        # unbind once: indexing [:, :, n] inside the loop would make autograd scatter every step's gradient
-        # into a zero tensor of the full [B, H, N, ...] size, i.e. O(N²) work in backward.
-        contributions, decays = chunk_states.unbind(dim=2), chunk_decay.unbind(dim=2)
-        states = []  # the state each chunk starts from
-        for n in range(chunks):
-            states.append(state)
-            state = decays[n] * state + contributions[n]
-        entering = torch.stack(states, dim=2)
-
-    q_decayed = q if b is None else q * b.exp()  # decay from the chunk start to each query
-    o = q_decayed @ entering + _intra_chunk_scores(q, k, b) @ v  # [B, H, N, C, V (+ 1)]
+        q_decayed = q if b is None else q * b.exp()  # decay from the chunk start to each query
+        # o = scale · (intra-chunk scores @ v + q_decayed @ entering state): the second product and the scale go
+        # into the first one's result in place, as bmm's alpha and beta.
+        o = torch.bmm(_intra_chunk_scores(q, k, b).flatten(0, 2), v.flatten(0, 2))
+        o = o.baddbmm_(q_decayed.flatten(0, 2), entering.flatten(0, 2), beta=scale, alpha=scale)
+        o = o.view(v.shape)  # [B, H, N, C, V (+ 1)]
     if normalize:
         o = o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)
-    o = o.permute(0, 2, 3, 1, 4).reshape(batch, chunks * CHUNK_SIZE, heads, value_dim)[:, :length]
+    o = o.permute(0, 2, 3, 1, 4).reshape(batch, -1, heads, value_dim)[:, :length]
     return o.to(out_dtype), state if output_final_state else None
 
 

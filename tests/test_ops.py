@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_linear_attn import ops_chunked
 from hf_linear_attn.ops import linear_attention
 from hf_linear_attn.ops_chunked import CHUNK_SIZE
 
@@ -90,6 +91,18 @@ def test_torch_float32_matches_recurrent(decay, normalize):
     inputs = make_inputs(decay, normalize, 3 * C + 5, 16, 8, with_state=True, dtype=torch.float32)
     expected = run_with_grads(inputs, "recurrent", normalize=normalize)
     assert_all_close(run_with_grads(inputs, "torch", normalize=normalize), expected, 1e-5)
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_decayed_state_scan_across_groups(decay, normalize, group_size, monkeypatch):
+    """The torch backend scans the states of groups of SCAN_GROUP_SIZE chunks at once, and the lengths above
+    fit in one group: here 4 chunks make 4 groups of one, or 2 groups of 3 with the last one padded."""
+    monkeypatch.setattr(ops_chunked, "SCAN_GROUP_SIZE", group_size)
+    inputs = make_inputs(decay, normalize, 3 * C + 5, 16, 8, with_state=True)
+    expected = run_with_grads(inputs, "recurrent", normalize=normalize)
+    assert_all_close(run_with_grads(inputs, "torch", normalize=normalize), expected, 1e-10)
 
 
 @pytest.mark.parametrize(
