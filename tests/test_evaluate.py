@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from training_utils import dataset_cache, single_thread  # noqa: F401 - fixtures
+from training_utils import dataset_cache, document_pieces, single_thread  # noqa: F401 - fixtures
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
@@ -29,21 +29,16 @@ def per_document_loss(model, rows, window: int = 0, sinks: int = 0) -> float:
     """exp(mean next-token loss) with every document of the packed rows run alone; with `window`, each
     position sees only the last `window` positions and the first `sinks` of its document (explicit mask)."""
     total, count = 0.0, 0
-    for ids, positions in zip(rows["input_ids"], rows["position_ids"], strict=True):
-        starts = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
-        for begin, end in zip(starts[:-1], starts[1:], strict=True):
-            piece = ids[begin:end][None]
-            if piece.shape[1] < 2:
-                continue
-            mask = None
-            if window:
-                i = torch.arange(piece.shape[1])
-                allowed = (i[:, None] >= i[None]) & ((i[:, None] - i[None] < window) | (i[None] < sinks))
-                mask = torch.where(allowed, 0.0, -torch.inf)[None, None]
-            with torch.no_grad():
-                logits = model(piece, attention_mask=mask).logits[0, :-1]
-            total += F.cross_entropy(logits, piece[0, 1:], reduction="sum").item()
-            count += piece.shape[1] - 1
+    for piece in document_pieces(rows):
+        mask = None
+        if window:
+            i = torch.arange(piece.shape[1])
+            allowed = (i[:, None] >= i[None]) & ((i[:, None] - i[None] < window) | (i[None] < sinks))
+            mask = torch.where(allowed, 0.0, -torch.inf)[None, None]
+        with torch.no_grad():
+            logits = model(piece, attention_mask=mask).logits[0, :-1]
+        total += F.cross_entropy(logits, piece[0, 1:], reduction="sum").item()
+        count += piece.shape[1] - 1
     return math.exp(total / count)
 
 

@@ -20,6 +20,7 @@ from training_utils import (
     ROOT,
     TINY_RECIPE,
     dataset_cache,  # noqa: F401 - fixture
+    document_pieces,
     read_log,
     script_env,
     single_thread,  # noqa: F401 - fixture
@@ -369,18 +370,13 @@ def test_logit_distillation_loss_is_cross_entropy_plus_kl_per_document():
     with torch.no_grad():
         loss_sum, tokens = finetune.logit_distillation_loss(teacher, weight, temperature)(student, batch)
         expected, expected_tokens = 0.0, 0
-        for row_ids, row_positions in zip(batch["input_ids"], batch["position_ids"], strict=True):
-            starts = [*(row_positions == 0).nonzero().flatten().tolist(), len(row_ids)]
-            for begin, end in zip(starts[:-1], starts[1:], strict=True):
-                piece = row_ids[begin:end][None]
-                if piece.shape[1] < 2:
-                    continue
-                logits, target = student(piece).logits[0, :-1], teacher(piece).logits[0, :-1]
-                ce = F.cross_entropy(logits, piece[0, 1:], reduction="sum")
-                kl = F.kl_div(F.log_softmax(logits / temperature, -1), F.log_softmax(target / temperature, -1),
-                              log_target=True, reduction="sum")
-                expected += ((1 - weight) * ce + weight * temperature**2 * kl).item()
-                expected_tokens += piece.shape[1] - 1
+        for piece in document_pieces(batch):
+            logits, target = student(piece).logits[0, :-1], teacher(piece).logits[0, :-1]
+            ce = F.cross_entropy(logits, piece[0, 1:], reduction="sum")
+            kl = F.kl_div(F.log_softmax(logits / temperature, -1), F.log_softmax(target / temperature, -1),
+                          log_target=True, reduction="sum")
+            expected += ((1 - weight) * ce + weight * temperature**2 * kl).item()
+            expected_tokens += piece.shape[1] - 1
         assert tokens.sum().item() == expected_tokens
         assert loss_sum.sum().item() == pytest.approx(expected, rel=1e-5)
         plain_sum, _ = causal_lm_loss(student, batch)

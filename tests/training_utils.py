@@ -39,6 +39,16 @@ def write_documents(path: Path, count: int = 60, seed: int = 0) -> Path:
     return path
 
 
+def document_pieces(rows: dict[str, torch.Tensor]):
+    """Each document of packed rows (`input_ids` / `position_ids` [rows, L], position_ids restarting at 0 at
+    every document) that has a token to predict, as a [1, n] tensor of ids, n ≥ 2."""
+    for ids, positions in zip(rows["input_ids"], rows["position_ids"], strict=True):
+        starts = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+        for begin, end in zip(starts[:-1], starts[1:], strict=True):
+            if end - begin >= 2:
+                yield ids[begin:end][None]
+
+
 def script_env(**extra: str) -> dict[str, str]:
     """Environment of script subprocesses: offline, one thread per process (2 cores shared by several)."""
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
