@@ -20,7 +20,7 @@ recovery with next-token loss) is `training/finetune.py` on the result, e.g.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `training` package importable
@@ -37,7 +37,7 @@ from training.checkpoints import export_model
 from training.data import DataArguments, build_datasets, check_data_arguments
 from training.loop import TrainArguments, TrainResult, check_train_arguments, make_accelerator, train
 from training.model_card import write_model_card, write_training_summary
-from training.recipes import parse_recipe_args
+from training.recipes import parse_recipe_args, recipe_dict
 
 
 @dataclass
@@ -102,9 +102,9 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
         parameter.requires_grad_(True)
     export_model(accelerator, result.model, train_args.output_dir, tokenizer)
     if accelerator.is_main_process:
-        recipe = {key: value for values in (args, data_args, train_args) for key, value in asdict(values).items()}
         write_training_summary(train_args.output_dir, script="training/distill.py",
-                               base_model=args.model_name_or_path, data_args=data_args, result=result, recipe=recipe)
+                               base_model=args.model_name_or_path, data_args=data_args, result=result,
+                               recipe=recipe_dict((args, data_args, train_args)))
         write_model_card(train_args.output_dir)
     accelerator.print(f"Attention transfer: {result.global_step} steps on {result.tokens_seen:,} tokens "
                       f"(eval: {result.eval_metrics}); student in {train_args.output_dir}")

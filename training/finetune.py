@@ -27,12 +27,10 @@ linear-attention model, LoRA targets that match nothing, nothing to resume) is r
 # ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the `training` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -74,7 +72,7 @@ from training.loop import (
 )
 from training.model_card import write_model_card, write_training_summary
 from training.push_to_hub import HubArguments, push_to_hub
-from training.recipes import parse_recipe_args
+from training.recipes import parse_recipe_args, recipe_dict
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
@@ -304,11 +302,6 @@ def _shards_parameters(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP or (
         accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
     )
-
-
-def recipe_dict(args: Arguments) -> dict[str, Any]:
-    """All fields of all argument dataclasses, as the run used them."""
-    return {key: value for values in args for key, value in dataclasses.asdict(values).items()}
 
 
 def run(args: Arguments) -> TrainResult:

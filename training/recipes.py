@@ -3,11 +3,12 @@
 `parse_recipe_args((DataclassA, DataclassB), argv)` reads `--config FILE.yaml` (or `default_recipe`)
 for defaults and lets every flag on the command line override them, via `transformers.HfArgumentParser`;
 it returns one instance per dataclass. A recipe key that no dataclass has is an error naming the
-allowed keys.
+allowed keys. `recipe_dict(parsed)` flattens the parsed instances back into one dict, as run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +42,8 @@ def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str],
         parser.set_defaults(**recipe)
     parsed = parser.parse_args_into_dataclasses(argv)
     return parsed if isinstance(dataclass_types, tuple) else parsed[0]
+
+
+def recipe_dict(args: tuple[Any, ...]) -> dict[str, Any]:
+    """All fields of the parsed argument dataclasses, as a run used them (for logs and model cards)."""
+    return {key: value for values in args for key, value in dataclasses.asdict(values).items()}
