@@ -192,11 +192,6 @@ class LinearAttention(AttentionProjections):
             self.window_gate = nn.Parameter(torch.zeros(heads))
         if config.output_norm:
             self.o_norm = LinearAttentionRMSNorm(config.head_dim, eps=config.rms_norm_eps)
-        # Attention transfer (LoLCATs stage 1): when set, the layer also computes the softmax attention its
-        # teacher would from the same q/k/v, stores the MSE of its own output against it in
-        # `transfer_loss`, and passes the teacher's output on, so every layer learns from exact inputs.
-        self.attention_transfer = False
-        self.transfer_loss: torch.Tensor | None = None
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """log a_t ≤ 0: None, [B, T, H] (fixed, scalar) or [B, T, H, K] (vector), in fp32."""
@@ -228,8 +223,6 @@ class LinearAttention(AttentionProjections):
         cache_layer: this layer's slot of a LinearAttentionCache, read and then advanced by T positions.
         cu_seqlens: None or [N + 1] boundaries of N documents packed into a batch of one (no cache).
         """
-        if self.attention_transfer and cache_layer is not None:  # checked before any work
-            raise ValueError("attention transfer runs without a cache (use_cache=False)")
         b, t, _ = hidden_states.shape
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
         q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D], [B, T, H_kv, D] x 2
@@ -243,31 +236,7 @@ class LinearAttention(AttentionProjections):
             o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         if hasattr(self, "o_norm"):
             o = self.o_norm(o)
-        if self.attention_transfer:
-            o = self.transfer_from_softmax(o, q, k, v, new_mask, cu_seqlens)
         return self.o_proj(o.reshape(b, t, -1))
-
-    def transfer_from_softmax(
-        self,
-        o: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        new_mask: torch.Tensor | None,
-        cu_seqlens: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Set `transfer_loss` = MSE(o, softmax teacher output) over real tokens; return the teacher output
-        [B, T, H, D] (detached: q/k/v are the teacher's and stay frozen)."""
-        with torch.no_grad():
-            teacher = causal_softmax_attention(
-                q.transpose(1, 2), self.repeat_kv(k).transpose(1, 2), self.repeat_kv(v).transpose(1, 2),
-                new_mask, cu_seqlens,
-            ).transpose(1, 2)  # [B, T, H, D]
-        error = (o.float() - teacher.float()).pow(2)
-        if new_mask is not None:
-            error = error[new_mask]
-        self.transfer_loss = error.mean()
-        return teacher
 
     def linear_forward(
         self,
@@ -510,6 +479,14 @@ def _packed_boundaries(position_ids: torch.Tensor, mask: torch.Tensor | None) ->
     return torch.cat([starts, end])
 
 
+def _one_cache(cache, past_key_values):
+    """The cache a caller passed as `cache` (transformers >= 5.24) or `past_key_values` (older releases and
+    most user code), or None; passing two different objects is an error."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the cache as `cache` or as `past_key_values`, not both.")
+    return cache if cache is not None else past_key_values
+
+
 def _is_linear_attention_cache(cache) -> bool:
     # Duck-typed: a checkpoint loaded as remote code has its own copy of the cache class.
     return getattr(cache, "is_linear_attention_cache", False)
@@ -530,9 +507,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
 
     def _checked_cache(self, cache, past_key_values, use_cache: bool | None, batch: int):
         """The cache to read and advance (None without one), after checking it belongs to this model."""
-        if cache is not None and past_key_values is not None and cache is not past_key_values:
-            raise ValueError("Pass the cache as `cache` or as `past_key_values`, not both.")
-        cache = cache if cache is not None else past_key_values
+        cache = _one_cache(cache, past_key_values)
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if cache is None:
@@ -688,10 +663,7 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """Give generate() a LinearAttentionCache before the first forward (chunked prefill needs one), or
         move a user's cache passed as `past_key_values` to the name generate() slices reused tokens by."""
-        cache, past_key_values = model_kwargs.pop("cache", None), model_kwargs.pop("past_key_values", None)
-        if cache is not None and past_key_values is not None and cache is not past_key_values:
-            raise ValueError("Pass the cache to generate() as `cache` or as `past_key_values`, not both.")
-        cache = cache if cache is not None else past_key_values
+        cache = _one_cache(model_kwargs.pop("cache", None), model_kwargs.pop("past_key_values", None))
         if cache is None and generation_config.use_cache is not False:
             cache = LinearAttentionCache(self.config)
         if cache is not None:

@@ -8,18 +8,15 @@ from test_conversion import save_with_tokenizer, teacher
 from transformers import AutoModelForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
+from training.attention_transfer import AttentionTransfer
 from training.data import DataArguments
-from training.distill import DistillArguments, distill, set_attention_transfer
+from training.distill import DistillArguments, distill
 from training.loop import TrainArguments
 
 
 def transfer_loss(model, ids: torch.Tensor) -> float:
-    layers = set_attention_transfer(model, True)
-    with torch.no_grad():
-        model.model(ids, use_cache=False)
-    loss = sum(layer.transfer_loss.item() for layer in layers)
-    set_attention_transfer(model, False)
-    return loss
+    with AttentionTransfer(model), torch.no_grad():
+        return model(ids, use_cache=False, logits_to_keep=1).loss.item()
 
 
 def test_attention_transfer_lowers_the_layer_loss_and_trains_only_feature_maps(tmp_path):
@@ -33,7 +30,7 @@ def test_attention_transfer_lowers_the_layer_loss_and_trains_only_feature_maps(t
     (tmp_path / "train.txt").write_text("\n".join(lines[:32]) + "\n")
     (tmp_path / "valid.txt").write_text("\n".join(lines[32:]) + "\n")
     out = tmp_path / "distilled"
-    distill(
+    result = distill(
         DistillArguments(model_name_or_path=str(tmp_path / "converted")),
         DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "valid.txt"),
                       block_size=48, max_eval_samples=4),
@@ -46,7 +43,8 @@ def test_attention_transfer_lowers_the_layer_loss_and_trains_only_feature_maps(t
     before, after = student.state_dict(), trained.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("feature_map" in k or "window_gate" in k for k in changed), changed
-    assert not trained.model.layers[0].self_attn.attention_transfer  # saved as an ordinary model
+    # The transfer hooks are gone: the trained model in memory is an ordinary model again.
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in result.model.modules())
     # The run is recorded for the model card.
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["script"] == "training/distill.py" and summary["steps"] == 25

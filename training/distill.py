@@ -7,8 +7,9 @@ Every linear-attention layer of the converted model (`training/convert.py`) comp
 same frozen q/k/v, both its own output and the softmax output of the teacher it replaced; the loss
 is the MSE between the two per-head outputs (before `o_proj`), summed over layers, and the
 teacher's output is what flows on to the next layer (teacher forcing), so each layer learns from
-exactly the inputs it will see. Only the feature maps and the window mixing γ train
-(`--trainable_parameters`). The LM head is never run: the loss is layer-local.
+exactly the inputs it will see (`training.attention_transfer`, hooks installed for the run only).
+Only the feature maps and the window mixing γ train (`--trainable_parameters`). The loss is
+layer-local: the LM head plays no part.
 
 Runs on the fine-tuning loop (`training.loop`: accelerate, checkpoints every `--save_steps`,
 `--resume_from_checkpoint latest`, progress bar, eval loss on held-out rows). Stage 2 (LoRA
@@ -26,13 +27,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the `training` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
 from accelerate.utils import set_seed
-from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_linear_attn
-from hf_linear_attn.modeling_linear_attention import LinearAttention
+from training.attention_transfer import AttentionTransfer, attention_transfer_loss, transfer_layers
 from training.checkpoints import export_model
 from training.data import DataArguments, build_datasets, check_data_arguments
 from training.loop import TrainArguments, TrainResult, check_train_arguments, make_accelerator, train
@@ -51,34 +50,8 @@ class DistillArguments:
     )
 
 
-def transfer_layers(model: nn.Module) -> list[LinearAttention]:
-    """The layers attention transfer trains: every LinearAttention (softmax layers are teachers already)."""
-    return [m for m in model.modules() if isinstance(m, LinearAttention)]
-
-
-def set_attention_transfer(model: nn.Module, enabled: bool) -> list[LinearAttention]:
-    layers = transfer_layers(model)
-    for layer in layers:
-        layer.attention_transfer = enabled
-        layer.transfer_loss = None
-    return layers
-
-
-def attention_transfer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over layers of the per-head output MSE against the softmax teacher, as (loss [rows], weight [rows]).
-
-    The batch's packed rows run through the decoder only (`model.model`), documents kept apart; every row
-    gets the batch's loss with weight 1, so the loop's weighted mean is that loss."""
-    decoder = getattr(model, "module", model).model  # unwrap DDP; the LM head plays no part
-    rows = batch["input_ids"].shape[0]
-    decoder(input_ids=batch["input_ids"].reshape(1, -1), position_ids=batch["position_ids"].reshape(1, -1),
-            use_cache=False)
-    loss = torch.stack([layer.transfer_loss for layer in transfer_layers(decoder)]).sum()
-    return loss.expand(rows), torch.ones(rows, device=loss.device)
-
-
 def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainArguments) -> TrainResult:
-    """Run stage 1 and save the student (attention transfer switched off) to `train_args.output_dir`."""
+    """Run stage 1 and save the student (an ordinary model again) to `train_args.output_dir`."""
     if not args.model_name_or_path:
         raise ValueError("--model_name_or_path (a converted checkpoint, see training/convert.py) is required.")
     check_data_arguments(data_args)
@@ -93,11 +66,10 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
     accelerator = make_accelerator(train_args)
     set_seed(train_args.seed)
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
-    set_attention_transfer(model, True)
-    result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
-                   loss_fn=attention_transfer_loss, trainable=args.trainable_parameters, run_name="distill",
-                   perplexity=False)
-    set_attention_transfer(accelerator.unwrap_model(result.model), False)
+    with AttentionTransfer(model):  # hooks on the layers, removed before the student is saved
+        result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
+                       loss_fn=attention_transfer_loss, trainable=args.trainable_parameters, run_name="distill",
+                       perplexity=False)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
     export_model(accelerator, result.model, train_args.output_dir, tokenizer)

@@ -1,0 +1,130 @@
+"""Attention transfer (LoLCATs stage 1): each linear-attention layer learns to reproduce the softmax
+attention of the teacher layer it replaced.
+
+    with AttentionTransfer(model) as transfer:   # model: the LinearAttentionForCausalLM (before or after
+        output = wrapped(input_ids, use_cache=False, logits_to_keep=1)  # accelerate/DDP wraps it)
+        output.loss.backward()                   # Σ over layers of the per-layer MSE below
+        transfer.layer_losses                    # the per-layer terms of that forward
+
+While installed, every `LinearAttention` layer also computes, from its own (frozen) q/k/v, the causal
+softmax attention the teacher computed: `causal_softmax_attention(q, k, v)` [B, T, H, D], under
+`no_grad`. Its loss is the mean squared error of the layer's per-head output (after the output norm,
+i.e. what `o_proj` receives) against that teacher output, in fp32, over real tokens; and the teacher's
+output, not the layer's, goes on into `o_proj`, so every layer learns from exactly the inputs it will see
+(teacher forcing). The model's forward returns the sum of the layer terms as `output.loss`: the loss is an
+output of the forward, so a wrapper that calls it (DistributedDataParallel, accelerate's autocast)
+sees it like any other loss.
+
+It is all forward hooks, removed on leaving the `with` block: the model's code and its checkpoints hold
+no training state, and parameter names stay as they are (checkpoints saved meanwhile load as usual).
+The teacher's q/k/v are recomputed from the layer's input (a few frozen projections per layer), with the
+layer's own `project`, so they are exactly the ones the layer uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from hf_linear_attn.modeling_linear_attention import (
+    LinearAttention,
+    LinearAttentionForCausalLM,
+    causal_softmax_attention,
+)
+
+_LAYER_SIGNATURE = inspect.signature(LinearAttention.forward)
+
+
+def transfer_layers(model: nn.Module) -> list[LinearAttention]:
+    """The layers attention transfer trains: every LinearAttention (softmax layers are teachers already)."""
+    return [module for module in model.modules() if isinstance(module, LinearAttention)]
+
+
+class AttentionTransfer:
+    """Context manager: while entered, `model`'s linear-attention layers learn from their softmax teachers
+    and `model`'s forward returns the transfer loss as `output.loss` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, LinearAttentionForCausalLM):
+            raise TypeError(f"model must be a LinearAttentionForCausalLM (its output carries the transfer loss); "
+                            f"got {type(model).__name__}.")
+        self.model = model
+        self.layers = transfer_layers(model)
+        if not self.layers:
+            raise ValueError("model has no linear-attention layer to transfer attention to (all are softmax_layers).")
+        self.layer_losses: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._teachers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> AttentionTransfer:
+        if self._handles:
+            raise RuntimeError("This AttentionTransfer is already installed.")
+        self._handles.append(self.model.register_forward_pre_hook(self._start, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._finish))
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(partial(self._teach, index), with_kwargs=True))
+            self._handles.append(layer.o_proj.register_forward_pre_hook(partial(self._compare, index)))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._teachers.clear()
+
+    def _start(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("labels") is not None:
+            raise ValueError("labels: attention transfer's loss is layer-local and needs no labels; pass none.")
+        if kwargs.get("return_dict") is False:
+            raise ValueError("return_dict=False: attention transfer returns its loss in the output object; "
+                             "leave return_dict unset.")
+        self.layer_losses = [None] * len(self.layers)
+
+    def _teach(self, index: int, layer: LinearAttention, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Before the layer runs: its teacher's output [B, T, H, D] from the same q/k/v."""
+        call = _LAYER_SIGNATURE.bind(layer, *args, **kwargs)
+        call.apply_defaults()
+        inputs = call.arguments
+        if inputs["cache_layer"] is not None:  # checked before the layer does any work
+            raise ValueError("Attention transfer runs without a cache: call the model with use_cache=False.")
+        mask = inputs["attention_mask"]  # None or bool [B, T]: without a cache there are no past positions
+        with torch.no_grad():
+            q, k, v = layer.project(inputs["hidden_states"], inputs["position_embeddings"])
+            teacher = causal_softmax_attention(
+                q.transpose(1, 2), layer.repeat_kv(k).transpose(1, 2), layer.repeat_kv(v).transpose(1, 2),
+                mask, inputs["cu_seqlens"],
+            ).transpose(1, 2)
+        self._teachers[index] = (teacher, mask)
+
+    def _compare(self, index: int, o_proj: nn.Module, args: tuple) -> tuple[torch.Tensor]:
+        """Before `o_proj`: record the layer's MSE against its teacher and hand the teacher's output on."""
+        (output,) = args  # [B, T, H * D]: the layer's per-head output, after its output norm
+        teacher, mask = self._teachers.pop(index)
+        error = (output.reshape(teacher.shape).float() - teacher.float()).pow(2)
+        if mask is not None:
+            error = error[mask]
+        self.layer_losses[index] = error.mean()
+        return (teacher.reshape(output.shape),)
+
+    def _finish(self, model: nn.Module, args: tuple, output: ModelOutput) -> ModelOutput:
+        return dataclasses.replace(output, loss=torch.stack(self.layer_losses).sum())
+
+
+def attention_transfer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`training.loop`'s loss function for attention transfer: the transfer loss as (loss [rows], weight [rows]).
+
+    `model` is the prepared (wrapped) model, run inside `AttentionTransfer`. The batch's packed rows run as one
+    row, documents kept apart; every row gets the batch's loss with weight 1, so the loop's weighted mean is
+    that loss. The LM head plays no part in it: it runs on one position only."""
+    rows = batch["input_ids"].shape[0]
+    output = model(input_ids=batch["input_ids"].reshape(1, -1), position_ids=batch["position_ids"].reshape(1, -1),
+                   use_cache=False, logits_to_keep=1)
+    if output.loss is None:
+        raise RuntimeError("attention_transfer_loss needs the model inside `with AttentionTransfer(model):`.")
+    return output.loss.expand(rows), torch.ones(rows, device=output.loss.device)
