@@ -168,30 +168,3 @@ def test_convert_cli_fails_before_writing_anything(tmp_path, capsys):
     (out / "keep.txt").write_text("x")
     with pytest.raises(SystemExit, match="not empty"):
         run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out))
-
-
-def test_attention_transfer_passes_the_teacher_on_and_trains_only_feature_maps():
-    source = teacher("llama")
-    student = convert_to_linear_attention(source, feature_map="hedgehog", feature_dim=8, window_size=6,
-                                          num_sink_tokens=2).train()
-    layers = [layer.self_attn for layer in student.model.layers]
-    for attn in layers:
-        attn.attention_transfer = True
-    for name, p in student.named_parameters():
-        p.requires_grad_("feature_map" in name or "window_gate" in name)
-    ids = torch.randint(0, 96, (2, 40))
-    mask = torch.ones(2, 40, dtype=torch.long)
-    mask[1, :7] = 0  # a left-padded row: pads are left out of the loss
-    logits = student(ids, attention_mask=mask, use_cache=False).logits
-    with torch.no_grad():
-        expected = source(ids, attention_mask=mask).logits
-    real = mask.bool()
-    torch.testing.assert_close(logits[real], expected[real], atol=2e-5, rtol=1e-4)  # teacher forcing
-    losses = torch.stack([attn.transfer_loss for attn in layers])
-    assert (losses > 0).all()
-    losses.sum().backward()
-    for name, p in student.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.abs().sum() > 0, name
-        else:
-            assert p.grad is None, name
