@@ -1,5 +1,6 @@
-"""Run by tests/test_ddp.py under `accelerate launch`: fine-tune with the given flags, then save this
-rank's trained parameters to OUTPUT_DIR/rank{RANK}.pt so the test can compare the ranks."""
+"""Run by tests/test_ddp.py under `accelerate launch` as `ddp_worker.py STAGE FLAGS...`: fine-tune
+(STAGE `finetune`) or distil (STAGE `distill`) with the given flags, then save this rank's trained
+parameters to OUTPUT_DIR/rank{RANK}.pt so the test can compare the ranks."""
 
 import os
 import sys
@@ -8,10 +9,18 @@ from pathlib import Path
 import torch
 from training_utils import ROOT  # noqa: F401 - puts the repository on sys.path
 
-from training import finetune
+from training import distill, finetune
+from training.data import DataArguments
+from training.loop import TrainArguments
+from training.recipes import parse_recipe_args
 
-args = finetune.parse_args(sys.argv[1:])
-result = finetune.run(args)
+stage, argv = sys.argv[1], sys.argv[2:]
+if stage == "distill":
+    args = parse_recipe_args((distill.DistillArguments, DataArguments, TrainArguments), argv)
+    result = distill.distill(*args)
+else:
+    args = finetune.parse_args(argv)
+    result = finetune.run(args)
 model = getattr(result.model, "module", result.model)  # unwrap DistributedDataParallel
 parameters = {name: p.detach().cpu() for name, p in model.named_parameters()}
 torch.save(parameters, Path(args[2].output_dir) / f"rank{os.environ['RANK']}.pt")

@@ -10,23 +10,31 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 from safetensors.torch import load_file
+from test_conversion import save_with_tokenizer, teacher
 from training_utils import ROOT, dataset_cache, read_log, script_env, tiny_args  # noqa: F401 - fixture
 from transformers import AutoModelForCausalLM
 
 import hf_linear_attn.modeling_linear_attention as modeling
+from hf_linear_attn import convert_to_linear_attention
 from training import checkpoints
 
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 CONFIG = ROOT / "configs" / "accelerate" / "cpu_ddp_2proc.yaml"
 
 
-def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_path, dataset_cache):  # noqa: F811
-    out = tmp_path / "ddp"
+def launch_two_ranks(*worker_args: str) -> None:
+    """`tests/ddp_worker.py WORKER_ARGS` on two gloo ranks, as `accelerate launch` with the shipped config."""
     command = [str(ACCELERATE), "launch", "--config_file", str(CONFIG), str(ROOT / "tests" / "ddp_worker.py"),
-               *tiny_args(out, dataset_cache, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "1")]
+               *worker_args]
     result = subprocess.run(command, cwd=ROOT, env=script_env(ACCELERATE_USE_CPU="1"), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_path, dataset_cache):  # noqa: F811
+    out = tmp_path / "ddp"
+    launch_two_ranks("finetune", *tiny_args(out, dataset_cache, "--max_steps", "4", "--save_steps", "2",
+                                            "--save_total_limit", "1"))
 
     rank0, rank1 = (torch.load(out / f"rank{rank}.pt") for rank in (0, 1))
     assert rank0.keys() == rank1.keys()
@@ -46,6 +54,38 @@ def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_pa
     assert state.keys() == rank0.keys()
     assert all(torch.equal(state[name], rank0[name]) for name in rank0)
     assert checkpoints.read_trainer_state(last)["geometry"]["num_processes"] == 2
+
+
+def test_two_rank_gloo_ddp_distillation_trains_the_feature_maps_in_step(tmp_path):
+    """Attention transfer's loss goes through the DDP-wrapped forward: the ranks see different rows and still
+    end with the same feature maps, changed from the converted model's, with a finite loss that falls."""
+    student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4,
+                                          num_sink_tokens=1)
+    save_with_tokenizer(student, tmp_path / "converted")
+    generator = torch.Generator().manual_seed(0)
+    lines = [" ".join(f"w{j}" for j in torch.randint(0, 90, (60,), generator=generator).tolist()) for _ in range(20)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:16]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[16:]) + "\n")
+    out = tmp_path / "distilled"
+    launch_two_ranks("distill", "--model_name_or_path", str(tmp_path / "converted"), "--output_dir", str(out),
+                     "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
+                     "--block_size", "48", "--max_eval_samples", "4", "--max_steps", "6",
+                     "--per_device_train_batch_size", "2", "--learning_rate", "3e-2", "--lr_scheduler_type",
+                     "constant", "--warmup_steps", "0", "--logging_steps", "1", "--report_to", "none")
+
+    rank0, rank1 = (torch.load(out / f"rank{rank}.pt") for rank in (0, 1))
+    converted = dict(student.named_parameters())
+    changed = set()
+    for name, tensor in rank0.items():
+        assert torch.equal(tensor, rank1[name]), f"ranks disagree on {name}"
+        if not torch.equal(tensor, converted[name]):
+            changed.add(name)
+    assert changed and all("feature_map" in name or "window_gate" in name for name in changed), changed
+    steps = [record for record in read_log(out) if "loss" in record]
+    assert [record["step"] for record in steps] == [1, 2, 3, 4, 5, 6]
+    assert steps[-1]["tokens_seen"] == 6 * 2 * 2 * 48  # both ranks fed every step
+    losses = torch.tensor([record["loss"] for record in steps])
+    assert losses.isfinite().all() and losses[-2:].mean() < losses[:2].mean(), losses
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.stem)
