@@ -1,10 +1,11 @@
 """Attention transfer (LoLCATs stage 1): each linear-attention layer learns to reproduce the softmax
 attention of the teacher layer it replaced.
 
-    with AttentionTransfer(model) as transfer:   # model: the LinearAttentionForCausalLM (before or after
-        output = wrapped(input_ids, use_cache=False, logits_to_keep=1)  # accelerate/DDP wraps it)
-        output.loss.backward()                   # Σ over layers of the per-layer MSE below
-        transfer.layer_losses                    # the per-layer terms of that forward
+    with AttentionTransfer(model) as transfer:  # model: a LinearAttentionForCausalLM
+        prepared = accelerator.prepare(model)   # or the model itself: hooks fire however it is called
+        output = prepared(input_ids, use_cache=False, logits_to_keep=1)
+        output.loss.backward()                  # Σ over layers of the per-layer MSE below
+        transfer.layer_losses                   # the per-layer terms of that forward
 
 While installed, every `LinearAttention` layer also computes, from its own (frozen) q/k/v, the causal
 softmax attention the teacher computed: `causal_softmax_attention(q, k, v)` [B, T, H, D], under
@@ -13,7 +14,8 @@ i.e. what `o_proj` receives) against that teacher output, in fp32, over real tok
 output, not the layer's, goes on into `o_proj`, so every layer learns from exactly the inputs it will see
 (teacher forcing). The model's forward returns the sum of the layer terms as `output.loss`: the loss is an
 output of the forward, so a wrapper that calls it (DistributedDataParallel, accelerate's autocast)
-sees it like any other loss.
+sees it like any other loss. Run the forward through the wrapper: DDP synchronises the gradients of a
+forward only when it ran through DDP, and the ranks drift apart otherwise.
 
 It is all forward hooks, removed on leaving the `with` block: the model's code and its checkpoints hold
 no training state, and parameter names stay as they are (checkpoints saved meanwhile load as usual).
