@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -41,18 +42,17 @@ def _check_bool(name: str, value: Any) -> None:
         _fail(name, value, "must be True or False", TypeError)
 
 
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
     if optional and value is None:
         return
-    allowed = f"must be an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-    allowed += " (or None)" if optional else ""
+    allowed = f"must be an integer >= {minimum}" + (" (or None)" if optional else "")
     if not _is_int(value):
         _fail(name, value, allowed, TypeError)
-    if value < minimum or (maximum is not None and value > maximum):
+    if value < minimum:
         _fail(name, value, allowed)
 
 
-def _check_number(name: str, value: Any, allowed: str, ok) -> None:
+def _check_number(name: str, value: Any, allowed: str, ok: Callable[[float], bool]) -> None:
     """A finite int or float (not a bool) for which `ok(value)` holds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(name, value, allowed, TypeError)
@@ -239,7 +239,7 @@ class LinearAttentionConfig(PretrainedConfig):
         # RoPE: one dict {"rope_type", "rope_theta", ...} as transformers>=5 expects (a legacy `rope_scaling`
         # dict, as older configs carry, takes precedence as in transformers).
         self.rope_theta = rope_theta
-        self.rope_parameters = self._rope_parameters(kwargs.pop("rope_scaling", None) or rope_parameters)
+        self._set_rope_parameters(kwargs.pop("rope_scaling", None) or rope_parameters)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -288,17 +288,18 @@ class LinearAttentionConfig(PretrainedConfig):
                 _fail("softmax_layers", self.softmax_layers,
                       f"layer indices must lie in [0, {self.num_hidden_layers - 1}]")
 
-    def _rope_parameters(self, rope_parameters: Any) -> dict:
-        """`rope_parameters` completed with `rope_type` and `rope_theta`, refused unless this model applies it as
-        transformers' Llama does (every `rope_type` of `ROPE_INIT_FUNCTIONS`, all of the head rotated)."""
+    def _set_rope_parameters(self, rope_parameters: Any) -> None:
+        """Sets `rope_parameters`, completed with `rope_type` and `rope_theta`; refuses what this model does not
+        apply as transformers' Llama does (every `rope_type` of `ROPE_INIT_FUNCTIONS`, all of the head rotated)."""
         if rope_parameters is not None and not isinstance(rope_parameters, dict):
             _fail("rope_parameters", rope_parameters, "must be a dict such as {'rope_type': 'default', "
                   "'rope_theta': 10000.0} (or None)", TypeError)
+        _check_number("rope_theta", self.rope_theta, "must be a number > 0", lambda x: x > 0)
         rope = dict(rope_parameters or {})
         rope.setdefault("rope_type", rope.pop("type", "default"))
         rope.setdefault("rope_theta", self.rope_theta)
         _check_choice("rope_parameters['rope_type']", rope["rope_type"], ROPE_TYPES)
-        _check_number("rope_theta", rope["rope_theta"], "must be a number > 0", lambda x: x > 0)
+        _check_number("rope_parameters['rope_theta']", rope["rope_theta"], "must be a number > 0", lambda x: x > 0)
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             _fail("rope_parameters['partial_rotary_factor']", rope["partial_rotary_factor"],
                   "only 1.0 is supported: RoPE rotates the whole head")
@@ -308,7 +309,6 @@ class LinearAttentionConfig(PretrainedConfig):
             self.validate_rope()  # transformers' checks of the keys each rope_type needs
         except KeyError as error:
             raise ValueError(f"invalid `rope_parameters`={rope!r}: {error.args[0]}.") from None
-        return self.rope_parameters
 
     @property
     def feature_output_dim(self) -> int:

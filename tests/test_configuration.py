@@ -95,6 +95,7 @@ def test_rope_parameters_keep_scaling_type():
         ({"linear_attention_backend": "cuda"}, "linear_attention_backend"),
         ({"num_hidden_layers": 0}, "num_hidden_layers"),
         ({"rope_theta": -1.0}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters['rope_theta']"),
         ({"initializer_range": -1}, "initializer_range"),
         ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
