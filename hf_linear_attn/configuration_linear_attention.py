@@ -2,39 +2,169 @@
 
 The decoder itself is Llama's (RMSNorm, SwiGLU MLP, RoPE, GQA) with the switches needed to
 carry Mistral / Qwen2 / Qwen3 checkpoints over (q/k/v bias, q/k RMSNorm, explicit head_dim,
-tied embeddings). Every attention option is validated here, at construction, so a bad value
-fails before any weight is allocated.
+tied embeddings). The attention options are declared once, in `AttentionOptions` (type, default,
+help and allowed values of each): the config takes them as keyword arguments, and the conversion
+API and the training scripts' command lines are built from the same fields. Every field is
+checked here, at construction, so a bad value fails, naming the field, before any weight is
+allocated.
 """
 
 from __future__ import annotations
 
+import math
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-FEATURE_MAPS = ("elu", "relu", "identity", "t2r", "hedgehog", "taylor")
-LEARNED_FEATURE_MAPS = ("t2r", "hedgehog")
+from .feature_maps import FEATURE_MAP_CLASSES, LEARNED_FEATURE_MAPS, feature_output_dim
+
+FEATURE_MAPS = tuple(FEATURE_MAP_CLASSES)
 DECAYS = ("none", "fixed", "scalar", "vector")
 BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
 
-def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"LinearAttentionConfig: invalid `{field}`={value!r}; {allowed}.")
+def _fail(name: str, value: Any, allowed: str, error: type[Exception] = ValueError) -> None:
+    raise error(f"invalid `{name}`={value!r} ({type(value).__name__}): {allowed}.")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(name, value, "must be True or False", TypeError)
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    allowed = f"must be an integer >= {minimum}" + (" (or None)" if optional else "")
+    if not _is_int(value):
+        _fail(name, value, allowed, TypeError)
+    if value < minimum:
+        _fail(name, value, allowed)
+
+
+def _check_number(name: str, value: Any, allowed: str, ok: Callable[[float], bool]) -> None:
+    """A finite int or float (not a bool) for which `ok(value)` holds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, value, allowed, TypeError)
+    if not (math.isfinite(value) and ok(value)):
+        _fail(name, value, allowed)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        _fail(name, value, f"allowed: {', '.join(choices)}", ValueError if isinstance(value, str) else TypeError)
+
+
+def _check_optional_str(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        _fail(name, value, "must be a string or None", TypeError)
+
+
+def _check_token_ids(name: str, value: Any, allow_list: bool) -> None:
+    ids = value if allow_list and isinstance(value, list) else [value]
+    if value is not None and not all(_is_int(i) for i in ids):
+        _fail(name, value, "must be an integer token id" + (", a list of them" if allow_list else "") + " or None",
+              TypeError)
+
+
+def _option(default: Any, help: str, **metadata: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass
+class AttentionOptions:
+    """The attention options of `LinearAttentionConfig`, the one place each is declared with its type, default,
+    help and allowed values (`choices`). Checks that involve only these options run at construction; those that
+    involve the decoder too (layer indices, the window against `max_position_embeddings`) run in the config.
+    """
+
+    feature_map: str = _option(
+        "elu", "Kernel feature map φ, applied per head after RoPE: elu (elu+1), relu, identity, t2r (learned "
+        "ReLU(xW+b)), hedgehog (learned [softmax(xW), softmax(-xW)], two halves), taylor (2nd-order Taylor "
+        "expansion of exp).", choices=FEATURE_MAPS)
+    feature_dim: int | None = _option(
+        None, "Feature dimension F of the learned maps (t2r outputs F features, hedgehog 2F); default head_dim. "
+        "Leave it unset for the fixed maps.")
+    normalize: bool = _option(
+        True, "Divide by φ(q)ᵀz (the Linear Transformer denominator). The window hybrid needs it: its softmax and "
+        "linear parts share one normaliser.")
+    output_norm: bool = _option(False, "Per-head RMSNorm on the attention output before o_proj (GLA-style).")
+    decay: str = _option(
+        "none", "none; fixed (RetNet per-head γ_h = 1 - 2^(-5-h)); scalar (data-dependent per head, Mamba-2 / "
+        "simple GLA); vector (data-dependent per key dimension, GLA).", choices=DECAYS)
+    decay_low_rank_dim: int = _option(16, "Rank of the GLA low-rank gate projection (decay='vector').")
+    window_size: int = _option(
+        0, "0 disables; otherwise exact softmax over the last window_size tokens (plus the num_sink_tokens first "
+        "ones) and linear attention over older ones (LoLCATs), mixed through a learned per-head γ. "
+        "window_size + num_sink_tokens may not exceed max_position_embeddings.")
+    num_sink_tokens: int = _option(0, "First tokens always attended with softmax (window hybrid only).")
+    softmax_layers: list[int] = _option([], "Indices of the layers that keep full softmax attention.")
+    linear_attention_backend: str = _option(
+        "auto", "Backend of hf_linear_attn.linear_attention used by the layers (auto picks the fastest "
+        "available).", choices=BACKENDS)
+
+    def __post_init__(self) -> None:
+        _check_choice("feature_map", self.feature_map, FEATURE_MAPS)
+        _check_int("feature_dim", self.feature_dim, 1, optional=True)
+        if self.feature_dim is not None and self.feature_map not in LEARNED_FEATURE_MAPS:
+            _fail("feature_dim", self.feature_dim,
+                  f"only the learned maps {', '.join(LEARNED_FEATURE_MAPS)} have a feature dimension; "
+                  f"feature_map={self.feature_map!r} takes none (leave it None)")
+        _check_bool("normalize", self.normalize)
+        _check_bool("output_norm", self.output_norm)
+        _check_choice("decay", self.decay, DECAYS)
+        _check_int("decay_low_rank_dim", self.decay_low_rank_dim, 1)
+        _check_int("window_size", self.window_size, 0)
+        _check_int("num_sink_tokens", self.num_sink_tokens, 0)
+        if self.num_sink_tokens > 0 and self.window_size == 0:
+            _fail("num_sink_tokens", self.num_sink_tokens, "sink tokens need the window hybrid (window_size > 0)")
+        if self.window_size > 0 and not self.normalize:
+            _fail("normalize", self.normalize, "the window hybrid shares one normaliser between its softmax and "
+                  "linear parts: window_size > 0 needs normalize=True")
+        if self.window_size > 0 and self.decay != "none":
+            _fail("decay", self.decay, "the window hybrid supports decay='none' only")
+        layers = [] if self.softmax_layers is None else self.softmax_layers
+        allowed = "must be a list of layer indices (integers >= 0)"
+        if not isinstance(layers, (list, tuple)) or not all(_is_int(i) for i in layers):
+            _fail("softmax_layers", self.softmax_layers, allowed, TypeError)
+        if any(i < 0 for i in layers):
+            _fail("softmax_layers", self.softmax_layers, allowed)
+        self.softmax_layers = sorted(set(layers))
+        _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)
+
+
+ATTENTION_OPTIONS = tuple(f.name for f in fields(AttentionOptions))
+
+
+def _attention_options_doc() -> str:
+    """The docstring lines of the attention options, from their declaration."""
+    return "\n".join(
+        textwrap.fill(f"{f.name}: {f.metadata['help']}", width=110, initial_indent=" " * 8,
+                      subsequent_indent=" " * 12)
+        for f in fields(AttentionOptions)
+    )
+
+
 class LinearAttentionConfig(PretrainedConfig):
-    r"""Configuration for [`LinearAttentionModel`] and [`LinearAttentionForCausalLM`].
+    __doc__ = r"""Configuration for [`LinearAttentionModel`] and [`LinearAttentionForCausalLM`].
 
     Decoder fields follow `LlamaConfig` (`vocab_size`, `hidden_size`, `intermediate_size`,
     `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `hidden_act`,
     `max_position_embeddings`, `rms_norm_eps`, `rope_theta` / `rope_parameters`,
-    `tie_word_embeddings`, `initializer_range`).
+    `tie_word_embeddings`, `initializer_range`). `rope_parameters` may use every `rope_type`
+    transformers knows; `dynamic` and `longrope` rescale with the input's length as in Llama.
 
     Architecture switches for converted checkpoints:
         attention_bias: bias on q/k/v projections (Qwen2; Llama's `attention_bias=True` also
@@ -43,25 +173,8 @@ class LinearAttentionConfig(PretrainedConfig):
         use_qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         mlp_bias: bias on the MLP projections.
 
-    Linear attention (see DESIGN §2):
-        feature_map: one of `elu` (elu+1), `relu`, `identity`, `t2r` (learned ReLU(xW+b)),
-            `hedgehog` (learned softmax(xW) ⊕ softmax(-xW), two halves), `taylor`
-            (2nd-order Taylor expansion of exp). Applied per head after RoPE.
-        feature_dim: feature dimension F of the learned maps (`t2r` outputs F, `hedgehog` 2F);
-            defaults to `head_dim`. Must be unset for the fixed maps.
-        normalize: divide by φ(q)ᵀz (the Linear Transformer denominator). Required by the
-            window hybrid, whose softmax and linear parts share one normaliser.
-        output_norm: per-head RMSNorm on the attention output before `o_proj` (GLA-style).
-        decay: `none`, `fixed` (RetNet per-head γ_h = 1 - 2^(-5-h)), `scalar` (data-dependent per
-            head, Mamba-2 / simple GLA), `vector` (data-dependent per key dimension, GLA).
-        decay_low_rank_dim: rank of the GLA low-rank gate projection (`decay="vector"`).
-        window_size: 0 disables; otherwise exact softmax over the last `window_size` tokens
-            (plus `num_sink_tokens` first tokens) and linear attention over older ones
-            (LoLCATs), mixed through a learned per-head γ.
-        num_sink_tokens: first tokens always attended with softmax (window hybrid only).
-        softmax_layers: indices of layers that keep full softmax attention.
-        linear_attention_backend: backend of `hf_linear_attn.linear_attention` used by the
-            layers (`auto` picks the fastest available).
+    Linear attention (keyword arguments, declared in `AttentionOptions`):
+""" + _attention_options_doc() + r"""
 
     Provenance (set by `convert_to_linear_attention`): `base_model_name_or_path` and
     `base_model_type` of the softmax checkpoint this model was converted from.
@@ -94,20 +207,14 @@ class LinearAttentionConfig(PretrainedConfig):
         attention_out_bias: bool = False,
         use_qk_norm: bool = False,
         mlp_bias: bool = False,
-        feature_map: str = "elu",
-        feature_dim: int | None = None,
-        normalize: bool = True,
-        output_norm: bool = False,
-        decay: str = "none",
-        decay_low_rank_dim: int = 16,
-        window_size: int = 0,
-        num_sink_tokens: int = 0,
-        softmax_layers: list[int] | None = None,
-        linear_attention_backend: str = "auto",
         base_model_name_or_path: str | None = None,
         base_model_type: str | None = None,
         **kwargs,
     ) -> None:
+        # The attention options (`AttentionOptions` fields) come as keyword arguments; unset ones take their default.
+        options = AttentionOptions(**{name: kwargs.pop(name) for name in ATTENTION_OPTIONS if name in kwargs})
+        for name in ATTENTION_OPTIONS:
+            setattr(self, name, getattr(options, name))
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -124,27 +231,15 @@ class LinearAttentionConfig(PretrainedConfig):
         self.attention_out_bias = attention_out_bias
         self.use_qk_norm = use_qk_norm
         self.mlp_bias = mlp_bias
-        self.feature_map = feature_map
-        self.feature_dim = feature_dim
-        self.normalize = normalize
-        self.output_norm = output_norm
-        self.decay = decay
-        self.decay_low_rank_dim = decay_low_rank_dim
-        self.window_size = window_size
-        self.num_sink_tokens = num_sink_tokens
-        self.softmax_layers = sorted(set(softmax_layers)) if softmax_layers else []
-        self.linear_attention_backend = linear_attention_backend
         self.base_model_name_or_path = base_model_name_or_path
         self.base_model_type = base_model_type
-        # RoPE: one dict {"rope_type", "rope_theta", ...} as transformers>=5 expects.
-        self.rope_theta = rope_theta
-        rope_parameters = dict(rope_parameters or {})
-        rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
-        rope_parameters.setdefault("rope_theta", rope_theta)
-        self.rope_parameters = rope_parameters
-        self._validate()
+        self._validate_decoder(pad_token_id, bos_token_id, eos_token_id, tie_word_embeddings)
         if self.head_dim is None:
             self.head_dim = hidden_size // num_attention_heads
+        # RoPE: one dict {"rope_type", "rope_theta", ...} as transformers>=5 expects (a legacy `rope_scaling`
+        # dict, as older configs carry, takes precedence as in transformers).
+        self.rope_theta = rope_theta
+        self._set_rope_parameters(kwargs.pop("rope_scaling", None) or rope_parameters)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -153,63 +248,72 @@ class LinearAttentionConfig(PretrainedConfig):
             **kwargs,
         )
 
-    def _validate(self) -> None:
-        positive = "must be a positive integer"
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                      "decay_low_rank_dim"):
-            value = getattr(self, field)
-            _check(_is_int(value) and value > 0, field, value, positive)
+    def _validate_decoder(self, pad_token_id: Any, bos_token_id: Any, eos_token_id: Any,
+                          tie_word_embeddings: Any) -> None:
+        """The decoder fields and the checks that tie the attention options to them."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            _check_int(name, getattr(self, name), 1)
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if self.head_dim is None:
-            _check(self.hidden_size % heads == 0, "num_attention_heads", heads,
-                   f"must divide hidden_size={self.hidden_size} when head_dim is not given")
+            if self.hidden_size % heads:
+                _fail("num_attention_heads", heads, f"must divide hidden_size={self.hidden_size} when head_dim is "
+                      "not given")
         else:
-            _check(_is_int(self.head_dim) and self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim",
-                   self.head_dim, "must be a positive even integer (RoPE rotates pairs)")
-        _check(heads % kv_heads == 0, "num_key_value_heads", kv_heads,
-               f"must divide num_attention_heads={heads}")
-        _check(self.hidden_act in HIDDEN_ACTS, "hidden_act", self.hidden_act, f"allowed: {HIDDEN_ACTS}")
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        _check(self.feature_map in FEATURE_MAPS, "feature_map", self.feature_map, f"allowed: {FEATURE_MAPS}")
-        if self.feature_dim is not None:
-            _check(self.feature_map in LEARNED_FEATURE_MAPS, "feature_dim", self.feature_dim,
-                   f"only the learned maps {LEARNED_FEATURE_MAPS} have a feature dimension; "
-                   f"feature_map={self.feature_map!r} takes none (leave it None)")
-            _check(_is_int(self.feature_dim) and self.feature_dim > 0, "feature_dim", self.feature_dim, positive)
-        _check(self.decay in DECAYS, "decay", self.decay, f"allowed: {DECAYS}")
-        _check(_is_int(self.window_size) and self.window_size >= 0, "window_size", self.window_size,
-               "must be an integer >= 0 (0 disables the sliding-window hybrid)")
-        _check(_is_int(self.num_sink_tokens) and self.num_sink_tokens >= 0, "num_sink_tokens",
-               self.num_sink_tokens, "must be an integer >= 0")
-        if self.num_sink_tokens > 0:
-            _check(self.window_size > 0, "num_sink_tokens", self.num_sink_tokens,
-                   "sink tokens need the window hybrid (window_size > 0)")
-        if self.window_size > 0:
-            _check(self.normalize, "normalize", self.normalize,
-                   "the window hybrid shares one normaliser between its softmax and linear parts: "
-                   "window_size > 0 needs normalize=True")
-            _check(self.decay == "none", "decay", self.decay,
-                   "the window hybrid supports decay='none' only")
+            _check_int("head_dim", self.head_dim, 2)
+            if self.head_dim % 2:
+                _fail("head_dim", self.head_dim, "must be a positive even integer (RoPE rotates pairs)")
+        if heads % kv_heads:
+            _fail("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
+        _check_choice("hidden_act", self.hidden_act, HIDDEN_ACTS)
+        _check_number("rms_norm_eps", self.rms_norm_eps, "must be a number > 0", lambda x: x > 0)
+        _check_number("initializer_range", self.initializer_range, "must be a number in [0, 1]",
+                      lambda x: 0 <= x <= 1)
+        for name in ("use_cache", "attention_bias", "attention_out_bias", "use_qk_norm", "mlp_bias"):
+            _check_bool(name, getattr(self, name))
+        _check_bool("tie_word_embeddings", tie_word_embeddings)
+        _check_token_ids("pad_token_id", pad_token_id, allow_list=False)
+        _check_token_ids("bos_token_id", bos_token_id, allow_list=False)
+        _check_token_ids("eos_token_id", eos_token_id, allow_list=True)
+        _check_optional_str("base_model_name_or_path", self.base_model_name_or_path)
+        _check_optional_str("base_model_type", self.base_model_type)
+        # The window cache keeps window_size + num_sink_tokens raw keys and values per layer.
+        retained = self.window_size + self.num_sink_tokens
+        if retained > self.max_position_embeddings:
+            _fail("window_size", self.window_size, f"window_size + num_sink_tokens ({retained}) may not exceed "
+                  f"max_position_embeddings={self.max_position_embeddings}: a window at least that long is "
+                  "already softmax attention over every position the model was made for")
         for index in self.softmax_layers:
-            _check(_is_int(index) and 0 <= index < self.num_hidden_layers, "softmax_layers", self.softmax_layers,
-                   f"layer indices must lie in [0, {self.num_hidden_layers - 1}]")
-        _check(self.linear_attention_backend in BACKENDS, "linear_attention_backend",
-               self.linear_attention_backend, f"allowed: {BACKENDS}")
-        _check(isinstance(self.rope_parameters.get("rope_theta"), (int, float)) and
-               self.rope_parameters["rope_theta"] > 0, "rope_theta", self.rope_parameters.get("rope_theta"),
-               "must be a positive number")
+            if index >= self.num_hidden_layers:
+                _fail("softmax_layers", self.softmax_layers,
+                      f"layer indices must lie in [0, {self.num_hidden_layers - 1}]")
+
+    def _set_rope_parameters(self, rope_parameters: Any) -> None:
+        """Sets `rope_parameters`, completed with `rope_type` and `rope_theta`; refuses what this model does not
+        apply as transformers' Llama does (every `rope_type` of `ROPE_INIT_FUNCTIONS`, all of the head rotated)."""
+        if rope_parameters is not None and not isinstance(rope_parameters, dict):
+            _fail("rope_parameters", rope_parameters, "must be a dict such as {'rope_type': 'default', "
+                  "'rope_theta': 10000.0} (or None)", TypeError)
+        _check_number("rope_theta", self.rope_theta, "must be a number > 0", lambda x: x > 0)
+        rope = dict(rope_parameters or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", self.rope_theta)
+        _check_choice("rope_parameters['rope_type']", rope["rope_type"], ROPE_TYPES)
+        _check_number("rope_parameters['rope_theta']", rope["rope_theta"], "must be a number > 0", lambda x: x > 0)
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            _fail("rope_parameters['partial_rotary_factor']", rope["partial_rotary_factor"],
+                  "only 1.0 is supported: RoPE rotates the whole head")
+        self.rope_parameters = rope
+        self.standardize_rope_params()  # adds `original_max_position_embeddings` where the rope_type uses it
+        try:
+            self.validate_rope()  # transformers' checks of the keys each rope_type needs
+        except KeyError as error:
+            raise ValueError(f"invalid `rope_parameters`={rope!r}: {error.args[0]}.") from None
 
     @property
     def feature_output_dim(self) -> int:
         """K: the size of φ(q), φ(k) and so of the key side of the recurrent state."""
-        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        learned = self.feature_dim or head_dim
-        return {
-            "t2r": learned,
-            "hedgehog": 2 * learned,
-            "taylor": 1 + head_dim + head_dim * head_dim,
-        }.get(self.feature_map, head_dim)
+        return feature_output_dim(self.feature_map, self.head_dim, self.feature_dim)
 
 
-__all__ = ["LinearAttentionConfig"]
+__all__ = ["ATTENTION_OPTIONS", "AttentionOptions", "LinearAttentionConfig"]

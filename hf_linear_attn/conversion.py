@@ -16,38 +16,29 @@ converted model reproduces its teacher's logits exactly there: the conversion te
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .configuration_linear_attention import LinearAttentionConfig
+from .configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions, LinearAttentionConfig
 from .modeling_linear_attention import LinearAttentionForCausalLM
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
-# The LoLCATs recipe (Zhang et al. 2024): Hedgehog feature map, 64-token window, a few sinks.
-DEFAULT_ATTENTION_OPTIONS: dict[str, Any] = {
-    "feature_map": "hedgehog",
-    "window_size": 64,
-    "num_sink_tokens": 4,
-    "decay": "none",
-    "normalize": True,
-}
-
-# Fields of LinearAttentionConfig that describe the attention and may be chosen at conversion.
-ATTENTION_OPTIONS = (
-    "feature_map", "feature_dim", "normalize", "output_norm", "decay", "decay_low_rank_dim", "window_size",
-    "num_sink_tokens", "softmax_layers", "linear_attention_backend",
-)
+# The LoLCATs recipe (Zhang et al. 2024): Hedgehog feature map, 64-token window, a few sinks; every other
+# attention option at its `AttentionOptions` default.
+DEFAULT_ATTENTION_OPTIONS: dict[str, Any] = asdict(AttentionOptions(feature_map="hedgehog", window_size=64,
+                                                                    num_sink_tokens=4))
 
 
 def linear_attention_config(source_config, **attention_options: Any) -> LinearAttentionConfig:
     """The `LinearAttentionConfig` of a converted `source_config` (a Llama / Mistral / Qwen2 / Qwen3 config).
 
-    `attention_options` are `LinearAttentionConfig` fields (see `ATTENTION_OPTIONS`); unset ones take the
+    `attention_options` are `AttentionOptions` fields (`ATTENTION_OPTIONS`); unset ones take the
     LoLCATs defaults of `DEFAULT_ATTENTION_OPTIONS`. Raises ValueError for another architecture or an
-    unknown / invalid option, before anything is built.
+    unknown / invalid option (TypeError for one of the wrong type), before anything is built.
     """
     model_type = getattr(source_config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:

@@ -1,6 +1,7 @@
 """Kernel feature maps φ for linear attention, applied per head to queries and keys after RoPE.
 
-Every map takes `[B, T, H, D]` and returns `[B, T, H, K]` where K is `output_dim`. The learned
+Every map takes `[B, T, H, D]` and returns `[B, T, H, K]` where K is `output_dim`, given by the class's
+`output_size(D, F)` (which `feature_output_dim` reads too, so the config knows K without a map). The learned
 maps (`t2r`, `hedgehog`) hold one weight matrix per head and start as the identity so that a
 freshly converted model begins close to its teacher's dot products.
 
@@ -32,8 +33,12 @@ class ElementwiseFeatureMap(nn.Module):
         super().__init__()
         self.name = name
         self.fn = ELEMENTWISE_MAPS[name]
-        self.output_dim = head_dim
+        self.output_dim = self.output_size(head_dim, head_dim)
         self.query_scale = head_dim**-0.5
+
+    @staticmethod
+    def output_size(head_dim: int, feature_dim: int) -> int:
+        return head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x)
@@ -51,8 +56,12 @@ class TaylorFeatureMap(nn.Module):
     def __init__(self, head_dim: int) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.output_dim = 1 + head_dim + head_dim * head_dim
+        self.output_dim = self.output_size(head_dim, head_dim)
         self.query_scale = 1.0
+
+    @staticmethod
+    def output_size(head_dim: int, feature_dim: int) -> int:
+        return 1 + head_dim + head_dim * head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.head_dim
@@ -69,8 +78,12 @@ class T2RFeatureMap(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim, feature_dim))  # [H, D, F]
         self.bias = nn.Parameter(torch.empty(num_heads, feature_dim))  # [H, F]
-        self.output_dim = feature_dim
+        self.output_dim = self.output_size(head_dim, feature_dim)
         self.query_scale = feature_dim**-0.5
+
+    @staticmethod
+    def output_size(head_dim: int, feature_dim: int) -> int:
+        return feature_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(torch.einsum("bthd,hdf->bthf", x, self.weight) + self.bias)
@@ -87,22 +100,39 @@ class HedgehogFeatureMap(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, feature_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim, feature_dim))  # [H, D, F]
-        self.output_dim = 2 * feature_dim
+        self.output_dim = self.output_size(head_dim, feature_dim)
         self.query_scale = 1.0
+
+    @staticmethod
+    def output_size(head_dim: int, feature_dim: int) -> int:
+        return 2 * feature_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = torch.einsum("bthd,hdf->bthf", x, self.weight).float()
         return torch.cat([z.softmax(dim=-1), (-z).softmax(dim=-1)], dim=-1).to(x.dtype)
 
 
+# Every map by its `LinearAttentionConfig.feature_map` name; the learned ones take a feature dimension F.
+FEATURE_MAP_CLASSES: dict[str, type[nn.Module]] = {
+    **dict.fromkeys(ELEMENTWISE_MAPS, ElementwiseFeatureMap),
+    "t2r": T2RFeatureMap,
+    "hedgehog": HedgehogFeatureMap,
+    "taylor": TaylorFeatureMap,
+}
+LEARNED_FEATURE_MAPS = ("t2r", "hedgehog")
+
+
+def feature_output_dim(name: str, head_dim: int, feature_dim: int | None = None) -> int:
+    """K, the size of φ(x) that the map `name` gives for heads of size D (F = `feature_dim`, default D)."""
+    return FEATURE_MAP_CLASSES[name].output_size(head_dim, feature_dim or head_dim)
+
+
 def build_feature_map(name: str, num_heads: int, head_dim: int, feature_dim: int | None) -> nn.Module:
     """The feature map called `name` (a `LinearAttentionConfig.feature_map` value) for one layer."""
+    if name not in FEATURE_MAP_CLASSES:
+        raise ValueError(f"unknown feature_map {name!r}; allowed: {', '.join(FEATURE_MAP_CLASSES)}")
     if name in ELEMENTWISE_MAPS:
         return ElementwiseFeatureMap(name, head_dim)
     if name == "taylor":
         return TaylorFeatureMap(head_dim)
-    if name == "t2r":
-        return T2RFeatureMap(num_heads, head_dim, feature_dim or head_dim)
-    if name == "hedgehog":
-        return HedgehogFeatureMap(num_heads, head_dim, feature_dim or head_dim)
-    raise ValueError(f"unknown feature_map {name!r}; allowed: elu, relu, identity, taylor, t2r, hedgehog")
+    return FEATURE_MAP_CLASSES[name](num_heads, head_dim, feature_dim or head_dim)

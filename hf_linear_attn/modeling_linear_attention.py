@@ -23,7 +23,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from .cache_linear_attention import LinearAttentionCache, LinearStateLayer
 from .configuration_linear_attention import LinearAttentionConfig
@@ -72,15 +72,19 @@ class LinearAttentionRMSNorm(nn.Module):
 
 
 class LinearAttentionRotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, any `rope_type` transformers knows (default, llama3, yarn, ...).
+    """cos/sin tables for RoPE, any `rope_type` transformers knows (default, llama3, yarn, ...), as Llama's.
 
     The class name and the `original_inv_freq` buffer follow transformers' convention so that
     `PreTrainedModel._init_weights` recomputes these non-persistent buffers after a meta-device load.
+    `dynamic` and `longrope` recompute `inv_freq` from the longest position of each call (transformers'
+    `dynamic_rope_update`, which reads `max_seq_len_cached` and `original_max_seq_len`), so a long input
+    gets the rescaled frequencies and a short one the original ones.
     """
 
     def __init__(self, config: LinearAttentionConfig) -> None:
         super().__init__()
         self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters["rope_type"]
         init_fn: Callable = self.compute_default_rope_parameters
         if self.rope_type != "default":
@@ -97,6 +101,7 @@ class LinearAttentionRotaryEmbedding(nn.Module):
         return inv_freq, 1.0
 
     @torch.no_grad()
+    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids [B, T] -> cos, sin [B, T, D], in x's dtype.
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)

@@ -1,7 +1,16 @@
+import json
+from dataclasses import fields
+
 import pytest
-from conftest import tiny_config
+import torch
+from conftest import tiny_config, tiny_model
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from hf_linear_attn import LinearAttentionConfig
+from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, FEATURE_MAPS, AttentionOptions
+from hf_linear_attn.feature_maps import build_feature_map
+from hf_linear_attn.modeling_linear_attention import LinearAttentionRotaryEmbedding
 
 
 def test_defaults_are_valid_and_round_trip(tmp_path):
@@ -14,6 +23,49 @@ def test_defaults_are_valid_and_round_trip(tmp_path):
         assert getattr(loaded, field) == getattr(config, field), field
     assert loaded.model_type == "linear_attention"
     assert loaded.head_dim == 16
+
+
+def test_attention_options_are_declared_once():
+    """The config takes exactly the fields of `AttentionOptions`, with their defaults, and documents each."""
+    config, declared = LinearAttentionConfig(), AttentionOptions()
+    assert ATTENTION_OPTIONS == tuple(f.name for f in fields(AttentionOptions))
+    assert {"feature_map", "decay_low_rank_dim", "window_size", "linear_attention_backend"} <= set(ATTENTION_OPTIONS)
+    for f in fields(AttentionOptions):
+        assert getattr(config, f.name) == getattr(declared, f.name), f.name
+        assert f.name in config.to_dict()
+        assert f"{f.name}: {f.metadata['help'][:30]}" in " ".join(LinearAttentionConfig.__doc__.split())
+
+
+# Configs as the previous release saved them (the second one with the legacy `rope_scaling` key and without the
+# options added since): they must keep loading, unchanged.
+SAVED_CONFIG = {
+    "attention_bias": False, "attention_out_bias": False,
+    "auto_map": {"AutoConfig": "configuration_linear_attention.LinearAttentionConfig"},
+    "base_model_name_or_path": None, "base_model_type": None, "bos_token_id": 1, "decay": "none",
+    "decay_low_rank_dim": 16, "eos_token_id": 2, "feature_dim": 8, "feature_map": "hedgehog", "head_dim": 16,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+    "linear_attention_backend": "auto", "max_position_embeddings": 512, "mlp_bias": False,
+    "model_type": "linear_attention", "normalize": True, "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "num_sink_tokens": 2, "output_norm": False, "pad_token_id": None,
+    "rms_norm_eps": 1e-06, "rope_parameters": {"factor": 2.0, "rope_theta": 10000.0, "rope_type": "linear"},
+    "rope_theta": 10000.0, "softmax_layers": [1], "tie_word_embeddings": False, "transformers_version": "5.24.0",
+    "use_cache": True, "use_qk_norm": False, "vocab_size": 128, "window_size": 16,
+}
+LEGACY_ROPE_CONFIG = {
+    **{k: v for k, v in SAVED_CONFIG.items()
+       if k not in ("rope_parameters", "decay_low_rank_dim", "output_norm", "linear_attention_backend")},
+    "rope_scaling": {"type": "linear", "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("saved", [SAVED_CONFIG, LEGACY_ROPE_CONFIG], ids=["saved", "legacy-rope"])
+def test_configs_saved_by_earlier_versions_load(tmp_path, saved):
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    config = LinearAttentionConfig.from_pretrained(tmp_path)
+    assert (config.feature_map, config.feature_dim, config.window_size, config.num_sink_tokens,
+            config.softmax_layers) == ("hedgehog", 8, 16, 2, [1])
+    assert config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert (config.decay_low_rank_dim, config.output_norm, config.linear_attention_backend) == (16, False, "auto")
 
 
 def test_rope_parameters_keep_scaling_type():
@@ -43,11 +95,75 @@ def test_rope_parameters_keep_scaling_type():
         ({"linear_attention_backend": "cuda"}, "linear_attention_backend"),
         ({"num_hidden_layers": 0}, "num_hidden_layers"),
         ({"rope_theta": -1.0}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters['rope_theta']"),
+        ({"initializer_range": -1}, "initializer_range"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+        ({"decay_low_rank_dim": 0}, "decay_low_rank_dim"),
+        # The window cache keeps window_size + num_sink_tokens keys per layer: 10**9 would allocate ~128 GB.
+        ({"window_size": 10**9}, "window_size"),
+        ({"window_size": 510, "num_sink_tokens": 3}, "window_size"),  # 513 > max_position_embeddings=512
+        ({"rope_parameters": {"rope_type": "ntk"}}, "rope_parameters['rope_type']"),
+        ({"rope_parameters": {"rope_type": "dynamic"}}, "rope_parameters"),  # dynamic needs a factor
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+         "rope_parameters['partial_rotary_factor']"),
     ],
 )
-def test_invalid_fields_raise_naming_the_field(overrides, field):
-    with pytest.raises(ValueError, match=f"`{field}`"):
+def test_invalid_values_raise_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"`{field.replace('[', '.').replace(']', '.')}`"):
         tiny_config(**overrides)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("softmax_layers", [0, "1"]),
+        ("softmax_layers", 1),
+        ("softmax_layers", "01"),
+        ("normalize", "no"),
+        ("normalize", 1),  # an int is not a bool
+        ("output_norm", None),
+        ("rms_norm_eps", "x"),
+        ("initializer_range", True),
+        ("num_hidden_layers", True),  # a bool is not an int
+        ("window_size", 8.0),
+        ("feature_dim", True),
+        ("head_dim", 16.0),
+        ("vocab_size", "128"),
+        ("feature_map", None),
+        ("decay", 0),
+        ("linear_attention_backend", ["auto"]),
+        ("hidden_act", None),
+        ("use_cache", "yes"),
+        ("tie_word_embeddings", 1),
+        ("attention_bias", None),
+        ("eos_token_id", "2"),
+        ("eos_token_id", [2, "3"]),
+        ("pad_token_id", 0.5),
+        ("base_model_type", 3),
+        ("rope_theta", "x"),
+        ("rope_parameters", "dynamic"),
+    ],
+)
+def test_values_of_the_wrong_type_raise_naming_the_field_and_the_value(field, value):
+    with pytest.raises(TypeError) as error:
+        tiny_config(**{field: value})
+    message = str(error.value)
+    assert f"`{field}`" in message and repr(value) in message, message
+
+
+def test_window_may_reach_max_position_embeddings():
+    assert tiny_config(window_size=508, num_sink_tokens=4).window_size == 508
+    assert tiny_config(softmax_layers=(1, 0, 1)).softmax_layers == [0, 1]
+
+
+def test_attention_options_check_themselves():
+    """The scripts build `AttentionOptions` from their flags: the same checks apply without a config."""
+    with pytest.raises(ValueError, match="`decay`"):
+        AttentionOptions(window_size=8, decay="vector")
+    with pytest.raises(TypeError, match="`window_size`"):
+        AttentionOptions(window_size="64")
+    assert AttentionOptions(softmax_layers=None).softmax_layers == []
 
 
 @pytest.mark.parametrize(
@@ -57,3 +173,45 @@ def test_invalid_fields_raise_naming_the_field(overrides, field):
 )
 def test_feature_output_dim(feature_map, feature_dim, expected):
     assert tiny_config(feature_map=feature_map, feature_dim=feature_dim).feature_output_dim == expected
+
+
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+def test_feature_output_dim_is_what_the_built_map_outputs(feature_map):
+    feature_dim = 8 if feature_map in ("t2r", "hedgehog") else None
+    config = tiny_config(feature_map=feature_map, feature_dim=feature_dim)
+    feature_map_module = build_feature_map(feature_map, 4, config.head_dim, feature_dim)
+    torch.nn.init.normal_(next(feature_map_module.parameters(), torch.empty(0)))
+    x = torch.randn(1, 3, 4, config.head_dim)
+    assert feature_map_module(x).shape[-1] == feature_map_module.output_dim == config.feature_output_dim
+
+
+# RoPE scalings that change with the input length, checked against transformers' Llama rotary embedding.
+LONG_ROPE = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+             "long_factor": [2.0 + i / 4 for i in range(8)], "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("rope_parameters", [{"rope_type": "dynamic", "factor": 4.0}, LONG_ROPE],
+                         ids=["dynamic", "longrope"])
+def test_length_dependent_rope_matches_llama(rope_parameters):
+    dims = dict(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=32)
+    ours = LinearAttentionRotaryEmbedding(tiny_config(**dims, rope_parameters=dict(rope_parameters)))
+    llama = LlamaRotaryEmbedding(LlamaConfig(**dims, rope_parameters=dict(rope_parameters)))
+    x = torch.zeros(1, dtype=torch.float32)
+    short = torch.arange(20)[None]
+    unscaled = ours(x, short)
+    # Long, then short again (back to the original frequencies), then one decode position past the end.
+    for position_ids in (torch.arange(100)[None], short, torch.tensor([[150]]), torch.arange(300).expand(2, 300)):
+        got, expected = ours(x, position_ids), llama(x, position_ids)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(ours(x, short), unscaled, rtol=0, atol=0)
+    long = torch.arange(100)[None]
+    assert not torch.allclose(ours(x, long)[0][:, :20], unscaled[0])  # long inputs are rescaled
+
+
+def test_dynamic_rope_changes_the_model_only_beyond_max_position_embeddings():
+    dynamic = tiny_model(max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 4.0})
+    plain = tiny_model(max_position_embeddings=32)
+    ids = torch.randint(0, 128, (1, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(dynamic(ids[:, :32]).logits, plain(ids[:, :32]).logits, rtol=0, atol=0)
+        assert not torch.allclose(dynamic(ids).logits, plain(ids).logits, atol=1e-4)

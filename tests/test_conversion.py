@@ -17,7 +17,8 @@ from transformers import (
 )
 
 from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
-from hf_linear_attn.conversion import linear_attention_config
+from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, linear_attention_config
 
 DIMS = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -150,12 +151,40 @@ def test_convert_cli_writes_a_loadable_checkpoint_with_tokenizer(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging folder left
 
 
+def test_convert_cli_takes_every_attention_option(tmp_path):
+    save_with_tokenizer(teacher("llama"), tmp_path / "src")
+    out = tmp_path / "out"
+    assert run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "elu",
+                       "--window_size", "0", "--num_sink_tokens", "0", "--decay", "vector", "--decay_low_rank_dim",
+                       "4", "--output_norm", "--no_normalize", "--linear_attention_backend", "torch") == 0
+    config = AutoModelForCausalLM.from_pretrained(out).config
+    assert {name: getattr(config, name) for name in ATTENTION_OPTIONS} == {
+        "feature_map": "elu", "feature_dim": None, "normalize": False, "output_norm": True, "decay": "vector",
+        "decay_low_rank_dim": 4, "window_size": 0, "num_sink_tokens": 0, "softmax_layers": [],
+        "linear_attention_backend": "torch"}
+
+
+def test_conversion_defaults_are_the_lolcats_recipe():
+    config = linear_attention_config(teacher("mistral").config)
+    assert {name: getattr(config, name) for name in ATTENTION_OPTIONS} == DEFAULT_ATTENTION_OPTIONS
+    assert (config.feature_map, config.window_size, config.num_sink_tokens) == ("hedgehog", 64, 4)
+    with pytest.raises(TypeError, match="`normalize`='yes'"):
+        linear_attention_config(teacher("mistral").config, normalize="yes")
+
+
 def test_convert_cli_fails_before_writing_anything(tmp_path, capsys):
     save_with_tokenizer(teacher("llama"), tmp_path / "src")
     teacher("llama").save_pretrained(tmp_path / "no_tokenizer")
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match="`decay`"):
+    with pytest.raises(SystemExit, match="error: invalid `decay`='scalar'"):
         run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--decay", "scalar")
+    with pytest.raises(SystemExit, match="error: invalid `window_size`=-1"):
+        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--window_size", "-1")
+    with pytest.raises(SystemExit, match="error: invalid `softmax_layers`=\\[2\\]"):  # the source has 2 layers
+        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--softmax_layers", "2")
+    with pytest.raises(SystemExit) as error:  # not a choice: argparse's usage error
+        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "cos")
+    assert error.value.code == 2 and "invalid choice: 'cos'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no tokenizer"):
         run_convert("--model_name_or_path", str(tmp_path / "no_tokenizer"), "--output_dir", str(out))
     (tmp_path / "bad.yaml").write_text("window: 3\n")

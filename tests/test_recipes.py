@@ -1,15 +1,20 @@
 """Every recipe in configs/ parses with the dataclasses of the script it is written for."""
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
+from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS
 from training.convert import ConversionArguments
 from training.data import DataArguments
+from training.demo import DEFAULT_RECIPE as DEMO_RECIPE
+from training.demo import DemoArguments
 from training.distill import DistillArguments
 from training.finetune import ARGUMENT_CLASSES as FINETUNE_ARGUMENTS
 from training.loop import TrainArguments
-from training.recipes import parse_recipe_args
+from training.recipes import attention_arguments, attention_options, parse_recipe_args
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SCRIPTS = {
@@ -25,6 +30,8 @@ def test_lolcats_recipes_parse(recipe):
     parsed = parse_recipe_args(SCRIPTS[stage], ["--config", str(recipe)])
     first = parsed if stage == "convert" else parsed[0]
     assert first.model_name_or_path
+    if stage == "convert":
+        AttentionOptions(**attention_options(parsed))  # the recipe's options are valid together
 
 
 def test_recipe_with_an_unknown_key_is_refused(tmp_path, capsys):
@@ -33,3 +40,30 @@ def test_recipe_with_an_unknown_key_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_recipe_args(ConversionArguments, ["--config", str(bad)])
     assert "unknown key(s) ['window']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments", [ConversionArguments, DemoArguments], ids=["convert", "demo"])
+def test_scripts_take_every_attention_option_as_declared(arguments):
+    declared = {f.name: f for f in fields(AttentionOptions)}
+    own = {f.name: f for f in fields(arguments)}
+    for name in ATTENTION_OPTIONS:
+        assert own[name].metadata == declared[name].metadata, name  # same help and choices
+    parsed = parse_recipe_args(arguments, ["--decay_low_rank_dim", "8", "--softmax_layers", "1", "0"])
+    assert attention_options(parsed)["decay_low_rank_dim"] == 8
+    assert attention_options(parsed)["softmax_layers"] == [1, 0]
+
+
+def test_script_defaults():
+    assert attention_options(ConversionArguments()) == DEFAULT_ATTENTION_OPTIONS
+    assert attention_options(DemoArguments()) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32}
+    demo = parse_recipe_args(DemoArguments, [], default_recipe=DEMO_RECIPE)
+    assert attention_options(demo) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32}
+
+
+def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
+    with pytest.raises(ValueError, match="`decay`"):
+        attention_arguments("Bad", window_size=8, decay="scalar")
+    arguments = attention_arguments("WithLayers", softmax_layers=[1])
+    first, second = arguments(), arguments()
+    first.softmax_layers.append(2)
+    assert second.softmax_layers == [1]

@@ -4,8 +4,9 @@
         [--feature_map hedgehog --feature_dim 64 --window_size 64 --num_sink_tokens 4 ...]
 
 SRC is a local folder or a Hub id (`--gguf_file` for a GGUF checkpoint in that folder). Every
-attention option is a `LinearAttentionConfig` field; a YAML recipe gives defaults that the command
-line overrides. The output folder is written atomically (a temporary sibling renamed at the end), so
+attention option (`AttentionOptions`: feature map, decay, window, ...) is a flag, with the LoLCATs
+defaults of `DEFAULT_ATTENTION_OPTIONS`; a YAML recipe gives defaults that the command line
+overrides. The output folder is written atomically (a temporary sibling renamed at the end), so
 a failed conversion leaves nothing behind; it holds safetensors weights, the model code (loads with
 `trust_remote_code=True` without this package) and the source's tokenizer.
 """
@@ -25,27 +26,26 @@ if __package__ in (None, ""):  # run as a script: make the `training` package im
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from hf_linear_attn.conversion import convert_to_linear_attention, linear_attention_config, load_teacher
-from training.recipes import parse_recipe_args
+from hf_linear_attn.conversion import (
+    DEFAULT_ATTENTION_OPTIONS,
+    convert_to_linear_attention,
+    linear_attention_config,
+    load_teacher,
+)
+from training.recipes import attention_arguments, attention_options, parse_recipe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
-class ConversionArguments:
+class ConversionArguments(attention_arguments("ConversionAttentionArguments", **DEFAULT_ATTENTION_OPTIONS)):
+    """The source, the output and every attention option (`AttentionOptions`, LoLCATs defaults)."""
+
     model_name_or_path: str | None = field(default=None, metadata={"help": "Source: local folder or Hub id."})
     output_dir: str | None = field(default=None, metadata={"help": "Where the converted checkpoint is written."})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace an existing output_dir."})
     dtype: str = field(default="float32", metadata={"help": f"Weights dtype of the output, one of {list(DTYPES)}."})
-    feature_map: str = field(default="hedgehog", metadata={"help": "elu, relu, identity, t2r, hedgehog, taylor."})
-    feature_dim: int | None = field(default=None, metadata={"help": "Feature size of learned maps (default head_dim)."})
-    normalize: bool = field(default=True, metadata={"help": "Use the linear-attention normaliser."})
-    output_norm: bool = field(default=False, metadata={"help": "Per-head RMSNorm before o_proj."})
-    decay: str = field(default="none", metadata={"help": "none, fixed, scalar or vector."})
-    window_size: int = field(default=64, metadata={"help": "Sliding softmax window (0 = pure linear)."})
-    num_sink_tokens: int = field(default=4, metadata={"help": "First tokens always under softmax."})
-    softmax_layers: list[int] = field(default_factory=list, metadata={"help": "Layers kept as full softmax."})
 
 
 def parse_args(argv: list[str]) -> ConversionArguments:
@@ -64,14 +64,15 @@ def main(argv: list[str]) -> int:
     output = Path(args.output_dir)
     if output.exists() and any(output.iterdir()) and not args.overwrite_output_dir:
         raise SystemExit(f"error: {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
-    options = dict(feature_map=args.feature_map, feature_dim=args.feature_dim, normalize=args.normalize,
-                   output_norm=args.output_norm, decay=args.decay, window_size=args.window_size,
-                   num_sink_tokens=args.num_sink_tokens, softmax_layers=args.softmax_layers)
+    options = attention_options(args)
     load_kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
 
     # Everything that can fail cheaply fails before the weights are read or anything is written.
     source_config = AutoConfig.from_pretrained(args.model_name_or_path, **load_kwargs)
-    linear_attention_config(source_config, **options)
+    try:
+        linear_attention_config(source_config, **options)
+    except (TypeError, ValueError) as error:  # a bad option, or one that does not fit the source
+        raise SystemExit(f"error: {error}") from error
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as error:

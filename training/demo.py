@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_linear_attn import convert_to_linear_attention
-from hf_linear_attn.conversion import load_teacher
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from training import evaluate
 from training.data import DataArguments
 from training.distill import DistillArguments, distill
@@ -43,19 +43,15 @@ from training.finetune import ModelArguments
 from training.finetune import run as finetune
 from training.loop import TrainArguments
 from training.push_to_hub import HubArguments
-from training.recipes import parse_recipe_args
+from training.recipes import attention_arguments, attention_options, parse_recipe_args
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
-class DemoArguments:
+class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTENTION_OPTIONS | {"feature_dim": 32})):
     output_dir: str = "outputs/demo"
-    feature_map: str = "hedgehog"
-    feature_dim: int = 32
-    window_size: int = 64
-    num_sink_tokens: int = 4
     block_size: int = field(default=256, metadata={"help": "Tokens per training / evaluation row."})
     distill_steps: int = 300
     distill_batch_size: int = 1
@@ -97,9 +93,7 @@ def main(argv: list[str]) -> int:
     teacher = load_teacher(folder, gguf_file=GGUF_FILE)
 
     print("[2/6] Converting to linear attention", flush=True)
-    options = dict(feature_map=args.feature_map, feature_dim=args.feature_dim, window_size=args.window_size,
-                   num_sink_tokens=args.num_sink_tokens)
-    student = convert_to_linear_attention(teacher, **options)
+    student = convert_to_linear_attention(teacher, **attention_options(args))
     student.config.base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     student.save_pretrained(out / "converted")
     tokenizer.save_pretrained(out / "converted")

@@ -4,16 +4,24 @@
 for defaults and lets every flag on the command line override them, via `transformers.HfArgumentParser`;
 it returns one instance per dataclass. A recipe key that no dataclass has is an error naming the
 allowed keys. `recipe_dict(parsed)` flattens the parsed instances back into one dict, as run.
+
+The attention options of a script's command line are the fields of `hf_linear_attn`'s `AttentionOptions`
+(type, help and allowed values), with the script's own defaults: `attention_arguments(name, **defaults)`
+makes that dataclass for the script's arguments to subclass, and `attention_options(args)` reads them back
+as the keyword arguments of `convert_to_linear_attention`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 from transformers import HfArgumentParser
+
+from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
 
 
 def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str],
@@ -47,3 +55,27 @@ def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str],
 def recipe_dict(args: tuple[Any, ...]) -> dict[str, Any]:
     """All fields of the parsed argument dataclasses, as a run used them (for logs and model cards)."""
     return {key: value for values in args for key, value in dataclasses.asdict(values).items()}
+
+
+def attention_arguments(name: str, **defaults: Any) -> type:
+    """A dataclass named `name` with the fields of `AttentionOptions` (types, help, choices) and `defaults` for
+    some of them, for a script's argument dataclass to subclass. The defaults are checked here."""
+    AttentionOptions(**defaults)
+    types = typing.get_type_hints(AttentionOptions)
+    specs = []
+    for option in dataclasses.fields(AttentionOptions):
+        default = defaults.get(option.name, dataclasses.MISSING)
+        if default is dataclasses.MISSING:  # the declared default (or its factory)
+            spec = dataclasses.field(default=option.default, default_factory=option.default_factory,
+                                     metadata=option.metadata)
+        elif isinstance(default, list):
+            spec = dataclasses.field(default_factory=lambda default=default: list(default), metadata=option.metadata)
+        else:
+            spec = dataclasses.field(default=default, metadata=option.metadata)
+        specs.append((option.name, types[option.name], spec))
+    return dataclasses.make_dataclass(name, specs)
+
+
+def attention_options(args: Any) -> dict[str, Any]:
+    """The attention options of parsed arguments (a subclass of an `attention_arguments` dataclass)."""
+    return {name: getattr(args, name) for name in ATTENTION_OPTIONS}
