@@ -128,6 +128,28 @@ def test_restoring_in_place_keeps_the_object_and_adds_to_existing_softmax_layers
     assert student.model.layers[1].self_attn.q_proj is q_proj  # the projections are shared, not copied
 
 
+def test_attention_transfer_of_a_layer_does_not_depend_on_which_others_are_softmax():
+    """Why selection runs after stage 1: with teacher forcing each linear layer's transfer loss (and so its
+    gradient) is the same whether other layers are linear or restored, so restoring layers of a stage-1 model
+    gives what stage 1 of the hybrid itself would train (up to global-norm gradient clipping)."""
+    student = converted(llama_teacher())
+    hybrid = restore_softmax_layers(student, [0, 2])
+    ids = rows(2, 32)
+
+    def transfer_losses(model):
+        layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, LinearAttention)]
+        for attention in layers:
+            attention.attention_transfer = True
+        model.model(ids, use_cache=False)
+        return {attention.layer_idx: attention.transfer_loss for attention in layers}
+
+    everywhere, only_some = transfer_losses(student), transfer_losses(hybrid)
+    assert sorted(only_some) == [1, 3]
+    for index, loss in only_some.items():
+        assert loss > 0
+        torch.testing.assert_close(loss, everywhere[index], atol=1e-7, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------- ranking
 def test_ranking_is_deterministic_leaves_the_student_as_it_was_and_matches_a_direct_computation():
     teacher = llama_teacher()
