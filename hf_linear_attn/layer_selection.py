@@ -76,6 +76,8 @@ def parse_softmax_layers(spec: str | Sequence[int | str] | None, num_layers: int
         raise ValueError(f"num_layers must be a positive integer; got {num_layers!r}.")
     if spec is None:
         return SoftmaxLayerSpec()
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(item, str) for item in spec):
+        spec = " ".join(spec)  # a command line's words: name them as typed
     items = [spec] if isinstance(spec, str) else spec
     if not isinstance(items, Sequence):
         raise ValueError(f"softmax_layers={spec!r}: expected {SPEC_FORMS}.")
@@ -87,8 +89,7 @@ def parse_softmax_layers(spec: str | Sequence[int | str] | None, num_layers: int
             tokens.append(item)
         else:
             raise ValueError(f"softmax_layers={spec!r}: {item!r} is not a layer index; expected {SPEC_FORMS}.")
-    auto = [token for token in tokens if isinstance(token, str) and token.lower().startswith("auto")]
-    if auto:
+    if any(isinstance(token, str) and token.lower().startswith("auto") for token in tokens):
         return SoftmaxLayerSpec(auto_k=_parse_auto(spec, tokens, num_layers))
     layers = []
     for token in tokens:

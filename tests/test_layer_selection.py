@@ -248,6 +248,11 @@ def test_parse_softmax_layers_refuses_bad_specs(spec, message):
     assert "softmax_layers" in str(error.value)
 
 
+def test_parse_softmax_layers_names_command_line_words_as_typed():
+    with pytest.raises(ValueError, match="softmax_layers='auto:9':"):
+        parse_softmax_layers(["auto:9"], 8)
+
+
 def test_parse_softmax_layers_refuses_a_bad_layer_count():
     with pytest.raises(ValueError, match="num_layers must be a positive integer"):
         parse_softmax_layers("1", 0)
