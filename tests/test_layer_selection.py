@@ -1,0 +1,313 @@
+"""Softmax-layer selection: restoring converted layers to softmax, ranking them by KL to the teacher, parsing."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hf_linear_attn import LinearAttentionCache, convert_to_linear_attention
+from hf_linear_attn.conversion import linear_attention_config
+from hf_linear_attn.layer_selection import (
+    SoftmaxLayerSpec,
+    check_layer_selection,
+    check_same_conversion,
+    parse_softmax_layers,
+    rank_softmax_layers,
+    restore_softmax_layers,
+    select_softmax_layers,
+    write_ranking,
+)
+from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention
+
+LAYERS = 4
+OPTIONS = dict(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1)
+
+
+def llama_teacher(seed: int = 0, **extra) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa", **extra)
+    return LlamaForCausalLM(config).eval()
+
+
+def converted(teacher, seed: int = 1, **options):
+    """The teacher converted with OPTIONS, its feature maps and window gates moved off their initial values (so
+    that no layer is accidentally exact)."""
+    student = convert_to_linear_attention(teacher, **{**OPTIONS, **options})
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in student.named_parameters():
+            if "feature_map" in name or "window_gate" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return student
+
+
+def make_worse(student, layer: int) -> None:
+    """Plant a bad layer: random, sharp feature maps and a window gate that leaves the linear part in charge."""
+    attention = student.model.layers[layer].self_attn
+    with torch.no_grad():
+        for feature_map in (attention.feature_map_q, attention.feature_map_k):
+            feature_map.weight.copy_(20 * torch.randn_like(feature_map.weight))
+        attention.window_gate.fill_(-8.0)
+
+
+def direct_kl(student, teacher, rows: torch.Tensor) -> float:
+    """Mean KL(teacher || student) over every position of every row: full forward passes, no shortcut."""
+    with torch.no_grad():
+        log_p = F.log_softmax(teacher(rows).logits.float(), dim=-1)
+        log_q = F.log_softmax(student(rows, use_cache=False).logits.float(), dim=-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="sum").item() / rows.numel()
+
+
+def rows(n: int = 2, length: int = 32) -> torch.Tensor:
+    return torch.randint(0, 96, (n, length), generator=torch.Generator().manual_seed(7))
+
+
+# ----------------------------------------------------------------------------------------------- restoring
+def test_restoring_every_layer_gives_back_the_teacher():
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    teacher = llama_teacher(attention_bias=True, mlp_bias=True, rope_parameters=rope)
+    student = converted(teacher)
+    ids = rows(2, 40)
+    restored = restore_softmax_layers(student, list(range(LAYERS)))
+    assert restored.config.softmax_layers == list(range(LAYERS))
+    assert all(isinstance(layer.self_attn, SoftmaxAttention) for layer in restored.model.layers)
+    assert not any(name for name, _ in restored.named_parameters() if "feature_map" in name or "window_gate" in name)
+    with torch.no_grad():
+        expected = teacher(ids).logits
+        assert not torch.allclose(student(ids, use_cache=False).logits, expected, atol=1e-3)  # the test can fail
+        torch.testing.assert_close(restored(ids, use_cache=False).logits, expected, atol=2e-5, rtol=1e-4)
+        generated = restored.generate(ids[:, :12], max_new_tokens=6, do_sample=False)
+        torch.testing.assert_close(generated, teacher.generate(ids[:, :12], max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_restoring_one_layer_equals_converting_with_it_as_softmax(layer, tmp_path):
+    teacher = llama_teacher()
+    student = converted(teacher)
+    before = {name: value.clone() for name, value in student.state_dict().items()}
+    restored = restore_softmax_layers(student, [layer])
+
+    # The source model is untouched (restore returns a copy) ...
+    assert isinstance(student.model.layers[layer].self_attn, LinearAttention) and student.config.softmax_layers == []
+    assert all(torch.equal(value, before[name]) for name, value in student.state_dict().items())
+    # ... and the copy is exactly a model converted with softmax_layers=[layer] carrying the same weights.
+    assert restored.config.softmax_layers == [layer]
+    reference = convert_to_linear_attention(teacher, **OPTIONS, softmax_layers=[layer])
+    reference.load_state_dict(restored.state_dict(), strict=True)  # same parameter names: the linear ones are gone
+    dropped = {name for name in before if name not in restored.state_dict()}
+    assert dropped and all(name.startswith(f"model.layers.{layer}.self_attn.") for name in dropped)
+    assert all(torch.equal(restored.state_dict()[name], value) for name, value in before.items() if name not in dropped)
+    ids = rows(2, 32)
+    with torch.no_grad():
+        got = restored(ids, use_cache=False).logits
+        assert torch.equal(got, reference(ids, use_cache=False).logits)
+        assert not torch.allclose(got, student(ids, use_cache=False).logits, atol=1e-4)
+        # The cache follows the new layer kinds: chunked prefill + a step equal the full forward.
+        cache = LinearAttentionCache(restored.config)
+        restored(ids[:, :20], cache=cache)
+        step = restored(ids[:, 20:21], cache=cache).logits
+        torch.testing.assert_close(step, restored(ids[:, :21], use_cache=False).logits[:, -1:], atol=1e-5, rtol=1e-4)
+
+    restored.save_pretrained(tmp_path / "hybrid")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hybrid").eval()
+    assert loaded.config.softmax_layers == [layer]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, use_cache=False).logits, got)
+
+
+def test_restoring_in_place_keeps_the_object_and_adds_to_existing_softmax_layers():
+    student = converted(llama_teacher(), softmax_layers=[3])
+    q_proj = student.model.layers[1].self_attn.q_proj
+    same = restore_softmax_layers(student, [1, 3, 1], inplace=True)
+    assert same is student and student.config.softmax_layers == [1, 3]
+    assert student.model.layers[1].self_attn.q_proj is q_proj  # the projections are shared, not copied
+
+
+def test_attention_transfer_of_a_layer_does_not_depend_on_which_others_are_softmax():
+    """Why selection runs after stage 1: with teacher forcing each linear layer's transfer loss (and so its
+    gradient) is the same whether other layers are linear or restored, so restoring layers of a stage-1 model
+    gives what stage 1 of the hybrid itself would train (up to global-norm gradient clipping)."""
+    student = converted(llama_teacher())
+    hybrid = restore_softmax_layers(student, [0, 2])
+    ids = rows(2, 32)
+
+    def transfer_losses(model):
+        layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, LinearAttention)]
+        for attention in layers:
+            attention.attention_transfer = True
+        model.model(ids, use_cache=False)
+        return {attention.layer_idx: attention.transfer_loss for attention in layers}
+
+    everywhere, only_some = transfer_losses(student), transfer_losses(hybrid)
+    assert sorted(only_some) == [1, 3]
+    for index, loss in only_some.items():
+        assert loss > 0
+        torch.testing.assert_close(loss, everywhere[index], atol=1e-7, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- ranking
+def test_ranking_is_deterministic_leaves_the_student_as_it_was_and_matches_a_direct_computation():
+    teacher = llama_teacher()
+    student = converted(teacher)
+    student.train()
+    modules = [layer.self_attn for layer in student.model.layers]
+    before = {name: value.clone() for name, value in student.state_dict().items()}
+    ids = rows(2, 32)
+    ranking = rank_softmax_layers(student, teacher, ids)
+
+    assert ranking == rank_softmax_layers(student, teacher, ids)
+    assert [layer.self_attn for layer in student.model.layers] == modules and student.training
+    assert all(torch.equal(value, before[name]) for name, value in student.state_dict().items())
+    assert sorted(entry["layer"] for entry in ranking) == list(range(LAYERS))
+    reductions = [entry["kl_reduction"] for entry in ranking]
+    assert reductions == sorted(reductions, reverse=True)
+
+    student.eval()
+    reference = direct_kl(student, teacher, ids)
+    for entry in ranking:
+        assert entry["reference_kl"] == pytest.approx(reference, rel=1e-5)
+        assert entry["kl_reduction"] == pytest.approx(entry["reference_kl"] - entry["kl"], rel=1e-9, abs=1e-12)
+    one = ranking[-1]
+    assert one["kl"] == pytest.approx(direct_kl(restore_softmax_layers(student, [one["layer"]]), teacher, ids),
+                                      rel=1e-5)
+
+
+@pytest.mark.parametrize("planted", range(LAYERS))
+def test_a_layer_made_worse_ranks_first(planted):
+    teacher = llama_teacher()
+    student = convert_to_linear_attention(teacher, **OPTIONS)
+    make_worse(student, planted)
+    layers, ranking = select_softmax_layers(student, teacher, rows(2, 32), k=1)
+    assert layers == [planted]
+    assert ranking[0]["layer"] == planted
+    assert ranking[0]["kl_reduction"] > 3 * ranking[1]["kl_reduction"]
+    assert ranking[0]["relative_reduction"] > 0.5
+
+
+def test_selection_ranks_only_the_linear_layers():
+    teacher = llama_teacher()
+    student = converted(teacher, softmax_layers=[0])
+    make_worse(student, 2)
+    layers, ranking = select_softmax_layers(student, teacher, rows(1, 24).tolist(), k=2)
+    assert sorted(entry["layer"] for entry in ranking) == [1, 2, 3]
+    assert len(layers) == 2 and 2 in layers and 0 not in layers
+
+
+def test_write_ranking_is_atomic(tmp_path):
+    ranking = [{"layer": 1, "kl": 0.5, "kl_reduction": 0.25, "relative_reduction": 1 / 3, "reference_kl": 0.75}]
+    path = write_ranking(tmp_path / "ranking.json", ranking, selected=[1], rows=2)
+    written = json.loads(path.read_text())
+    assert written["ranking"] == ranking and written["selected"] == [1] and written["rows"] == 2
+    with pytest.raises(TypeError):
+        write_ranking(tmp_path / "ranking.json", ranking, bad=object())  # not JSON: the old file stays whole
+    assert json.loads(path.read_text()) == written
+    assert [p.name for p in tmp_path.iterdir()] == ["ranking.json"]
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize("spec, expected", [
+    (None, SoftmaxLayerSpec()),
+    ([], SoftmaxLayerSpec()),
+    ("", SoftmaxLayerSpec()),
+    ([5, 1, 7, 1], SoftmaxLayerSpec(layers=(1, 5, 7))),
+    ("1,5,7", SoftmaxLayerSpec(layers=(1, 5, 7))),
+    (["1", "5", "7"], SoftmaxLayerSpec(layers=(1, 5, 7))),
+    (["1,5", 7], SoftmaxLayerSpec(layers=(1, 5, 7))),
+    ("auto:3", SoftmaxLayerSpec(auto_k=3)),
+    (["auto:1"], SoftmaxLayerSpec(auto_k=1)),
+    ("auto:7", SoftmaxLayerSpec(auto_k=7)),
+])
+def test_parse_softmax_layers(spec, expected):
+    assert parse_softmax_layers(spec, 8) == expected
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("auto:8", "K = 8 would restore every layer, which is the teacher"),
+    ("auto:0", r"K = 0 is out of range; K lies in \[1, 7\]"),
+    ("auto:-2", r"K = -2 is out of range"),
+    ("auto:x", "exactly \"auto:K\" with an integer K"),
+    ("auto:", "exactly \"auto:K\""),
+    ("auto", "exactly \"auto:K\""),
+    (["auto:2", "3"], "on its own"),
+    ("1,x", "'x' is not a layer index"),
+    ("1.5", "'1.5' is not a layer index"),
+    ([1, 8], r"layer 8 does not exist; indices lie in \[0, 7\]"),
+    ([-1], "layer -1 does not exist"),
+    ([True], "True is not a layer index"),
+    ([1.0], "1.0 is not a layer index"),
+    (3, "expected a list of layer indices"),
+])
+def test_parse_softmax_layers_refuses_bad_specs(spec, message):
+    with pytest.raises(ValueError, match=message) as error:
+        parse_softmax_layers(spec, 8)
+    assert "softmax_layers" in str(error.value)
+
+
+def test_parse_softmax_layers_names_command_line_words_as_typed():
+    with pytest.raises(ValueError, match="softmax_layers='auto:9':"):
+        parse_softmax_layers(["auto:9"], 8)
+
+
+def test_parse_softmax_layers_refuses_a_bad_layer_count():
+    with pytest.raises(ValueError, match="num_layers must be a positive integer"):
+        parse_softmax_layers("1", 0)
+    with pytest.raises(ValueError, match="one layer has no layer to choose"):
+        parse_softmax_layers("auto:1", 1)
+
+
+def test_auto_selection_needs_a_teacher_and_a_ranking_model():
+    auto = SoftmaxLayerSpec(auto_k=2)
+    check_layer_selection(auto, teacher="teacher-dir", ranking_model="stage1-dir")
+    check_layer_selection(SoftmaxLayerSpec(layers=(1,)), teacher=None, ranking_model=None)
+    with pytest.raises(ValueError, match="'auto:2' needs a teacher"):
+        check_layer_selection(auto, teacher=None, ranking_model="stage1-dir")
+    with pytest.raises(ValueError, match="'auto:2' needs a ranking_model"):
+        check_layer_selection(auto, teacher="teacher-dir", ranking_model=None)
+    with pytest.raises(ValueError, match="ranking_model='stage1-dir' is only used with softmax_layers='auto:K'"):
+        check_layer_selection(SoftmaxLayerSpec(), teacher="teacher-dir", ranking_model="stage1-dir")
+
+
+def test_ranking_model_must_be_the_same_conversion(tmp_path):
+    teacher = llama_teacher()
+    converted(teacher).save_pretrained(tmp_path / "stage1")
+    saved = AutoConfig.from_pretrained(tmp_path / "stage1")
+    check_same_conversion(saved, linear_attention_config(teacher.config, **OPTIONS, softmax_layers=[1]))
+    with pytest.raises(ValueError, match="feature_dim: 8 vs 16"):
+        check_same_conversion(saved, linear_attention_config(teacher.config, **{**OPTIONS, "feature_dim": 16}))
+    with pytest.raises(ValueError, match="ranking_model is a 'llama' model"):
+        check_same_conversion(teacher.config, linear_attention_config(teacher.config, **OPTIONS))
+
+
+def test_bad_arguments_fail_before_any_work():
+    teacher = llama_teacher()
+    student = converted(teacher)
+    ids = rows(1, 8)
+    with pytest.raises(TypeError, match="model must be a LinearAttentionForCausalLM; got LlamaForCausalLM"):
+        restore_softmax_layers(teacher, [0])
+    with pytest.raises(ValueError, match=r"\[4\] are not layer indices; indices are integers in \[0, 3\]"):
+        restore_softmax_layers(student, [1, 4])
+    with pytest.raises(TypeError, match="layers must be a list of layer indices"):
+        restore_softmax_layers(student, "1")
+    with pytest.raises(TypeError, match="student must be a LinearAttentionForCausalLM"):
+        rank_softmax_layers(teacher, teacher, ids)
+    with pytest.raises(TypeError, match="teacher must be a transformers PreTrainedModel"):
+        rank_softmax_layers(student, "teacher", ids)
+    other = llama_teacher()
+    other.resize_token_embeddings(100)
+    with pytest.raises(ValueError, match=r"different vocabularies \(100 vs 96 tokens\)"):
+        rank_softmax_layers(student, other, ids)
+    for bad, message in [(ids[0], r"shape \[N, L\] .* got shape \[8\]"), (ids[:, :0], r"got shape \[1, 0\]"),
+                         (ids.float(), "integer token ids; got dtype torch.float32"),
+                         (ids + 96, r"outside \[0, 95\]"), ([[1, 2], [3]], "equal-length lists")]:
+        with pytest.raises(ValueError, match=message):
+            rank_softmax_layers(student, teacher, bad)
+    with pytest.raises(ValueError, match="no linear-attention layer to rank"):
+        rank_softmax_layers(restore_softmax_layers(student, list(range(LAYERS))), teacher, ids)
+    for k in (0, LAYERS, 2.0):
+        with pytest.raises(ValueError, match=r"choose an integer in \[1, 3\]"):
+            select_softmax_layers(student, teacher, ids, k)
