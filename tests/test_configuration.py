@@ -1,5 +1,5 @@
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from hf_linear_attn import LinearAttentionConfig
 

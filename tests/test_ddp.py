@@ -9,8 +9,8 @@ import torch
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
+from helpers import ROOT, read_log, script_env, tiny_args
 from safetensors.torch import load_file
-from training_utils import ROOT, dataset_cache, read_log, script_env, tiny_args  # noqa: F401 - fixture
 from transformers import AutoModelForCausalLM
 
 import hf_linear_attn.modeling_linear_attention as modeling
@@ -20,7 +20,7 @@ ACCELERATE = Path(sys.executable).parent / "accelerate"
 CONFIG = ROOT / "configs" / "accelerate" / "cpu_ddp_2proc.yaml"
 
 
-def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_path, dataset_cache):  # noqa: F811
+def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_path, dataset_cache):
     out = tmp_path / "ddp"
     command = [str(ACCELERATE), "launch", "--config_file", str(CONFIG), str(ROOT / "tests" / "ddp_worker.py"),
                *tiny_args(out, dataset_cache, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "1")]
