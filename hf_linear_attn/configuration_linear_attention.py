@@ -43,7 +43,7 @@ class LinearAttentionConfig(PretrainedConfig):
         use_qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         mlp_bias: bias on the MLP projections.
 
-    Linear attention (see DESIGN §2):
+    Linear attention (the math is in the repository's docs/design.md):
         feature_map: one of `elu` (elu+1), `relu`, `identity`, `t2r` (learned ReLU(xW+b)),
             `hedgehog` (learned softmax(xW) ⊕ softmax(-xW), two halves), `taylor`
             (2nd-order Taylor expansion of exp). Applied per head after RoPE.
