@@ -12,7 +12,8 @@ Per layer it holds what the next token needs and nothing that grows with the con
   `DynamicLayer`), the only part whose size depends on the context.
 
 Every layer counts the positions it has seen, so `get_seq_length()` is right for `generate()`'s
-cache-reuse slicing even when no layer is a softmax layer (DESIGN §4). A recurrent state cannot be
+cache-reuse slicing even when no layer is a softmax layer (transformers' own recurrent cache layers
+count no tokens, so a cache made only of them cannot tell). A recurrent state cannot be
 rolled back: `crop` raises, and the model refuses assisted decoding.
 """
 

@@ -173,7 +173,8 @@ class LinearAttentionConfig(PretrainedConfig):
         use_qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         mlp_bias: bias on the MLP projections.
 
-    Linear attention (keyword arguments, declared in `AttentionOptions`):
+    Linear attention (keyword arguments, declared in `AttentionOptions`; the math is in
+    the repository's docs/design.md):
 """ + _attention_options_doc() + r"""
 
     Provenance (set by `convert_to_linear_attention`): `base_model_name_or_path` and

@@ -5,8 +5,9 @@ One file per model, in the spirit of transformers' `modeling_llama.py`. Shapes a
 functional entry point, several backends); this file only projects, applies RoPE and feature
 maps, builds decays, and handles padding.
 
-Padding rule (DESIGN §4): at pad positions φ(k), v and the log-decay are zeroed *after* the
-feature map and gate, so a pad step leaves the recurrent state exactly unchanged.
+Padding rule: at pad positions φ(k), v and the log-decay are zeroed *after* the feature map and
+gate, so a pad step leaves the recurrent state exactly unchanged (zeroing the inputs would not:
+elu(0) + 1 = 1, and a zero gate still decays). The repository's docs/design.md derives it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .ops_triton import HAS_TRITON  # noqa: F401
 GATE_LOGIT_NORMALIZER = 16.0
 
 # transformers 5.24 renamed `past_key_values` to `cache` in model outputs and in generate()'s model kwargs;
-# use whichever name the installed release reads, or the cache is silently dropped between steps (DESIGN §4).
+# use whichever name the installed release reads, or the cache is silently dropped between steps.
 OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 GENERATE_CACHE_KEY = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters

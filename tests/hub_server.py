@@ -2,7 +2,7 @@
 
 Standard library only (http.server in a thread), repositories held in memory. It answers the
 endpoints the client uses to create a repository, validate a card, upload a folder (every file as a
-"regular" upload: no LFS / Xet) and download files (DESIGN §5):
+"regular" upload: no LFS / Xet) and download files:
 
     POST /api/repos/create                      POST /api/validate-yaml
     POST /api/models/{repo}/preupload/{rev}     POST /api/models/{repo}/commit/{rev}   (NDJSON)

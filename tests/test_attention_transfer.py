@@ -3,8 +3,7 @@ forcing, what trains, and the hooks leaving the model as it was."""
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_conversion import teacher
+from helpers import teacher, tiny_model
 from torch import nn
 
 from hf_linear_attn import convert_to_linear_attention

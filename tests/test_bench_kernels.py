@@ -3,7 +3,7 @@
 import json
 import textwrap
 
-from test_benchmarks import run_script
+from helpers import run_script
 
 from hf_linear_attn.ops import LINEAR_BACKENDS
 

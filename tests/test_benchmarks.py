@@ -1,18 +1,8 @@
 """The benchmark scripts run end to end on tiny settings, so they cannot rot between real runs."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536")  # as the scripts re-exec with
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=ROOT)
+from helpers import run_script
 
 
 def test_decode_benchmark_runs_and_reports_constant_cache(tmp_path):

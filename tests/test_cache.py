@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_modeling import VARIANTS, left_pad, prompts
+from helpers import VARIANTS, left_pad, prompts, tiny_model
 from transformers import DynamicCache
 
 from hf_linear_attn import LinearAttentionCache

@@ -3,7 +3,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

@@ -2,46 +2,12 @@
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from helpers import SOURCES, save_with_tokenizer, teacher
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, linear_attention_config
-
-DIMS = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256)
-SOURCES = {
-    "llama": (LlamaForCausalLM, LlamaConfig, {
-        "attention_bias": True, "mlp_bias": True,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
-    "mistral": (MistralForCausalLM, MistralConfig, {"head_dim": 24, "sliding_window": None}),
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": True}),
-    "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16, "tie_word_embeddings": True}),
-}
-
-
-def teacher(name: str, seed: int = 0):
-    model_cls, config_cls, extra = SOURCES[name]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**DIMS, **extra, attn_implementation="sdpa")).eval()
-    with torch.no_grad():  # biases and norms start at 0 / 1: make them non-trivial so copying them is tested
-        for name_, p in model.named_parameters():
-            if name_.endswith("bias") or "norm" in name_:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
 
 
 @pytest.mark.parametrize("name", SOURCES)
@@ -111,19 +77,6 @@ def test_bad_conversions_raise():
         linear_attention_config(teacher("llama").config, window_size=8, decay="vector")
     with pytest.raises(TypeError, match="PreTrainedModel or a path"):
         convert_to_linear_attention(42)
-
-
-def save_with_tokenizer(model, path):
-    """Save a checkpoint with a small word-level tokenizer, as a real source folder has."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(90)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    model.save_pretrained(path)
 
 
 def run_convert(*argv):

@@ -9,9 +9,8 @@ import torch
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
+from helpers import ROOT, read_log, save_with_tokenizer, script_env, teacher, tiny_args
 from safetensors.torch import load_file
-from test_conversion import save_with_tokenizer, teacher
-from training_utils import ROOT, dataset_cache, read_log, script_env, tiny_args  # noqa: F401 - fixture
 from transformers import AutoModelForCausalLM
 
 import hf_linear_attn.modeling_linear_attention as modeling
@@ -31,7 +30,7 @@ def launch_two_ranks(*worker_args: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_path, dataset_cache):  # noqa: F811
+def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_path, dataset_cache):
     out = tmp_path / "ddp"
     launch_two_ranks("finetune", *tiny_args(out, dataset_cache, "--max_steps", "4", "--save_steps", "2",
                                             "--save_total_limit", "1"))

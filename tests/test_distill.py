@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from test_conversion import save_with_tokenizer, teacher
+from helpers import save_with_tokenizer, teacher
 from transformers import AutoModelForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention

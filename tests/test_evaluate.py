@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from training_utils import dataset_cache, document_pieces, single_thread  # noqa: F401 - fixtures
+from helpers import document_pieces
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
@@ -43,7 +43,7 @@ def per_document_loss(model, rows, window: int = 0, sinks: int = 0) -> float:
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory, dataset_cache):  # noqa: F811
+def evaluated(tmp_path_factory, dataset_cache):
     """A byte-level Llama teacher, its conversion with a window covering every row (exactly the teacher)
     and one with a short window, evaluated together."""
     root = tmp_path_factory.mktemp("evaluate")

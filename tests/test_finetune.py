@@ -13,20 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import tiny_model
 from datasets import Dataset
-from safetensors.torch import load_file
-from training_utils import (
+from helpers import (
     ROOT,
     TINY_RECIPE,
-    dataset_cache,  # noqa: F401 - fixture
     document_pieces,
     read_log,
     script_env,
-    single_thread,  # noqa: F401 - fixture
     tiny_args,
+    tiny_model,
     write_documents,
 )
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionForCausalLM
@@ -71,7 +69,7 @@ def piece_losses(model, rows) -> tuple[float, int]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, dataset_cache):  # noqa: F811
+def trained(tmp_path_factory, dataset_cache):
     """A short from-scratch run of the tiny recipe on the embedded corpus, logging to tensorboard."""
     output = tmp_path_factory.mktemp("trained")
     threads = torch.get_num_threads()
@@ -156,7 +154,7 @@ def _bad_input_cases(tmp_path, cache):
                                   "nothing to resume", "earlier run in output_dir", "no model", "push without repo",
                                   "bf16 weights that train", "teacher vocabulary", "kl weight",
                                   "gguf without teacher"])
-def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):  # noqa: F811
+def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
 
@@ -206,7 +204,7 @@ def test_each_epoch_has_its_own_order_fixed_by_seed_and_epoch():
     assert orders[0] == orders[2] != orders[1]
 
 
-def test_text_files_chat_templates_and_the_tokenisation_cache(tmp_path, dataset_cache):  # noqa: F811
+def test_text_files_chat_templates_and_the_tokenisation_cache(tmp_path, dataset_cache):
     tokenizer = byte_level_tokenizer()
     text = tmp_path / "book.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: " + "linear state " * 20 for i in range(40)))
@@ -232,7 +230,7 @@ def test_text_files_chat_templates_and_the_tokenisation_cache(tmp_path, dataset_
 # Training, evaluation, saving -------------------------------------------------------------------------
 
 
-def test_trains_evaluates_and_saves_an_ordinary_checkpoint(trained, dataset_cache):  # noqa: F811
+def test_trains_evaluates_and_saves_an_ordinary_checkpoint(trained, dataset_cache):
     output, result = trained
     log = read_log(output)
     losses = [r["loss"] for r in log if "loss" in r]
@@ -257,7 +255,7 @@ def test_trains_evaluates_and_saves_an_ordinary_checkpoint(trained, dataset_cach
     assert result.eval_metrics["eval_loss"] == pytest.approx(total / count, rel=1e-5)
 
 
-def test_resume_after_sigkill_reproduces_the_loss_curve(tmp_path, dataset_cache):  # noqa: F811
+def test_resume_after_sigkill_reproduces_the_loss_curve(tmp_path, dataset_cache):
     """A run killed with SIGKILL and resumed from `latest` logs exactly the losses of an uninterrupted
     run, step by step, across epoch ends (same data order, optimizer, scheduler and RNG state)."""
     docs = write_documents(tmp_path / "docs.jsonl")
@@ -286,7 +284,7 @@ def test_resume_after_sigkill_reproduces_the_loss_curve(tmp_path, dataset_cache)
         assert torch.equal(weights(killed)[name], tensor), name
 
 
-def test_checkpoints_are_atomic_and_only_the_last_k_are_kept(tmp_path, dataset_cache, monkeypatch):  # noqa: F811
+def test_checkpoints_are_atomic_and_only_the_last_k_are_kept(tmp_path, dataset_cache, monkeypatch):
     out = tmp_path / "out"
     run(*tiny_args(out, dataset_cache, "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2"))
     assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-4", "checkpoint-6"]
@@ -316,7 +314,7 @@ def test_checkpoints_are_atomic_and_only_the_last_k_are_kept(tmp_path, dataset_c
     assert not (out / ".tmp-checkpoint-8").exists()  # leftovers of the interrupted save are cleaned up
 
 
-def test_gradient_checkpointing_accumulation_and_mixed_precision(tmp_path, dataset_cache):  # noqa: F811
+def test_gradient_checkpointing_accumulation_and_mixed_precision(tmp_path, dataset_cache):
     common = ["--max_steps", "3", "--gradient_accumulation_steps", "2"]
     plain = run(*tiny_args(tmp_path / "plain", dataset_cache, *common))
     checkpointed = run(*tiny_args(tmp_path / "ckpt", dataset_cache, *common, "--gradient_checkpointing"))
@@ -330,7 +328,7 @@ def test_gradient_checkpointing_accumulation_and_mixed_precision(tmp_path, datas
 # What trains --------------------------------------------------------------------------------------------
 
 
-def test_lora_trains_only_adapters_and_merges_into_the_weights(trained, tmp_path, dataset_cache):  # noqa: F811
+def test_lora_trains_only_adapters_and_merges_into_the_weights(trained, tmp_path, dataset_cache):
     base, _ = trained
     args = ["--config_name", "", "--model_name_or_path", str(base), "--max_steps", "3", "--learning_rate", "0.01",
             "--use_lora", "--lora_target_modules", "q_proj", "v_proj"]
@@ -384,7 +382,7 @@ def test_logit_distillation_loss_is_cross_entropy_plus_kl_per_document():
     torch.testing.assert_close(only_ce, plain_sum)
 
 
-def test_kl_to_the_teacher_trains_towards_it_and_evaluation_stays_perplexity(trained, tmp_path, dataset_cache):  # noqa: F811
+def test_kl_to_the_teacher_trains_towards_it_and_evaluation_stays_perplexity(trained, tmp_path, dataset_cache):
     base, _ = trained
     teacher_dir = tmp_path / "teacher"
     tiny_teacher().save_pretrained(teacher_dir)

@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
-from training_utils import ROOT
+from helpers import ROOT, tiny_config
 
 import hf_linear_attn
 from training.data import byte_level_tokenizer

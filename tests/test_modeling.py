@@ -3,39 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from helpers import VARIANTS, left_pad, prompts, tiny_model
 
 from hf_linear_attn import LinearAttentionForCausalLM, LinearAttentionModel
 from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention
-
-VARIANTS = {
-    "elu": {},
-    "relu-unnormalized": {"feature_map": "relu", "normalize": False},
-    "identity-fixed-decay": {"feature_map": "identity", "normalize": False, "decay": "fixed",
-                             "output_norm": True},
-    "elu-scalar-decay": {"decay": "scalar"},
-    "t2r-vector-decay": {"feature_map": "t2r", "feature_dim": 8, "decay": "vector", "decay_low_rank_dim": 4},
-    "taylor": {"feature_map": "taylor", "head_dim": 4, "hidden_size": 32},
-    "hedgehog-window-sinks": {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5,
-                              "num_sink_tokens": 2},
-    "qwen3-like-hybrid": {"use_qk_norm": True, "attention_bias": True, "softmax_layers": [0],
-                          "tie_word_embeddings": True},
-}
-
-
-def prompts(lengths, vocab=128, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
-
-
-def left_pad(seqs, pad_id=0):
-    t = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), t), pad_id)
-    mask = torch.zeros(len(seqs), t, dtype=torch.long)
-    for row, s in enumerate(seqs):
-        ids[row, t - len(s):] = s
-        mask[row, t - len(s):] = 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import assert_all_close, make_inputs
 
 from hf_linear_attn import ops_chunked
 from hf_linear_attn.ops import linear_attention
@@ -10,48 +10,6 @@ from hf_linear_attn.ops_chunked import CHUNK_SIZE
 
 C = CHUNK_SIZE
 DECAYS = [None, "fixed", "scalar", "vector"]
-
-
-def make_inputs(
-    decay: str | None,
-    normalize: bool,
-    length: int,
-    key_dim: int,
-    value_dim: int,
-    *,
-    batch: int = 2,
-    heads: int = 2,
-    with_state: bool = False,
-    dtype: torch.dtype = torch.float64,
-    seed: int = 0,
-) -> dict[str, torch.Tensor | None]:
-    """Random leaf tensors for linear_attention. Normalised runs get positive, feature-like q, k and state
-    so the denominators stay away from 0."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=dtype)
-
-    def feature(*shape: int) -> torch.Tensor:
-        return randn(*shape).sigmoid() if normalize else randn(*shape)
-
-    q, k = feature(batch, length, heads, key_dim), feature(batch, length, heads, key_dim)
-    v = randn(batch, length, heads, value_dim)
-    if decay == "fixed":  # RetNet: γ_h = 1 − 2^(−5−h)
-        gamma = 1 - 2.0 ** (-5 - torch.arange(heads, dtype=dtype))
-        log_decay = gamma.log().expand(batch, length, heads).clone()
-    elif decay == "scalar":
-        log_decay = F.logsigmoid(randn(batch, length, heads) * 2 + 2)
-    elif decay == "vector":
-        log_decay = F.logsigmoid(randn(batch, length, heads, key_dim) * 2 + 2)
-    else:
-        log_decay = None
-    state = None
-    if with_state:
-        state = randn(batch, heads, key_dim, value_dim + int(normalize))
-        state = state.abs() if normalize else state
-    tensors = {"q": q, "k": k, "v": v, "log_decay": log_decay, "initial_state": state}
-    return {name: None if x is None else x.requires_grad_() for name, x in tensors.items()}
 
 
 def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
@@ -62,15 +20,6 @@ def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
     loss = loss + (state * torch.randn(state.shape, generator=gen, dtype=state.dtype)).sum()
     leaves = [x for x in inputs.values() if x is not None]
     return [o, state, *torch.autograd.grad(loss, leaves)]
-
-
-def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
-    """Each pair agrees to `tol` relative to the expected tensor's largest magnitude (at least 1)."""
-    for a, e in zip(actual, expected, strict=True):
-        assert a.shape == e.shape and a.dtype == e.dtype
-        assert torch.isfinite(a).all()
-        scale = max(1.0, e.abs().max().item())
-        assert (a - e).abs().max().item() <= tol * scale
 
 
 @pytest.mark.parametrize("with_state", [False, True])

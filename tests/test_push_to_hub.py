@@ -7,10 +7,9 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import ROOT, script_env, tiny_args, tiny_model
 from hub_server import HubServer, card_metadata_errors
 from huggingface_hub import ModelCard
-from training_utils import ROOT, dataset_cache, script_env, tiny_args  # noqa: F401 - fixture
 from transformers import AutoModelForCausalLM
 
 from training.model_card import render_model_card
@@ -44,7 +43,7 @@ def hub():
         yield server
 
 
-def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, dataset_cache):  # noqa: F811
+def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, dataset_cache):
     env = script_env(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN="hf_test", HF_HOME=str(tmp_path / "home"))
     out = tmp_path / "out"
     train = subprocess.run(

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM, LinearAttentionModel

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-import test_window_ops as window_tests  # noqa: E402
-from test_ops import assert_all_close, make_inputs  # noqa: E402
+from helpers import ROOT, assert_all_close, make_inputs, make_window_inputs, window_initial_state  # noqa: E402
 
 from hf_linear_attn import ops_triton  # noqa: E402
 from hf_linear_attn.ops import (  # noqa: E402
@@ -43,7 +41,6 @@ TOLERANCE = {
     torch.float16: 1e-2,
     torch.bfloat16: 3e-2,
 }
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def outputs_and_grads(attention, inputs: dict, **kwargs) -> list[torch.Tensor]:
@@ -178,9 +175,9 @@ def padding_mask(length: int, side: str | None) -> torch.Tensor | None:
      (40, 200, 3, False)],
 )
 def test_window_matches_reference(length, window_size, num_sink_tokens, with_state, padding):
-    inputs = window_tests.make_inputs(length)
+    inputs = make_window_inputs(length)
     if with_state:
-        inputs["initial_state"] = window_tests.initial_state()
+        inputs["initial_state"] = window_initial_state()
     compare_with_oracle(
         window_attention, inputs, "reference", torch.float32, WINDOW_LOW, window_size=window_size,
         num_sink_tokens=num_sink_tokens, key_padding_mask=padding_mask(length, padding),
@@ -189,14 +186,14 @@ def test_window_matches_reference(length, window_size, num_sink_tokens, with_sta
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_window_half_precision(dtype):
-    inputs = window_tests.make_inputs(2 * C + 3)
-    inputs["initial_state"] = window_tests.initial_state()
+    inputs = make_window_inputs(2 * C + 3)
+    inputs["initial_state"] = window_initial_state()
     compare_with_oracle(window_attention, inputs, "reference", dtype, WINDOW_LOW, window_size=50, num_sink_tokens=3)
 
 
 def test_whole_sequence_window_is_softmax_attention():
     length = C + 3
-    inputs = {name: x.detach().float().to(DEVICE) for name, x in window_tests.make_inputs(length).items()}
+    inputs = {name: x.detach().float().to(DEVICE) for name, x in make_window_inputs(length).items()}
     o, _ = window_attention(**inputs, window_size=length, num_sink_tokens=3, backend="triton")
     q, k, v = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
@@ -236,7 +233,7 @@ def linear_args(**changes) -> dict:
 
 def window_args(**changes) -> dict:
     """Valid window_attention arguments for the triton backend (B = 2, T = 6, H = 2)."""
-    args = {name: x.detach().float().to(DEVICE) for name, x in window_tests.make_inputs(6).items()}
+    args = {name: x.detach().float().to(DEVICE) for name, x in make_window_inputs(6).items()}
     return {**args, "window_size": 2, "backend": "triton", **changes}
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make_window_inputs, window_initial_state
 
 from hf_linear_attn.ops import window_attention
 from hf_linear_attn.ops_chunked import CHUNK_SIZE
@@ -11,37 +12,11 @@ C = CHUNK_SIZE
 NAMES = ("q", "k", "v", "q_feat", "k_feat", "window_gate")
 
 
-def make_inputs(
-    length: int, *, batch: int = 2, heads: int = 2, dtype: torch.dtype = torch.float64, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Random leaf tensors (D = 8, V = 5, F = 6); positive features, as a feature map gives."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=dtype)
-
-    tensors = {
-        "q": randn(batch, length, heads, 8),
-        "k": randn(batch, length, heads, 8),
-        "v": randn(batch, length, heads, 5),
-        "q_feat": randn(batch, length, heads, 6).sigmoid(),
-        "k_feat": randn(batch, length, heads, 6).sigmoid(),
-        "window_gate": randn(heads),
-    }
-    return {name: x.requires_grad_() for name, x in tensors.items()}
-
-
 def left_padding(length: int, pads: int) -> torch.Tensor:
     """Mask for a batch of two rows: the first unpadded, the second with `pads` pad tokens in front."""
     mask = torch.ones(2, length, dtype=torch.bool)
     mask[1, :pads] = False
     return mask
-
-
-def initial_state(batch: int = 2, heads: int = 2, seed: int = 1) -> torch.Tensor:
-    """A non-negative linear state [B, H, F, V + 1], as folded keys of positive features produce."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.rand(batch, heads, 6, 6, generator=gen, dtype=torch.float64).requires_grad_()
 
 
 def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
@@ -61,9 +36,9 @@ def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
      (3 * C + 5, 5, 3), (40, 200, 3)],
 )
 def test_chunked_matches_reference(length, window_size, num_sink_tokens, padded, with_state):
-    inputs = make_inputs(length)
+    inputs = make_window_inputs(length)
     if with_state:
-        inputs["initial_state"] = initial_state()
+        inputs["initial_state"] = window_initial_state()
     kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens}
     if padded:
         kwargs["key_padding_mask"] = left_padding(length, length // 3)
@@ -78,7 +53,7 @@ def test_chunked_matches_reference(length, window_size, num_sink_tokens, padded,
 def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
     """Pads change nothing for real tokens (sinks are the first real tokens); pad queries output 0."""
     length, pads = 2 * C + 7, 30
-    inputs = {name: x.detach() for name, x in make_inputs(length).items()}
+    inputs = {name: x.detach() for name, x in make_window_inputs(length).items()}
     kwargs = {"window_size": 20, "num_sink_tokens": num_sink_tokens, "backend": backend}
     o, _ = window_attention(**inputs, key_padding_mask=left_padding(length, pads), **kwargs)
     alone = {name: x if name == "window_gate" else x[1:, pads:] for name, x in inputs.items()}
@@ -91,7 +66,7 @@ def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_whole_sequence_window_is_softmax_attention(backend, dtype):
     length = 2 * C + 3
-    inputs = {name: x.detach() for name, x in make_inputs(length, dtype=dtype).items()}
+    inputs = {name: x.detach() for name, x in make_window_inputs(length, dtype=dtype).items()}
     o, _ = window_attention(**inputs, window_size=length, num_sink_tokens=3, backend=backend)
     q, k, v = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
@@ -101,7 +76,7 @@ def test_whole_sequence_window_is_softmax_attention(backend, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(dtype):
-    inputs = {name: x.detach().to(dtype) for name, x in make_inputs(2 * C + 3, dtype=torch.float32).items()}
+    inputs = {name: x.detach().to(dtype) for name, x in make_window_inputs(2 * C + 3, dtype=torch.float32).items()}
     kwargs = {"window_size": 50, "num_sink_tokens": 3}
     o, _ = window_attention(**inputs, **kwargs, backend="torch")
     assert o.dtype == dtype
@@ -116,7 +91,7 @@ def test_continuing_from_the_carried_state_equals_one_shot(backend, split, windo
     """What a decode cache does: keep the sinks and the last window_size tokens raw, fold the rest into the
     state, then run the next tokens behind the kept ones from that state."""
     length = 2 * C + 9
-    inputs = {name: x.detach() for name, x in make_inputs(length).items()}
+    inputs = {name: x.detach() for name, x in make_window_inputs(length).items()}
     kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens, "backend": backend}
     full, full_state = window_attention(**inputs, **kwargs, output_final_state=True)
 
@@ -138,9 +113,9 @@ def test_queries_behind_keys_are_the_last_rows_of_the_full_computation(length, q
     """What a decode step runs: only the last T_q queries against all T keys (reference backend, also
     picked by "auto"). Outputs are the full computation's last rows; the final state and the gradients
     of everything but the skipped queries are the same."""
-    inputs = make_inputs(length)
+    inputs = make_window_inputs(length)
     mask = left_padding(length, 2)
-    state = initial_state() if with_state else None
+    state = window_initial_state() if with_state else None
     kwargs = dict(window_size=window_size, num_sink_tokens=num_sink_tokens, key_padding_mask=mask,
                   initial_state=state, output_final_state=True)
     full_o, full_state = window_attention(**inputs, backend="reference", **kwargs)
@@ -161,7 +136,7 @@ def test_queries_behind_keys_are_the_last_rows_of_the_full_computation(length, q
 
 def _args(**changes) -> dict:
     """Valid arguments for window_attention (B = 1, T = 6, H = 2) with `changes` applied."""
-    args = {name: x.detach() for name, x in make_inputs(6, batch=1, dtype=torch.float32).items()}
+    args = {name: x.detach() for name, x in make_window_inputs(6, batch=1, dtype=torch.float32).items()}
     return {**args, "window_size": 2, **changes}
 
 

@@ -1,0 +1,272 @@
+"""Plain helpers shared by the test modules (and tests/ddp_worker.py): tiny models, inputs, paths, subprocesses.
+
+Pytest fixtures live in `conftest.py`; everything here is an ordinary function or constant, imported by name
+(`from helpers import tiny_model`). No test module imports another test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import hf_linear_attn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `training/` holds scripts run from the repository root, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny linear-attention models
+# ---------------------------------------------------------------------------------------------------------------
+
+# One model per attention layout the model file has a code path for (feature maps, decays, window, softmax layers).
+VARIANTS = {
+    "elu": {},
+    "relu-unnormalized": {"feature_map": "relu", "normalize": False},
+    "identity-fixed-decay": {"feature_map": "identity", "normalize": False, "decay": "fixed",
+                             "output_norm": True},
+    "elu-scalar-decay": {"decay": "scalar"},
+    "t2r-vector-decay": {"feature_map": "t2r", "feature_dim": 8, "decay": "vector", "decay_low_rank_dim": 4},
+    "taylor": {"feature_map": "taylor", "head_dim": 4, "hidden_size": 32},
+    "hedgehog-window-sinks": {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5,
+                              "num_sink_tokens": 2},
+    "qwen3-like-hybrid": {"use_qk_norm": True, "attention_bias": True, "softmax_layers": [0],
+                          "tie_word_embeddings": True},
+}
+
+
+def tiny_config(**overrides) -> hf_linear_attn.LinearAttentionConfig:
+    """A 2-layer, hidden-64 model with GQA (4 query heads, 2 KV heads): fast on CPU."""
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    fields.update(overrides)
+    return hf_linear_attn.LinearAttentionConfig(**fields)
+
+
+def tiny_model(seed: int = 0, **overrides) -> hf_linear_attn.LinearAttentionForCausalLM:
+    torch.manual_seed(seed)
+    model = hf_linear_attn.LinearAttentionForCausalLM(tiny_config(**overrides))
+    return model.eval()
+
+
+def prompts(lengths, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def left_pad(seqs, pad_id=0):
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id)
+    mask = torch.zeros(len(seqs), t, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, t - len(s):] = s
+        mask[row, t - len(s):] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Softmax teachers for conversion and distillation
+# ---------------------------------------------------------------------------------------------------------------
+
+DIMS = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+SOURCES = {
+    "llama": (LlamaForCausalLM, LlamaConfig, {
+        "attention_bias": True, "mlp_bias": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "mistral": (MistralForCausalLM, MistralConfig, {"head_dim": 24, "sliding_window": None}),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": True}),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16, "tie_word_embeddings": True}),
+}
+
+
+def teacher(name: str, seed: int = 0):
+    model_cls, config_cls, extra = SOURCES[name]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**DIMS, **extra, attn_implementation="sdpa")).eval()
+    with torch.no_grad():  # biases and norms start at 0 / 1: make them non-trivial so copying them is tested
+        for name_, p in model.named_parameters():
+            if name_.endswith("bias") or "norm" in name_:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_with_tokenizer(model, path):
+    """Save a checkpoint with a small word-level tokenizer, as a real source folder has."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(90)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    model.save_pretrained(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention-op inputs and comparisons
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_inputs(
+    decay: str | None,
+    normalize: bool,
+    length: int,
+    key_dim: int,
+    value_dim: int,
+    *,
+    batch: int = 2,
+    heads: int = 2,
+    with_state: bool = False,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> dict[str, torch.Tensor | None]:
+    """Random leaf tensors for linear_attention. Normalised runs get positive, feature-like q, k and state
+    so the denominators stay away from 0."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    def feature(*shape: int) -> torch.Tensor:
+        return randn(*shape).sigmoid() if normalize else randn(*shape)
+
+    q, k = feature(batch, length, heads, key_dim), feature(batch, length, heads, key_dim)
+    v = randn(batch, length, heads, value_dim)
+    if decay == "fixed":  # RetNet: γ_h = 1 − 2^(−5−h)
+        gamma = 1 - 2.0 ** (-5 - torch.arange(heads, dtype=dtype))
+        log_decay = gamma.log().expand(batch, length, heads).clone()
+    elif decay == "scalar":
+        log_decay = F.logsigmoid(randn(batch, length, heads) * 2 + 2)
+    elif decay == "vector":
+        log_decay = F.logsigmoid(randn(batch, length, heads, key_dim) * 2 + 2)
+    else:
+        log_decay = None
+    state = None
+    if with_state:
+        state = randn(batch, heads, key_dim, value_dim + int(normalize))
+        state = state.abs() if normalize else state
+    tensors = {"q": q, "k": k, "v": v, "log_decay": log_decay, "initial_state": state}
+    return {name: None if x is None else x.requires_grad_() for name, x in tensors.items()}
+
+
+def make_window_inputs(
+    length: int, *, batch: int = 2, heads: int = 2, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random leaf tensors for window_attention (D = 8, V = 5, F = 6); positive features, as a feature map gives."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    tensors = {
+        "q": randn(batch, length, heads, 8),
+        "k": randn(batch, length, heads, 8),
+        "v": randn(batch, length, heads, 5),
+        "q_feat": randn(batch, length, heads, 6).sigmoid(),
+        "k_feat": randn(batch, length, heads, 6).sigmoid(),
+        "window_gate": randn(heads),
+    }
+    return {name: x.requires_grad_() for name, x in tensors.items()}
+
+
+def window_initial_state(batch: int = 2, heads: int = 2, seed: int = 1) -> torch.Tensor:
+    """A non-negative window_attention linear state [B, H, F, V + 1] (matching `make_window_inputs`), as folded
+    keys of positive features produce."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, heads, 6, 6, generator=gen, dtype=torch.float64).requires_grad_()
+
+
+def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
+    """Each pair agrees to `tol` relative to the expected tensor's largest magnitude (at least 1)."""
+    for a, e in zip(actual, expected, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        assert torch.isfinite(a).all()
+        scale = max(1.0, e.abs().max().item())
+        assert (a - e).abs().max().item() <= tol * scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scripts run as subprocesses, and the training recipe they run
+# ---------------------------------------------------------------------------------------------------------------
+
+TINY_RECIPE = ROOT / "configs" / "finetune_tiny.yaml"
+WORDS = ("state", "kernel", "feature", "window", "decay", "token", "chunk", "head", "cache", "linear", "softmax",
+         "gate", "query", "key", "value", "sink", "layer", "norm", "map", "memory")
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """Environment of script subprocesses: offline, one thread per process (2 cores shared by several)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+            **extra}
+
+
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `benchmarks/SCRIPT` with `args` from the repository root; output captured as text."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536")  # as the scripts re-exec with
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)
+
+
+def tiny_args(output_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
+    """Command-line arguments of a seconds-long run of the tiny recipe (overrides come last and win)."""
+    return ["--config", str(TINY_RECIPE), "--output_dir", str(output_dir), "--cache_dir", str(cache_dir),
+            "--report_to", "none", "--block_size", "64", "--per_device_train_batch_size", "4",
+            "--per_device_eval_batch_size", "4", "--max_eval_samples", "8", "--logging_steps", "1",
+            "--eval_steps", "0", "--save_steps", "0", "--warmup_steps", "2", *extra]
+
+
+def write_documents(path: Path, count: int = 60, seed: int = 0) -> Path:
+    """A JSONL file of `count` short synthetic documents (field `text`)."""
+    rng = random.Random(seed)
+    with path.open("w") as stream:
+        for _ in range(count):
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 25))).capitalize() + "."
+            stream.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def document_pieces(rows: dict[str, torch.Tensor]):
+    """Each document of packed rows (`input_ids` / `position_ids` [rows, L], position_ids restarting at 0 at
+    every document) that has a token to predict, as a [1, n] tensor of ids, n ≥ 2."""
+    for ids, positions in zip(rows["input_ids"], rows["position_ids"], strict=True):
+        starts = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+        for begin, end in zip(starts[:-1], starts[1:], strict=True):
+            if end - begin >= 2:
+                yield ids[begin:end][None]
+
+
+def read_log(output_dir: Path) -> list[dict[str, Any]]:
+    """The run's `log.jsonl` records without the timing field (which differs between runs)."""
+    records = [json.loads(line) for line in (Path(output_dir) / "log.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in record.items() if k != "tokens_per_second"} for record in records]
