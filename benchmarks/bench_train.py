@@ -13,10 +13,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
-from common import machine, measure, return_freed_memory_to_the_os, write_report
+from common import measure, return_freed_memory_to_the_os
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
+from training.report import machine, write_report
 
 
 @dataclass

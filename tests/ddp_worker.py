@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import torch
-from training_utils import ROOT  # noqa: F401 - puts the repository on sys.path
 
 from training import finetune
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `training/` holds scripts run from the repository root, not an installed package
-    sys.path.insert(0, str(ROOT))
 
 TINY_RECIPE = ROOT / "configs" / "finetune_tiny.yaml"
 WORDS = ("state", "kernel", "feature", "window", "decay", "token", "chunk", "head", "cache", "linear", "softmax",

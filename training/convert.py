@@ -10,7 +10,6 @@ a failed conversion leaves nothing behind; it holds safetensors weights, the mod
 `trust_remote_code=True` without this package) and the source's tokenizer.
 """
 
-# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import shutil
@@ -19,14 +18,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `training` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from hf_linear_attn.conversion import convert_to_linear_attention, linear_attention_config, load_teacher
-from training.recipes import parse_recipe_args
+from training.recipes import exit_on_bad_input, parse_recipe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,22 +44,33 @@ class ConversionArguments:
     softmax_layers: list[int] = field(default_factory=list, metadata={"help": "Layers kept as full softmax."})
 
 
-def parse_args(argv: list[str]) -> ConversionArguments:
+def parse_args(argv: list[str] | None = None) -> ConversionArguments:
     """Command-line flags over an optional YAML recipe (`--config FILE`)."""
-    args = parse_recipe_args(ConversionArguments, argv)
+    return parse_recipe_args(ConversionArguments, argv)
+
+
+def check_arguments(args: ConversionArguments) -> None:
+    """Raise ValueError naming the argument for a conversion that cannot run, before anything is read."""
     for name in ("model_name_or_path", "output_dir"):
         if getattr(args, name) is None:
-            raise SystemExit(f"error: --{name} is required (on the command line or in the recipe)")
+            raise ValueError(f"--{name} is required (on the command line or in the recipe)")
     if args.dtype not in DTYPES:
-        raise SystemExit(f"error: --dtype {args.dtype!r}: choose one of {list(DTYPES)}")
-    return args
-
-
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+        raise ValueError(f"--dtype {args.dtype!r}: choose one of {list(DTYPES)}")
     output = Path(args.output_dir)
     if output.exists() and any(output.iterdir()) and not args.overwrite_output_dir:
-        raise SystemExit(f"error: {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
+        raise ValueError(f"--output_dir {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with exit_on_bad_input():
+        return convert(args)
+
+
+def convert(args: ConversionArguments) -> int:
+    """Check `args`, then write the converted checkpoint (see the module docstring)."""
+    check_arguments(args)
+    output = Path(args.output_dir)
     options = dict(feature_map=args.feature_map, feature_dim=args.feature_dim, normalize=args.normalize,
                    output_norm=args.output_norm, decay=args.decay, window_size=args.window_size,
                    num_sink_tokens=args.num_sink_tokens, softmax_layers=args.softmax_layers)
@@ -75,11 +82,12 @@ def main(argv: list[str]) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"error: no tokenizer could be loaded from {args.model_name_or_path}: {error}") from error
+        raise ValueError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer could be loaded: "
+                         f"{error}") from error
     if 2 * len(tokenizer) < source_config.vocab_size:
         # Some transformers releases build an empty placeholder tokenizer when a folder has none.
-        raise SystemExit(f"error: no tokenizer found in {args.model_name_or_path} (what loads has {len(tokenizer)} "
-                         f"tokens for a model with {source_config.vocab_size} embeddings).")
+        raise ValueError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer found (what loads has "
+                         f"{len(tokenizer)} tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
     student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], **options)
@@ -103,4 +111,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -4,11 +4,18 @@
 for defaults and lets every flag on the command line override them, via `transformers.HfArgumentParser`;
 it returns one instance per dataclass. A recipe key that no dataclass has is an error naming the
 allowed keys. `recipe_dict(parsed)` flattens the parsed instances back into one dict, as run.
+
+Errors: the library modules raise exceptions naming the argument (ValueError, FileNotFoundError); a
+script runs its work inside `exit_on_bad_input()`, which turns them into argparse's style: one line
+`error: ...` on stderr and exit status 2, no traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +23,13 @@ import yaml
 from transformers import HfArgumentParser
 
 
-def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str],
+def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] | None = None,
                       default_recipe: Path | None = None) -> Any:
-    """One parsed instance of `dataclass_types` (or a tuple of them, when a tuple is given)."""
+    """One parsed instance of `dataclass_types` (or a tuple of them, when a tuple is given), from `argv`
+    (default: the command line)."""
     types = dataclass_types if isinstance(dataclass_types, tuple) else (dataclass_types,)
     parser = HfArgumentParser(types)
-    argv = list(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     recipe_path = default_recipe
     for i, arg in enumerate(argv):
         if arg == "--config" or arg.startswith("--config="):
@@ -47,3 +55,14 @@ def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str],
 def recipe_dict(args: tuple[Any, ...]) -> dict[str, Any]:
     """All fields of the parsed argument dataclasses, as a run used them (for logs and model cards)."""
     return {key: value for values in args for key, value in dataclasses.asdict(values).items()}
+
+
+@contextlib.contextmanager
+def exit_on_bad_input() -> Iterator[None]:
+    """Run a script's work; a ValueError or FileNotFoundError (the library's bad-input errors, which name
+    the argument) becomes one `error: ...` line on stderr and exit status 2, as argparse reports a bad flag."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
