@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of this torch lies on the machines' disk; installing it before the package
-# keeps pip from resolving `torch` to a multi-GB CUDA build (DESIGN §6).
+# keeps pip from resolving `torch` to a multi-GB CUDA build (pip prefers the default index's CUDA wheel
+# when torch is not installed yet).
 TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

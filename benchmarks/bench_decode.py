@@ -29,7 +29,7 @@ from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
 from training.measure import cache_bytes, decode_times, new_cache, prefill
-from training.report import machine, write_report
+from training.report import log_log_plot, machine, write_report
 
 
 @dataclass
@@ -124,18 +124,8 @@ def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
     if args.peak_memory:
         columns["prefill_peak_mib"] = "prefill peak MiB"
 
-    def plot(plt):
-        fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
-        for kind in args.models:
-            mine = [r for r in rows if r["model"] == kind]
-            ax_time.plot([r["context"] for r in mine], [r["ms_per_token"] for r in mine], "o-", label=kind)
-            ax_mem.plot([r["context"] for r in mine], [r["cache_mib"] for r in mine], "o-", label=kind)
-        for ax, label in ((ax_time, "ms per decoded token"), (ax_mem, "cache MiB")):
-            ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel=label)
-            ax.legend()
-        fig.tight_layout()
-        return fig
-
+    plot = log_log_plot(rows, "context", "context tokens",
+                        [("ms_per_token", "ms per decoded token"), ("cache_mib", "cache MiB")])
     write_report(rows, columns, args.output_dir, "decode", plot, meta={"args": asdict(args)})
 
 

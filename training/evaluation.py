@@ -34,7 +34,7 @@ from training.data import DataArguments, build_datasets, collate_rows
 from training.losses import LossFn, causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
 from training.measure import cache_memory, decode_profile
 from training.model_card import EVALUATION_FILE, write_model_card
-from training.report import machine, write_report
+from training.report import log_log_plot, machine, write_report
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
@@ -198,16 +198,7 @@ def write_evaluation(evaluation: Evaluation, args: EvaluateArguments, data_args:
     quality_table = write_report(quality, columns, args.output_dir, "evaluation",
                                  meta={"args": asdict(args), "data": asdict(data_args), "decode": decode})
 
-    def plot(plt):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for label in dict.fromkeys(r["model"] for r in decode):
-            mine = [r for r in decode if r["model"] == label]
-            ax.plot([r["context"] for r in mine], [r["cache_bytes"] / 2**20 for r in mine], "o-", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="decode cache MiB")
-        ax.legend()
-        fig.tight_layout()
-        return fig
-
+    plot = log_log_plot(decode, "context", "context tokens", [(lambda r: r["cache_bytes"] / 2**20, "decode cache MiB")])
     decode_table = write_report(decode, {"model": "model", "context": "context", "cache_bytes": "cache bytes",
                                          "ms_per_token": "ms/token"}, args.output_dir, "decode", plot)
     if args.update_model_cards:

@@ -64,5 +64,9 @@ def exit_on_bad_input() -> Iterator[None]:
     try:
         yield
     except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        message = str(error).strip()
+        cause = str(error.__cause__ or "").strip()
+        if cause and cause not in message:  # e.g. the server's reason behind a rejected upload
+            message += f"\n  caused by {type(error.__cause__).__name__}: {cause}"
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -40,6 +40,27 @@ def machine() -> str:
             f"({torch.get_num_threads()} threads)")
 
 
+def log_log_plot(rows: list[dict], x: str, xlabel: str,
+                 panels: list[tuple[str | Callable[[dict], float], str]]) -> Callable:
+    """A `plot` for `write_report`: side by side, one log-log panel per `(y, ylabel)` of `panels` (`y` a row
+    key or a function of the row) against the row key `x`, with one line per model (`row["model"]`)."""
+
+    def plot(plt):
+        fig, axes = plt.subplots(1, len(panels), figsize=(6, 4) if len(panels) == 1 else (5 * len(panels), 4),
+                                 squeeze=False)
+        for ax, (y, ylabel) in zip(axes[0], panels, strict=True):
+            value = y if callable(y) else (lambda row, key=y: row[key])
+            for model in dict.fromkeys(row["model"] for row in rows):
+                mine = [row for row in rows if row["model"] == model]
+                ax.plot([row[x] for row in mine], [value(row) for row in mine], "o-", label=model)
+            ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel)
+            ax.legend()
+        fig.tight_layout()
+        return fig
+
+    return plot
+
+
 def write_report(rows: list[dict], columns: dict[str, str], out_dir: str | Path, name: str,
                  plot: Callable | None = None, meta: dict | None = None) -> str:
     """Print and save a markdown table of `rows` (`columns` maps row keys to headers), the rows as JSON, and a
