@@ -190,7 +190,11 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
 def load_config(model_args: ModelArguments) -> PretrainedConfig:
     """The model's config, checked to be a linear-attention one, with `config_overrides` applied."""
     source = model_args.model_name_or_path or model_args.config_name
-    config = AutoConfig.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    flag = "--model_name_or_path" if model_args.model_name_or_path else "--config_name"
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    except OSError as error:  # neither a folder with a config nor a reachable Hub id
+        raise ValueError(f"{flag} {source}: no config could be loaded ({error}).") from None
     if config.model_type != hf_linear_attn.LinearAttentionConfig.model_type:
         raise ValueError(
             f"{source} is a {config.model_type!r} model, not a linear-attention one: convert it first "
