@@ -24,10 +24,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from common import machine, reset_peak_rss, rss_kib, write_report
-from transformers import DynamicCache, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from common import reset_peak_rss, rss_kib
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
+from training.measure import cache_bytes, decode_times, new_cache, prefill
+from training.report import log_log_plot, machine, write_report
 
 
 @dataclass
@@ -59,41 +61,6 @@ def build(kind: str, args: DecodeBenchmarkArguments) -> torch.nn.Module:
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**dims, attn_implementation="sdpa")).eval()
     raise ValueError(f"unknown model {kind!r}; choose linear or llama")
-
-
-def new_cache(model: torch.nn.Module):
-    if isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
-        return hf_linear_attn.LinearAttentionCache(model.config)
-    return DynamicCache(config=model.config)
-
-
-def cache_bytes(cache) -> int:
-    if isinstance(cache, hf_linear_attn.LinearAttentionCache):
-        return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-@torch.no_grad()
-def prefill(model, cache, length: int, chunk: int) -> torch.Tensor:
-    """Feed `length` random tokens through the cache in chunks; returns the last position's logits."""
-    generator = torch.Generator().manual_seed(length)
-    logits = None
-    for start in range(0, length, chunk):
-        ids = torch.randint(3, model.config.vocab_size, (1, min(chunk, length - start)), generator=generator)
-        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    return logits
-
-
-@torch.no_grad()
-def decode_times(model, cache, logits, steps: int) -> list[float]:
-    """Seconds per greedy decode step with the cache."""
-    times = []
-    for _ in range(steps):
-        next_id = logits[:, -1].argmax(-1, keepdim=True)
-        start = time.perf_counter()
-        logits = model(input_ids=next_id, cache=cache, use_cache=True).logits
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> float:
@@ -157,18 +124,8 @@ def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
     if args.peak_memory:
         columns["prefill_peak_mib"] = "prefill peak MiB"
 
-    def plot(plt):
-        fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
-        for kind in args.models:
-            mine = [r for r in rows if r["model"] == kind]
-            ax_time.plot([r["context"] for r in mine], [r["ms_per_token"] for r in mine], "o-", label=kind)
-            ax_mem.plot([r["context"] for r in mine], [r["cache_mib"] for r in mine], "o-", label=kind)
-        for ax, label in ((ax_time, "ms per decoded token"), (ax_mem, "cache MiB")):
-            ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel=label)
-            ax.legend()
-        fig.tight_layout()
-        return fig
-
+    plot = log_log_plot(rows, "context", "context tokens",
+                        [("ms_per_token", "ms per decoded token"), ("cache_mib", "cache MiB")])
     write_report(rows, columns, args.output_dir, "decode", plot, meta={"args": asdict(args)})
 
 

@@ -13,10 +13,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
-from common import machine, measure, return_freed_memory_to_the_os, write_report
+from common import measure, return_freed_memory_to_the_os
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
+from training.report import log_log_plot, machine, write_report
 
 
 @dataclass
@@ -74,16 +75,7 @@ def main(argv: list[str]) -> int:
     columns = {"model": "model", "seq_len": "seq len", "tokens_per_s": "tokens/s", "vs_llama": "× Llama",
                "step_s": "s/step", "peak_mib": "peak MiB"}
 
-    def plot(plt):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name in [*args.feature_maps, "llama"]:
-            mine = [r for r in rows if r["model"] == name]
-            ax.plot([r["seq_len"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="training tokens/s")
-        ax.legend()
-        fig.tight_layout()
-        return fig
-
+    plot = log_log_plot(rows, "seq_len", "sequence length", [("tokens_per_s", "training tokens/s")])
     write_report(rows, columns, args.output_dir, "train", plot, meta={"args": asdict(args)})
     return 0
 

@@ -1,17 +1,18 @@
-"""Shared pieces of the benchmark scripts: memory readings, timing, and the table / JSON / plot report."""
+"""Shared pieces of the benchmark scripts: memory readings and timing. The table / JSON / plot report is
+`training.report`'s (the evaluation writes the same tables), also importable from here."""
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+from training.report import machine, write_report
+
+__all__ = ["machine", "measure", "reset_peak_rss", "return_freed_memory_to_the_os", "rss_kib", "write_report"]
 
 
 def return_freed_memory_to_the_os() -> None:
@@ -45,44 +46,3 @@ def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), (rss_kib("VmHWM") - baseline) / 1024
-
-
-def machine() -> str:
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads)")
-
-
-def write_report(rows: list[dict], columns: dict[str, str], out_dir: str, name: str,
-                 plot: Callable | None = None, meta: dict | None = None) -> str:
-    """Print and save a markdown table of `rows` (`columns` maps row keys to headers), the rows as JSON, and a
-    PNG drawn by `plot(plt)` when matplotlib is installed. Returns the table."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-        return "–" if value is None else str(value)
-
-    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(key)) for key in columns) + " |" for row in rows]
-    table = "\n".join(lines)
-    print(table)
-    (out / f"{name}.md").write_text(f"Machine: {machine()}\n\n{table}\n")
-    (out / f"{name}.json").write_text(json.dumps({"machine": machine(), **(meta or {}), "rows": rows}, indent=2))
-    written = [f"{name}.md", f"{name}.json"]
-    if plot is not None:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("(install matplotlib, e.g. `pip install -e .[bench]`, for the plot)")
-        else:
-            fig = plot(plt)
-            fig.savefig(out / f"{name}.png", dpi=120)
-            plt.close(fig)
-            written.append(f"{name}.png")
-    print(f"wrote {', '.join(str(out / w) for w in written)}")
-    return table

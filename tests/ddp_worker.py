@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers import ROOT  # noqa: F401 - puts the repository on sys.path
 
 from training import distill, finetune
 from training.data import DataArguments

@@ -30,8 +30,6 @@ from transformers import (
 import hf_linear_attn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `training/` holds scripts run from the repository root, not an installed package
-    sys.path.insert(0, str(ROOT))
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny linear-attention models

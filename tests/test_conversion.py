@@ -126,27 +126,29 @@ def test_conversion_defaults_are_the_lolcats_recipe():
 
 
 def test_convert_cli_fails_before_writing_anything(tmp_path, capsys):
+    def fails(*argv) -> str:
+        """Bad input: exit status 2 with one `error: ...` line (argparse's style); returns stderr."""
+        with pytest.raises(SystemExit) as exit_:
+            run_convert(*argv)
+        assert exit_.value.code == 2
+        return capsys.readouterr().err
+
     save_with_tokenizer(teacher("llama"), tmp_path / "src")
     teacher("llama").save_pretrained(tmp_path / "no_tokenizer")
     out = tmp_path / "out"
-    with pytest.raises(SystemExit, match="error: invalid `decay`='scalar'"):
-        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--decay", "scalar")
-    with pytest.raises(SystemExit, match="error: invalid `window_size`=-1"):
-        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--window_size", "-1")
-    with pytest.raises(SystemExit, match="error: invalid `softmax_layers`=\\[2\\]"):  # the source has 2 layers
-        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--softmax_layers", "2")
-    with pytest.raises(SystemExit) as error:  # not a choice: argparse's usage error
-        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "cos")
-    assert error.value.code == 2 and "invalid choice: 'cos'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="no tokenizer"):
-        run_convert("--model_name_or_path", str(tmp_path / "no_tokenizer"), "--output_dir", str(out))
+    assert "error: invalid `decay`='scalar'" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir",
+                                                      str(out), "--decay", "scalar")
+    assert "error: invalid `window_size`=-1" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir",
+                                                      str(out), "--window_size", "-1")
+    assert "error: invalid `softmax_layers`=[2]" in fails(  # the source has 2 layers
+        "--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--softmax_layers", "2")
+    assert "invalid choice: 'cos'" in fails(  # not a choice: argparse's usage error
+        "--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "cos")
+    assert "no tokenizer" in fails("--model_name_or_path", str(tmp_path / "no_tokenizer"), "--output_dir", str(out))
     (tmp_path / "bad.yaml").write_text("window: 3\n")
-    with pytest.raises(SystemExit):
-        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out),
-                    "--config", str(tmp_path / "bad.yaml"))
-    assert "unknown key(s) ['window']" in capsys.readouterr().err
+    assert "unknown key(s) ['window']" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir",
+                                                str(out), "--config", str(tmp_path / "bad.yaml"))
     assert not out.exists()
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(SystemExit, match="not empty"):
-        run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out))
+    assert "not empty" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out))

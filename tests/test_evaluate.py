@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_linear_attn import convert_to_linear_attention
 from training import evaluate
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
+from training.model_card import EVALUATION_FILE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK = 64
@@ -100,7 +101,7 @@ def test_each_linear_checkpoint_gets_the_numbers_in_its_model_card(evaluated):
     assert not (root / "teacher" / "evaluation.json").exists()  # a softmax checkpoint is left alone
     evaluation = json.loads((root / "out" / "evaluation.json").read_text())["rows"]
     for label in ("wide", "narrow"):
-        record = json.loads((root / label / evaluate.EVALUATION_FILE).read_text())
+        record = json.loads((root / label / EVALUATION_FILE).read_text())
         assert record["label"] == label and record["rows"] == evaluation
         card = (root / label / "README.md").read_text()
         assert "### Against the softmax teacher" in card

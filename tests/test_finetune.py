@@ -30,14 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from hf_linear_attn import LinearAttentionForCausalLM
 from training import checkpoints, finetune
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows, pack_documents
-from training.loop import (
-    EpochShuffleSampler,
-    TrainArguments,
-    causal_lm_loss,
-    make_accelerator,
-    packed_forward,
-    train,
-)
+from training.loop import EpochShuffleSampler, TrainArguments, make_accelerator, train
+from training.losses import causal_lm_loss, logit_distillation_loss, packed_forward
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -366,7 +360,7 @@ def test_logit_distillation_loss_is_cross_entropy_plus_kl_per_document():
     batch = collate_rows(list(Dataset.from_dict(pack_documents(docs, block_size=32))))
     weight, temperature = 0.3, 2.0
     with torch.no_grad():
-        loss_sum, tokens = finetune.logit_distillation_loss(teacher, weight, temperature)(student, batch)
+        loss_sum, tokens = logit_distillation_loss(teacher, weight, temperature)(student, batch)
         expected, expected_tokens = 0.0, 0
         for piece in document_pieces(batch):
             logits, target = student(piece).logits[0, :-1], teacher(piece).logits[0, :-1]
@@ -378,7 +372,7 @@ def test_logit_distillation_loss_is_cross_entropy_plus_kl_per_document():
         assert tokens.sum().item() == expected_tokens
         assert loss_sum.sum().item() == pytest.approx(expected, rel=1e-5)
         plain_sum, _ = causal_lm_loss(student, batch)
-        only_ce, _ = finetune.logit_distillation_loss(teacher, 0.0, temperature)(student, batch)
+        only_ce, _ = logit_distillation_loss(teacher, 0.0, temperature)(student, batch)
     torch.testing.assert_close(only_ce, plain_sum)
 
 
@@ -392,7 +386,7 @@ def test_kl_to_the_teacher_trains_towards_it_and_evaluation_stays_perplexity(tra
                                          "--max_steps", "8", "--learning_rate", "0.01"))
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = collate_rows(list(build_datasets(args[1], tokenizer)["validation"]))
-    kl_only = finetune.logit_distillation_loss(tiny_teacher(), 1.0, 1.0)
+    kl_only = logit_distillation_loss(tiny_teacher(), 1.0, 1.0)
 
     def mean_kl(model):
         with torch.no_grad():

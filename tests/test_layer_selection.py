@@ -20,6 +20,7 @@ from hf_linear_attn.layer_selection import (
     write_ranking,
 )
 from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention
+from training.attention_transfer import AttentionTransfer
 
 LAYERS = 4
 OPTIONS = dict(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1)
@@ -137,11 +138,9 @@ def test_attention_transfer_of_a_layer_does_not_depend_on_which_others_are_softm
     ids = rows(2, 32)
 
     def transfer_losses(model):
-        layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, LinearAttention)]
-        for attention in layers:
-            attention.attention_transfer = True
-        model.model(ids, use_cache=False)
-        return {attention.layer_idx: attention.transfer_loss for attention in layers}
+        with AttentionTransfer(model) as transfer:
+            model(ids, use_cache=False, logits_to_keep=1)
+        return {layer.layer_idx: loss for layer, loss in zip(transfer.layers, transfer.layer_losses, strict=True)}
 
     everywhere, only_some = transfer_losses(student), transfer_losses(hybrid)
     assert sorted(only_some) == [1, 3]

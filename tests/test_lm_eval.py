@@ -1,8 +1,8 @@
 """lm-eval-harness runs a linear-attention checkpoint as an ordinary `hf` model, with the local tasks in
 configs/lm_eval; its scores are checked against the same quantities computed directly from the model."""
 
+import importlib.util
 import math
-import sys
 
 import pytest
 import torch
@@ -15,8 +15,17 @@ from training.data import byte_level_tokenizer
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra: pip install -e '.[dev]'")
 TASKS = ROOT / "configs" / "lm_eval"
 LIMIT = 12  # documents / questions per task: enough to compare, quick on 2 cores
-sys.path.insert(0, str(TASKS))
-import jargon_tasks  # noqa: E402
+
+
+def _load_tasks_module():
+    """configs/lm_eval/jargon_tasks.py, loaded from its file as lm-eval loads it (it is no package)."""
+    spec = importlib.util.spec_from_file_location("jargon_tasks", TASKS / "jargon_tasks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+jargon_tasks = _load_tasks_module()
 
 
 @pytest.fixture(scope="module")

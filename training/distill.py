@@ -17,15 +17,10 @@ recovery with next-token loss) is `training/finetune.py` on the result, e.g.
 `--use_lora --lora_r 8 --lora_alpha 16`.
 """
 
-# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the `training` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -36,7 +31,7 @@ from training.checkpoints import export_model
 from training.data import DataArguments, build_datasets, check_data_arguments
 from training.loop import TrainArguments, TrainResult, check_train_arguments, make_accelerator, train
 from training.model_card import write_model_card, write_training_summary
-from training.recipes import parse_recipe_args, recipe_dict
+from training.recipes import exit_on_bad_input, parse_recipe_args, recipe_dict
 
 
 @dataclass
@@ -85,8 +80,9 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_recipe_args((DistillArguments, DataArguments, TrainArguments), sys.argv[1:] if argv is None else argv)
-    distill(*args)
+    args = parse_recipe_args((DistillArguments, DataArguments, TrainArguments), argv)
+    with exit_on_bad_input():
+        distill(*args)
     return 0
 
 

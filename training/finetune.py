@@ -24,7 +24,6 @@ Every bad input (a missing file, an unknown recipe key or column, a checkpoint t
 linear-attention model, LoRA targets that match nothing, nothing to resume) is reported before training.
 """
 
-# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import shutil
@@ -32,11 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `training` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from transformers import (
@@ -51,28 +46,20 @@ from transformers import (
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
 from training.checkpoints import complete_checkpoints, export_model, resolve_resume_checkpoint
-from training.data import (
-    IGNORE_INDEX,
-    DataArguments,
-    build_datasets,
-    byte_level_tokenizer,
-    check_data_arguments,
-)
+from training.data import DataArguments, build_datasets, byte_level_tokenizer, check_data_arguments
+from training.hub import HubArguments, push_to_hub
 from training.loop import (
     LOG_FILE,
-    LossFn,
     TrainArguments,
     TrainResult,
-    causal_lm_loss,
     check_train_arguments,
     make_accelerator,
-    packed_forward,
     select_trainable,
     train,
 )
+from training.losses import causal_lm_loss, logit_distillation_loss
 from training.model_card import write_model_card, write_training_summary
-from training.push_to_hub import HubArguments, push_to_hub
-from training.recipes import parse_recipe_args, recipe_dict
+from training.recipes import exit_on_bad_input, parse_recipe_args, recipe_dict
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
@@ -134,8 +121,9 @@ Arguments = tuple[ModelArguments, DataArguments, TrainArguments, HubArguments]
 
 
 def parse_args(argv: list[str] | None = None) -> Arguments:
-    """The four argument dataclasses from `--config RECIPE.yaml` (optional) and the flags that override it."""
-    return parse_recipe_args(ARGUMENT_CLASSES, sys.argv[1:] if argv is None else argv)
+    """The four argument dataclasses from `--config RECIPE.yaml` (optional) and the flags that override it
+    (default: the command line)."""
+    return parse_recipe_args(ARGUMENT_CLASSES, argv)
 
 
 def check_arguments(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
@@ -202,7 +190,11 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
 def load_config(model_args: ModelArguments) -> PretrainedConfig:
     """The model's config, checked to be a linear-attention one, with `config_overrides` applied."""
     source = model_args.model_name_or_path or model_args.config_name
-    config = AutoConfig.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    flag = "--model_name_or_path" if model_args.model_name_or_path else "--config_name"
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    except OSError as error:  # neither a folder with a config nor a reachable Hub id
+        raise ValueError(f"{flag} {source}: no config could be loaded ({error}).") from None
     if config.model_type != hf_linear_attn.LinearAttentionConfig.model_type:
         raise ValueError(
             f"{source} is a {config.model_type!r} model, not a linear-attention one: convert it first "
@@ -261,33 +253,6 @@ def load_distillation_teacher(model_args: ModelArguments, config: PretrainedConf
         raise ValueError(f"The teacher {model_args.teacher_name_or_path} predicts {teacher_vocab} tokens but the "
                          f"model {config.vocab_size}: logit distillation needs the same vocabulary.")
     return teacher.eval().requires_grad_(False)
-
-
-def logit_distillation_loss(teacher: PreTrainedModel, kl_weight: float, temperature: float) -> LossFn:
-    """A loop loss: per packed row, Σ over predicted tokens of (1 − w)·CE + w·T²·KL(teacher ‖ model), with
-    both distributions at temperature T (T² keeps the gradient scale of the KL term independent of T), and
-    the number of those tokens. The teacher sees the same packed rows, documents kept apart."""
-
-    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, length = batch["input_ids"].shape
-        labels = batch["labels"][:, 1:]
-        predicted = labels != IGNORE_INDEX
-        logits = packed_forward(model, batch).logits.reshape(rows, length, -1)[:, :-1].float()  # [rows, L-1, V]
-        with torch.no_grad():
-            target = packed_forward(teacher, batch).logits.reshape(rows, length, -1)[:, :-1].float()
-        token_loss = torch.zeros(predicted.shape, device=logits.device)
-        if kl_weight < 1:
-            cross_entropy = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
-                                            reduction="none")
-            token_loss = token_loss + (1 - kl_weight) * cross_entropy
-        if kl_weight > 0:
-            log_model = F.log_softmax(logits / temperature, dim=-1)
-            log_teacher = F.log_softmax(target / temperature, dim=-1)
-            kl = (log_teacher.exp() * (log_teacher - log_model)).sum(-1)  # [rows, L-1]
-            token_loss = token_loss + kl_weight * temperature**2 * kl.masked_fill(~predicted, 0.0)
-        return token_loss.sum(dim=1), predicted.sum(dim=1)
-
-    return loss_fn
 
 
 def trainable_patterns(model_args: ModelArguments) -> list[str] | None:
@@ -353,7 +318,9 @@ def run(args: Arguments) -> TrainResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    with exit_on_bad_input():
+        run(args)
     return 0
 
 

@@ -17,8 +17,9 @@ API (what `training/distill.py` and other stages build on)::
   loss and the number of items it sums over (tokens, heads x tokens, ...). Training minimises
   `loss_sum.sum() / count.sum()` per micro-batch; evaluation reports the item-weighted mean over the
   whole held-out set, exactly, on any number of processes (per-row values let accelerate drop the rows
-  it repeats to even out the last batch). `packed_forward` runs the model on packed rows with document
-  boundaries respected; `causal_lm_loss` is next-token cross-entropy on top of it.
+  it repeats to even out the last batch). The losses (`causal_lm_loss`, logit distillation) and
+  `packed_forward`, which runs the model on packed rows with document boundaries respected, are in
+  `training.losses`.
 - `eval_loss_fn`: what evaluation reports, when it differs from the training objective (e.g. plain
   next-token cross-entropy while training on a distillation loss); default `loss_fn`.
 - `trainable`: parameters whose name matches any regex train, all others are frozen (each pattern must
@@ -33,7 +34,8 @@ API (what `training/distill.py` and other stages build on)::
 The loop: AdamW (no weight decay on biases and norms), a `transformers` LR schedule with warm-up,
 gradient accumulation (`accelerator.accumulate`), clipping, mixed precision and every distributed
 backend from the accelerate config, periodic evaluation, a tqdm bar with loss and tokens/s, metrics to
-accelerate's trackers and to `OUTPUT_DIR/log.jsonl`, atomic checkpoints every `save_steps` and exact
+accelerate's trackers, among them always `JsonLinesTracker` (`OUTPUT_DIR/log.jsonl`, one JSON record per
+line: what the tests and the run summary read), atomic checkpoints every `save_steps` and exact
 resumption (`training.checkpoints`): data order, optimizer, scheduler and RNG states are restored, so a
 run killed and resumed follows the uninterrupted loss curve.
 """
@@ -50,10 +52,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.tracking import GeneralTracker
 from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration, is_tensorboard_available
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -61,9 +63,9 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from training.checkpoints import load_checkpoint, resolve_resume_checkpoint, save_checkpoint
-from training.data import IGNORE_INDEX, collate_rows
+from training.data import collate_rows
+from training.losses import LossFn, causal_lm_loss, weighted_mean
 
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 LOG_FILE = "log.jsonl"
 logger = get_logger(__name__)
@@ -127,12 +129,15 @@ def check_train_arguments(args: TrainArguments) -> None:
 
 def make_accelerator(args: TrainArguments) -> Accelerator:
     """The Accelerator for `args`: gradient accumulation over exactly `gradient_accumulation_steps`
-    micro-batches (also across epoch ends, so that resumption is exact), trackers per `report_to`,
-    tensorboard logs under `OUTPUT_DIR/runs`.
+    micro-batches (also across epoch ends, so that resumption is exact), trackers per `report_to` plus
+    the `JsonLinesTracker` of `OUTPUT_DIR/log.jsonl`, tensorboard logs under `OUTPUT_DIR/runs`.
 
     accelerate keeps its settings in process-wide singletons; they are reset here (the process group
     stays), so one process can run several stages with different settings, e.g. distillation in fp32
     and then fine-tuning in bf16."""
+    # accelerate (1.x) has no public way to do this: a second Accelerator with other settings (mixed
+    # precision, accumulation) raises while the singletons hold the first one's, and `_reset_state` is
+    # what accelerate's own test utilities call between runs.
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     if args.report_to == "auto":
@@ -146,7 +151,7 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
         ),
-        log_with=trackers or None,
+        log_with=[*trackers, JsonLinesTracker(Path(args.output_dir) / LOG_FILE)],
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=str(Path(args.output_dir) / "runs")),
     )
@@ -167,27 +172,6 @@ def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
         if parameter.requires_grad:
             selected.append(name)
     return selected
-
-
-def packed_forward(model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
-    """Run `model` on packed rows `[rows, block_size]` as one row (DataCollatorWithFlattening's layout):
-    position_ids restarting at 0 mark the documents, which the model keeps apart. Returns the output,
-    whose tensors have the flattened length rows * block_size."""
-    return model(
-        input_ids=batch["input_ids"].reshape(1, -1),
-        position_ids=batch["position_ids"].reshape(1, -1),
-        use_cache=False,
-        **kwargs,
-    )
-
-
-def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy per packed row: (summed loss [rows], predicted tokens [rows])."""
-    rows, length = batch["input_ids"].shape
-    logits = packed_forward(model, batch).logits.reshape(rows, length, -1)[:, :-1].float()
-    labels = batch["labels"][:, 1:]
-    token_loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
-    return token_loss.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -214,28 +198,53 @@ class TrainResult:
     global_step: int
     tokens_seen: int
     eval_metrics: dict[str, float]
-    log_history: list[dict[str, Any]]
+    log_history: list[dict[str, Any]]  # the records of OUTPUT_DIR/log.jsonl (main process; empty on the others)
 
 
-class MetricsLog:
-    """Training metrics as JSON lines in `OUTPUT_DIR/log.jsonl` (main process). On resume, entries past
-    the checkpoint's step (written by the interrupted run) are dropped, so the file is one curve."""
+class JsonLinesTracker(GeneralTracker):
+    """An accelerate tracker that writes every `accelerator.log(values, step)` as one JSON line
+    `{"step": step, **values}` to `path`, at once (a killed run keeps every line it logged), and keeps
+    the records in `history`. Like every tracker it runs on the main process only; `start` reads the
+    records already in the file (see `keep_records`)."""
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None) -> None:
-        self.path, self.enabled = path, enabled
+    name = "jsonl"
+    requires_logging_directory = False
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = Path(path)
         self.history: list[dict[str, Any]] = []
-        if enabled and resume_step is not None and path.exists():
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            self.history = [record for record in records if record["step"] <= resume_step]
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(json.dumps(record) + "\n" for record in self.history))
 
-    def append(self, record: dict[str, Any]) -> None:
+    @property
+    def tracker(self) -> list[dict[str, Any]]:
+        return self.history
+
+    @staticmethod
+    def keep_records(path: Path, until_step: int | None) -> None:
+        """Before a run: keep the records of `path` up to `until_step` (a resumed run drops what the
+        interrupted one logged past its checkpoint, so the file is one curve); None empties it."""
+        records = []
+        if until_step is not None and path.exists():
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            records = [record for record in records if record["step"] <= until_step]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+    def start(self) -> None:
+        text = self.path.read_text() if self.path.exists() else ""
+        self.history = [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        record = {"step": step, **values}
         self.history.append(record)
-        if self.enabled:
-            with self.path.open("a") as stream:
-                stream.write(json.dumps(record) + "\n")
+        with self.path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+
+def _logged_history(accelerator: Accelerator) -> list[dict[str, Any]]:
+    """The records of the run's `JsonLinesTracker` (main process; empty on the others)."""
+    tracker = next((t for t in accelerator.trackers if isinstance(t, JsonLinesTracker)), None)
+    return list(tracker.history) if tracker is not None else []
 
 
 def _optimizer(model: nn.Module, args: TrainArguments) -> torch.optim.Optimizer:
@@ -262,14 +271,11 @@ def evaluate(model: nn.Module, loader: DataLoader, loss_fn: LossFn, accelerator:
     processes); with `perplexity`, also exp of it."""
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for batch in loader:
-        loss_sum, items = loss_fn(model, batch)
-        loss_sum, items = accelerator.gather_for_metrics((loss_sum.detach().float(), items.detach().float()))
-        total += loss_sum.double().sum().cpu()
-        count += items.double().sum().cpu()
+    loss = weighted_mean(
+        accelerator.gather_for_metrics((loss_sum.detach().float(), items.detach().float()))
+        for loss_sum, items in (loss_fn(model, batch) for batch in loader)
+    )
     model.train(was_training)
-    loss = (total / count.clamp(min=1)).item()
     metrics = {"eval_loss": loss}
     if perplexity:
         metrics["perplexity"] = math.exp(min(loss, 700.0))
@@ -354,8 +360,8 @@ def train(
         if state["geometry"] != geometry:
             logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: the data order differs "
                            "from the interrupted run.", main_process_only=True)
-    log = MetricsLog(output_dir / LOG_FILE, accelerator.is_main_process,
-                     global_step if args.resume_from_checkpoint else None)
+    if accelerator.is_main_process:
+        JsonLinesTracker.keep_records(output_dir / LOG_FILE, global_step if args.resume_from_checkpoint else None)
     accelerator.init_trackers(run_name, config=_tracker_config(tracker_config or asdict(args)))
 
     def micro_batches(start: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -385,17 +391,15 @@ def train(
         progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_per_second:,.0f}",
                              lr=f"{scheduler.get_last_lr()[0]:.2e}")
         if global_step % args.logging_steps == 0 or global_step == total_steps:
-            record = {"step": global_step, "loss": window_loss / window_steps,
+            record = {"loss": window_loss / window_steps,
                       "learning_rate": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
                       "tokens_per_second": tokens_per_second}
-            log.append(record)
-            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=global_step)
+            accelerator.log(record, step=global_step)
             window_loss, window_steps, window_tokens, window_seconds = 0.0, 0, 0, 0.0
         if eval_loader is not None and (
             global_step == total_steps or (args.eval_steps > 0 and global_step % args.eval_steps == 0)
         ):
             eval_metrics = evaluate(model, eval_loader, eval_loss_fn or loss_fn, accelerator, perplexity)
-            log.append({"step": global_step, **eval_metrics})
             accelerator.log(eval_metrics, step=global_step)
             if accelerator.is_main_process:
                 progress.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
@@ -403,4 +407,4 @@ def train(
             save_checkpoint(accelerator, output_dir, {"global_step": global_step, "tokens_seen": tokens_seen,
                                                       "geometry": geometry}, keep_last=args.save_total_limit)
     progress.close()
-    return TrainResult(model, global_step, tokens_seen, eval_metrics, log.history)
+    return TrainResult(model, global_step, tokens_seen, eval_metrics, _logged_history(accelerator))

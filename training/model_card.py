@@ -1,6 +1,6 @@
-"""Model cards for saved linear-attention checkpoints, rendered from `model_cards/`.
+"""Model cards for saved linear-attention checkpoints, rendered from `training/model_card.md`.
 
-`write_model_card(folder)` fills the Jinja template `model_cards/linear_attention_model_card.md` through
+`write_model_card(folder)` fills the Jinja template `training/model_card.md` through
 `huggingface_hub.ModelCard.from_template` and writes `folder/README.md`. Its inputs are the folder's
 `config.json`, its safetensors headers (parameter count) and `training_summary.json`, which
 `write_training_summary` writes at the end of a `training/finetune.py` or `training/distill.py` run:
@@ -13,9 +13,10 @@ of these two that is a Hub id), datasets, tags and the evaluation as model-index
 is, in order: the one given, the one the run recorded, or the one in the card of the fine-tuned or
 the source model (read locally or from the Hub).
 
-The memory table is measured, not estimated: a model with this checkpoint's attention layout (heads,
-head and feature dimensions, window, decay, softmax layers; tiny embeddings and MLPs, so it costs
-little) runs a forward pass at each context length and reports `LinearAttentionCache.nbytes()`.
+Writing a card runs no model: it renders what the runs recorded. The memory table is measured, not
+estimated, by `training.measure.cache_memory` (a model with this checkpoint's attention layout and tiny
+embeddings and MLPs runs at each context length) when `write_training_summary` or the evaluation
+records a run; a checkpoint with neither record gets no table.
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from safetensors import safe_open
 
 import hf_linear_attn
 from training.data import dataset_names
+from training.measure import cache_memory
+from training.report import format_cell
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "linear_attention_model_card.md"
+TEMPLATE = Path(__file__).resolve().parent / "model_card.md"
 SUMMARY_FILE = "training_summary.json"
 EVALUATION_FILE = "evaluation.json"
-CACHE_CONTEXTS = (512, 4096)
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
@@ -45,7 +46,10 @@ def write_training_summary(output_dir: str | Path, *, script: str, base_model: s
                            result: Any, recipe: dict[str, Any], license: str | None = None) -> None:
     """`OUTPUT_DIR/training_summary.json` for the model card: `script` that trained, the checkpoint it started
     from, the data (`training.data.DataArguments`), steps / tokens / held-out metrics (`training.loop.TrainResult`),
-    the recipe as run, and the licence given (None: the card inherits the base model's)."""
+    the recipe as run, the licence given (None: the card inherits the base model's) and, when the folder
+    holds a model config (not a PEFT adapter), its measured cache memory (`training.measure.cache_memory`)."""
+    config_file = Path(output_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else None
     summary = {
         "script": script,
         "base_model": base_model,
@@ -56,6 +60,7 @@ def write_training_summary(output_dir: str | Path, *, script: str, base_model: s
         "eval": result.eval_metrics,
         "license": license,
         "recipe": recipe,
+        "cache_memory": cache_memory(config) if config is not None else None,
     }
     (Path(output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
 
@@ -84,33 +89,6 @@ def _human_bytes(count: int) -> str:
     return f"{count / 1024**exponent:,.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
 
 
-def measure_cache_bytes(config: dict[str, Any], contexts: tuple[int, ...] = CACHE_CONTEXTS) -> list[dict[str, Any]]:
-    """Per context length: the cache bytes of one sequence for this attention layout, and those of the
-    key/value cache of a softmax model of the same shape (2 x layers x KV heads x head_dim x tokens)."""
-    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
-    layout = hf_linear_attn.LinearAttentionConfig.from_dict(
-        {**config, "vocab_size": 16, "hidden_size": 16, "intermediate_size": 16, "tie_word_embeddings": False}
-    )
-    model = hf_linear_attn.LinearAttentionForCausalLM(layout).to(dtype).eval()
-    item = torch.empty((), dtype=dtype).element_size()
-    rows = []
-    for tokens in contexts:
-        cache = hf_linear_attn.LinearAttentionCache(layout)
-        with torch.no_grad():
-            model(torch.zeros(1, tokens, dtype=torch.long), cache=cache, use_cache=True)
-        softmax = 2 * layout.num_hidden_layers * layout.num_key_value_heads * layout.head_dim * tokens * item
-        rows.append({"tokens": tokens, "linear": _human_bytes(cache.nbytes()), "softmax": _human_bytes(softmax)})
-    return rows
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.3g}" if value < 10 else f"{value:,.1f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
 def comparison_tables(evaluation: dict[str, Any]) -> dict[str, Any]:
     """The template's view of an `evaluation.json`: header and formatted rows of the quality and decode
     tables, with this checkpoint's rows marked in bold."""
@@ -119,7 +97,7 @@ def comparison_tables(evaluation: dict[str, Any]) -> dict[str, Any]:
     keys = ["perplexity", "vs_teacher", *[k for k in quality[0] if k.startswith("passkey@")]]
 
     def row(cells: list[Any], mine: bool) -> list[str]:
-        return [f"**{_cell(c)}**" if mine else _cell(c) for c in cells]
+        return [f"**{format_cell(c)}**" if mine else format_cell(c) for c in cells]
 
     return {
         "quality_header": ["model", *(titles.get(k, k.replace("@", " @")) for k in keys)],
@@ -170,7 +148,9 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         for name, value in eval_metrics.items()
     ]
     evaluation_file = folder / EVALUATION_FILE
-    comparison = comparison_tables(json.loads(evaluation_file.read_text())) if evaluation_file.is_file() else None
+    evaluation = json.loads(evaluation_file.read_text()) if evaluation_file.is_file() else {}
+    comparison = comparison_tables(evaluation) if evaluation else None
+    measured = summary.get("cache_memory") or evaluation.get("cache_memory") or []
     card_data = ModelCardData(
         license=final_license,
         library_name="transformers",
@@ -191,7 +171,8 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         converted_from=converted_from,
         config=config,
         num_parameters=_num_parameters(folder),
-        cache_rows=measure_cache_bytes(config),
+        cache_rows=[{"tokens": r["tokens"], "linear": _human_bytes(r["linear_bytes"]),
+                     "softmax": _human_bytes(r["softmax_bytes"])} for r in measured],
         datasets=summary.get("datasets"),
         steps=summary.get("steps"),
         tokens_seen=summary.get("tokens_seen"),

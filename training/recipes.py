@@ -9,12 +9,19 @@ The attention options of a script's command line are the fields of `hf_linear_at
 (type, help and allowed values), with the script's own defaults: `attention_arguments(name, **defaults)`
 makes that dataclass for the script's arguments to subclass, and `attention_options(args)` reads them back
 as the keyword arguments of `convert_to_linear_attention`.
+
+Errors: the library modules raise exceptions naming the argument (ValueError, FileNotFoundError); a
+script runs its work inside `exit_on_bad_input()`, which turns them into argparse's style: one line
+`error: ...` on stderr and exit status 2, no traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +31,13 @@ from transformers import HfArgumentParser
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
 
 
-def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str],
+def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] | None = None,
                       default_recipe: Path | None = None) -> Any:
-    """One parsed instance of `dataclass_types` (or a tuple of them, when a tuple is given)."""
+    """One parsed instance of `dataclass_types` (or a tuple of them, when a tuple is given), from `argv`
+    (default: the command line)."""
     types = dataclass_types if isinstance(dataclass_types, tuple) else (dataclass_types,)
     parser = HfArgumentParser(types)
-    argv = list(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     recipe_path = default_recipe
     for i, arg in enumerate(argv):
         if arg == "--config" or arg.startswith("--config="):
@@ -79,3 +87,18 @@ def attention_arguments(name: str, **defaults: Any) -> type:
 def attention_options(args: Any) -> dict[str, Any]:
     """The attention options of parsed arguments (a subclass of an `attention_arguments` dataclass)."""
     return {name: getattr(args, name) for name in ATTENTION_OPTIONS}
+
+
+@contextlib.contextmanager
+def exit_on_bad_input() -> Iterator[None]:
+    """Run a script's work; a ValueError or FileNotFoundError (the library's bad-input errors, which name
+    the argument) becomes one `error: ...` line on stderr and exit status 2, as argparse reports a bad flag."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as error:
+        message = str(error).strip()
+        cause = str(error.__cause__ or "").strip()
+        if cause and cause not in message:  # e.g. the server's reason behind a rejected upload
+            message += f"\n  caused by {type(error.__cause__).__name__}: {cause}"
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None

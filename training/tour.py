@@ -4,7 +4,6 @@ Runs offline on CPU in well under a minute. Configured by `configs/tour.yaml` (o
 any field can be overridden on the command line, e.g. `python training/tour.py --seq_len 1024 --variants elu gla`.
 """
 
-# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import os
@@ -13,15 +12,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `training` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
-from training.recipes import parse_recipe_args
+from training.recipes import exit_on_bad_input, parse_recipe_args
 
 # Attention variants by name: the config fields that select them.
 VARIANTS = {
@@ -46,11 +42,13 @@ class TourArguments:
     variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={"help": f"Of {list(VARIANTS)}."})
 
 
-def parse_args(argv: list[str]) -> TourArguments:
+def parse_args(argv: list[str] | None = None) -> TourArguments:
+    """The tour's settings: configs/tour.yaml (or `--config FILE`) under the command-line flags."""
     args = parse_recipe_args(TourArguments, argv, default_recipe=DEFAULT_CONFIG)
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}")
+    with exit_on_bad_input():
+        unknown = [v for v in args.variants if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     return args
 
 
@@ -90,7 +88,7 @@ def run_variant(name: str, args: TourArguments) -> dict:
     }
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
     hf_logging.disable_progress_bar()
@@ -113,4 +111,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

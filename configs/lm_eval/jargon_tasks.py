@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # lm-eval imports this file by path; `training` lives at the repository root
-    sys.path.insert(0, str(ROOT))
+from training.data import DataArguments, load_documents
 
-from training.data import DataArguments, load_documents  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 QUESTIONS_PER_DOCUMENT = 3
