@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from hf_linear_attn import ops_chunked
 from hf_linear_attn.ops import linear_attention
-from hf_linear_attn.ops_chunked import CHUNK_SIZE
+from hf_linear_attn.ops_common import CHUNK_SIZE
 
 C = CHUNK_SIZE
 DECAYS = [None, "fixed", "scalar", "vector"]
