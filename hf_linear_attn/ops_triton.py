@@ -80,7 +80,9 @@ if not HAS_TRITON:
     class _NoTriton:
         """Stands in for `triton` and `triton.language` so that the kernel definitions below still execute."""
 
-        constexpr = None
+        class constexpr:  # noqa: N801 (triton's name)
+            def __init__(self, value):
+                self.value = value
 
         @staticmethod
         def jit(fn):
@@ -92,10 +94,9 @@ if not HAS_TRITON:
 
     triton = tl = _NoTriton
 
-# The kernels' DECAY: no decay, one per head, one per key dim. Annotated constexpr so that kernels may read them.
-DECAY_NONE: tl.constexpr = 0
-DECAY_SCALAR: tl.constexpr = 1
-DECAY_VECTOR: tl.constexpr = 2
+# The kernels' DECAY: no decay, one per head, one per key dim. Kernels may read only constexpr globals; host code
+# passes and compares their .value.
+DECAY_NONE, DECAY_SCALAR, DECAY_VECTOR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 def _configs() -> list:
@@ -528,8 +529,8 @@ def _chunk_cumsum(terms: Tensor, chunks: _Chunks, reverse: bool) -> Tensor:
 def _decay_mode(b: Tensor | None) -> int:
     """The kernels' DECAY for b: None, [.., 1] or [.., K]."""
     if b is None:
-        return DECAY_NONE
-    return DECAY_SCALAR if b.shape[-1] == 1 else DECAY_VECTOR
+        return DECAY_NONE.value
+    return DECAY_SCALAR.value if b.shape[-1] == 1 else DECAY_VECTOR.value
 
 
 def _state_pass(
@@ -587,7 +588,7 @@ def _chunk_dqk(
     dq, dk = (torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
     state_term = k.new_empty(chunks.num_chunks, heads, key_dim, dtype=torch.float32)
     # Per-key-dim decay: this pass leaves the intra-chunk sums to `_vector_grads_kernel` and stores dA for it.
-    if decay == DECAY_VECTOR:
+    if decay == DECAY_VECTOR.value:
         dq_state, dk_state = torch.empty_like(dq), torch.empty_like(dk)
         dA = q.new_empty(*q.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
     else:
@@ -598,7 +599,7 @@ def _chunk_dqk(
         chunks.chunk_info, scale, H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE,
         BLOCK_K=block_k, BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
     )
-    if decay == DECAY_VECTOR:
+    if decay == DECAY_VECTOR.value:
         block_k = _block(key_dim, 32)
         grid = (chunks.num_chunks, heads, CHUNK_SIZE // VECTOR_SUB_CHUNK * triton.cdiv(key_dim, block_k))
         _vector_grads_kernel[grid](
@@ -616,7 +617,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
         states = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot)
-        scores = None if _decay_mode(b) != DECAY_VECTOR else _vector_scores(q, k, b, chunks, scale, bf16_dot)
+        scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
         o = _chunk_output(
             q, k, v, b, scores, states, chunks, transpose=False, row_scale=scale, col_scale=1.0, out_dtype=out_dtype,
             bf16_dot=bf16_dot,
@@ -635,7 +636,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dstates = _state_pass(
             q, do, b, d_final_state.contiguous(), chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
         )
-        scores = None if _decay_mode(b) != DECAY_VECTOR else _vector_scores(q, k, b, chunks, scale, bf16_dot)
+        scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
         dv = _chunk_output(
             k, q, do, b, scores, dstates, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=v.dtype,
             bf16_dot=bf16_dot,
