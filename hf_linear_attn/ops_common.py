@@ -38,7 +38,7 @@ def log_decay_floor(dtype: torch.dtype) -> float:
 
 def splits_packed_sequences(backend: Callable[..., tuple[Tensor, Tensor | None]]):
     """Makes a linear-attention backend accept cu_seqlens: it then runs on each sequence of the packed batch
-    (B == 1) on its own, and the results are packed again.
+    (B == 1) on its own, and the results are packed again. The other arguments go to `backend` as they are.
 
     cu_seqlens: [N + 1] sequence boundaries; initial_state and the final state are [N, H, K, V (+ 1)].
     A zero-length sequence contributes no output and keeps its initial state (zeros if none given).
@@ -46,24 +46,14 @@ def splits_packed_sequences(backend: Callable[..., tuple[Tensor, Tensor | None]]
 
     @functools.wraps(backend)
     def run(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        log_decay: Tensor | None,
-        *,
-        scale: float,
-        normalize: bool = False,
-        initial_state: Tensor | None = None,
-        output_final_state: bool = False,
-        cu_seqlens: Tensor | None = None,
+        q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, *, cu_seqlens: Tensor | None = None, **options
     ) -> tuple[Tensor, Tensor | None]:
         if cu_seqlens is None:
-            return backend(
-                q, k, v, log_decay, scale=scale, normalize=normalize, initial_state=initial_state,
-                output_final_state=output_final_state,
-            )
+            return backend(q, k, v, log_decay, **options)
+        initial_state = options.pop("initial_state", None)
+        output_final_state = options.pop("output_final_state", False)
         _, _, heads, key_dim = q.shape
-        state_shape = (1, heads, key_dim, v.shape[-1] + int(normalize))
+        state_shape = (1, heads, key_dim, v.shape[-1] + int(options.get("normalize", False)))
         dtype = accumulation_dtype(q, k, v)
         bounds = cu_seqlens.tolist()
         outputs, states = [], []
@@ -73,7 +63,7 @@ def splits_packed_sequences(backend: Callable[..., tuple[Tensor, Tensor | None]]
                 seq = slice(start, end)
                 o, state = backend(
                     q[:, seq], k[:, seq], v[:, seq], None if log_decay is None else log_decay[:, seq],
-                    scale=scale, normalize=normalize, initial_state=state, output_final_state=True,
+                    initial_state=state, output_final_state=True, **options,
                 )
                 outputs.append(o)
             elif state is None:
