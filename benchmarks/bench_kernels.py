@@ -35,7 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 from common import machine, write_report  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
-from hf_linear_attn.ops import LINEAR_BACKENDS, linear_attention  # noqa: E402
+from hf_linear_attn.ops import linear_attention  # noqa: E402
+from hf_linear_attn.ops_triton import HAS_TRITON  # noqa: E402
 
 CHUNK = 64  # chunk size of the FLOP count (ours and fla both use 64)
 DECAYS = ("none", "scalar", "vector")
@@ -76,8 +77,8 @@ def setup(args: KernelBenchmarkArguments) -> Setup:
         fla = None
     if args.dry_run:
         args.shapes, args.sweep_lengths, args.sweep_heads, args.sweep_dim = ["1x70x2x16"], [32, 70], 2, 16
-        return Setup("cpu", torch.float32, [b for b in ("torch", "triton") if b in LINEAR_BACKENDS], fla)
-    if not torch.cuda.is_available() or "triton" not in LINEAR_BACKENDS:
+        return Setup("cpu", torch.float32, ["torch", "triton"] if HAS_TRITON else ["torch"], fla)
+    if not torch.cuda.is_available() or not HAS_TRITON:
         raise SystemExit("bench_kernels.py needs a CUDA GPU and triton (or --dry-run on CPU)")
     return Setup("cuda", torch.bfloat16, ["triton"], fla)
 

@@ -34,8 +34,9 @@ from .ops import linear_attention, window_attention
 # A checkpoint's code is this file plus the files it imports relatively. transformers 5.5 copies only the
 # *direct* relative imports of the model file when loading remote code from a local folder (later releases
 # follow imports transitively), so the modules that `ops.py` builds on are named here as well.
-from .ops_chunked import CHUNK_SIZE  # noqa: F401
-from .ops_reference import NORM_EPS  # noqa: F401
+from .ops_chunked import chunk_linear_attention  # noqa: F401
+from .ops_common import CHUNK_SIZE, NORM_EPS  # noqa: F401
+from .ops_reference import recurrent_linear_attention  # noqa: F401
 from .ops_triton import HAS_TRITON  # noqa: F401
 
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
@@ -265,9 +266,6 @@ class LinearAttention(AttentionProjections):
             v = v * keep.to(v.dtype)
             if log_decay is not None:
                 log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
-        backend = self.config.linear_attention_backend
-        if backend == "auto" and q.shape[1] == 1:
-            backend = "recurrent"  # one decode step: the recurrence is a single state update, no chunk padding
         o, state = linear_attention(
             q_feat, k_feat, v, log_decay,
             scale=self.feature_map_q.query_scale,
@@ -275,7 +273,7 @@ class LinearAttention(AttentionProjections):
             initial_state=None if cache_layer is None else cache_layer.state,
             output_final_state=cache_layer is not None,
             cu_seqlens=cu_seqlens,
-            backend=backend,
+            backend=self.config.linear_attention_backend,
         )
         if cache_layer is not None:
             cache_layer.update_state(state, q.shape[1])
@@ -292,27 +290,18 @@ class LinearAttention(AttentionProjections):
         """The sliding-window hybrid: o [B, T, H, V].
 
         With a cache, the new tokens run behind the retained raw keys/values (sinks + last window_size
-        positions) from the folded linear state (queries only for the new tokens on the reference path,
-        which decoding uses); afterwards the cache keeps the new sinks/window and the
-        state of everything older, so memory stays constant.
+        positions) from the folded linear state (queries only for the new tokens); afterwards the cache
+        keeps the new sinks/window and the state of everything older, so memory stays constant.
         """
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
         if new_mask is None:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
-        backend = self.config.linear_attention_backend
-        if backend == "auto" and t == 1:
-            backend = "reference"  # one decode step over the few retained tokens: the direct form has fewest ops
-        # The window hybrid's oracle is its quadratic reference form.
-        backend = "reference" if backend in ("recurrent", "parallel") else backend
         state = None
         if cache_layer is not None and cache_layer.window_keys is not None:
-            kept = cache_layer.window_mask.shape[1]
             k = torch.cat([cache_layer.window_keys, k], dim=1)
             v = torch.cat([cache_layer.window_values, v], dim=1)
             new_mask = torch.cat([cache_layer.window_mask, new_mask], dim=1)
-            if backend != "reference":  # the chunked kernels need a query per key; retained slots need no output
-                q = torch.cat([q.new_zeros(b, kept, *q.shape[2:]), q], dim=1)
             state = cache_layer.state
         k_all, v_all = self.repeat_kv(k), self.repeat_kv(v)
         o, state = window_attention(
@@ -320,15 +309,15 @@ class LinearAttention(AttentionProjections):
             window_size=window,
             num_sink_tokens=sinks,
             scale=self.head_dim**-0.5,
-            key_padding_mask=None if bool(new_mask.all()) else new_mask,
+            key_padding_mask=new_mask,
             initial_state=state,
             output_final_state=cache_layer is not None,
-            backend=backend,
+            backend=self.config.linear_attention_backend,
         )
         if cache_layer is not None:
             cache_layer.update_window(k, v, new_mask, window, sinks)
             cache_layer.update_state(state, t)
-        return o[:, -t:]
+        return o
 
 
 def causal_softmax_attention(

@@ -1,67 +1,157 @@
 """Public entry points of the attention math: `linear_attention` and `window_attention`.
 
-Both validate every input before any work and dispatch to a backend, so callers (the model layers) never
-need to know which one ran. Shapes follow `[B, T, H, D]`: batch, time, heads, head dim.
+Both validate every input before any work, pick the backend and dispatch to it, so callers (the model layers)
+pass `backend="auto"` or a user's choice and never need to know which one ran. Shapes follow `[B, T, H, D]`:
+batch, time, heads, head dim.
+
+Backends (the names `BACKENDS`, which the config's `linear_attention_backend` mirrors):
+- "recurrent": the token loop (`ops_reference`), the oracle; for `window_attention` the hybrid's one oracle,
+  its quadratic form, runs under this name and under "parallel".
+- "parallel": the quadratic closed form (`ops_reference`), a second oracle.
+- "torch": chunked PyTorch (`ops_chunked`), any device.
+- "triton": chunked Triton kernels (`ops_triton`): CUDA tensors (or CPU ones under TRITON_INTERPRET=1), float16,
+  bfloat16 or float32, window head dims up to 256.
+- "auto": one query (a decode step) runs the direct form, "recurrent" for linear attention (one state update)
+  and the quadratic form for the window (one row of scores over the retained tokens); otherwise "triton" for
+  CUDA tensors it supports, else "torch".
+`window_attention` takes fewer queries than keys (queries behind a cache's retained keys) with every backend:
+the chunked ones get zero queries in front, whose outputs are dropped.
+
+Validation: shapes, dtypes and argument types are always checked. Checks that read tensor values (log_decay
+≤ 0 and not nan, cu_seqlens boundaries, the triton window's contiguous padding) would force a host-device sync
+in every layer call on a GPU, so they run for CPU tensors only, or for every tensor when the environment
+variable HF_LINEAR_ATTN_CHECK_VALUES=1 is set (debugging). The backends stay finite without them: any
+log_decay in [−inf, 0] (−inf: a full reset) gives what the token loop gives.
 
 State layout of `linear_attention` (the decode cache depends on it): float32 (float64 for float64
 inputs) [B, H, K, V]; with normalize=True [B, H, K, V + 1], whose last column is the normaliser z.
 """
 
+import math
+import numbers
+import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from . import ops_triton
 from .ops_chunked import chunk_linear_attention, chunk_window_attention
 from .ops_reference import parallel_linear_attention, recurrent_linear_attention, reference_window_attention
-from .ops_triton import HAS_TRITON, triton_linear_attention, triton_window_attention
+from .ops_triton import triton_linear_attention, triton_window_attention
 
-__all__ = ["linear_attention", "window_attention"]
+__all__ = ["BACKENDS", "linear_attention", "window_attention"]
 
-LINEAR_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
+BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
+CHECK_VALUES_ENV = "HF_LINEAR_ATTN_CHECK_VALUES"
+
+LINEAR_FORMS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "recurrent": recurrent_linear_attention,
     "parallel": parallel_linear_attention,
     "torch": chunk_linear_attention,
+    "triton": triton_linear_attention,
 }
-WINDOW_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
-    "reference": reference_window_attention,
+WINDOW_FORMS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
+    "recurrent": reference_window_attention,  # the hybrid has no token loop: its oracle is the quadratic form
+    "parallel": reference_window_attention,
     "torch": chunk_window_attention,
+    "triton": triton_window_attention,
 }
-if HAS_TRITON:  # CUDA tensors, or CPU ones under TRITON_INTERPRET=1 (see ops_triton)
-    LINEAR_BACKENDS["triton"] = triton_linear_attention
-    WINDOW_BACKENDS["triton"] = triton_window_attention
+CHUNKED = ("torch", "triton")  # the forms that need one query per key (ops pads the queries for them)
 
 
-def _pick_backend(backend: str, available: dict[str, Callable], device: torch.device) -> str:
-    """The backend `backend` names, checked against `available`; "auto" resolves to the fastest one for `device`:
-    Triton for CUDA tensors when triton is installed, else the torch chunked path."""
+def pick_backend(
+    backend: str, device: torch.device, *, single_query: bool, triton_problem: Callable[[], str | None]
+) -> str:
+    """The backend that runs (a key of LINEAR_FORMS / WINDOW_FORMS): `backend` itself once checked, or for "auto"
+    the direct form ("recurrent") for a single query, Triton for CUDA tensors it takes, else "torch".
+
+    triton_problem: says why the triton backend cannot take the inputs (None if it can); asked only when needed.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and "triton" in available else "torch"
-    if backend not in available:
-        raise ValueError(f"backend must be one of {['auto', *available]}, got {backend!r}")
+        if single_query:
+            return "recurrent"
+        return "triton" if device.type == "cuda" and triton_problem() is None else "torch"
+    if backend == "triton":
+        problem = triton_problem()
+        if problem is not None:
+            raise ValueError(problem)
     return backend
 
 
+def _checks_values(x: Tensor) -> bool:
+    """Whether to run the checks that read x's values: on CPU (free), or anywhere under the debug switch."""
+    return x.device.type == "cpu" or os.environ.get(CHECK_VALUES_ENV) == "1"
+
+
 def _check_4d_floating(name: str, x: Tensor, dims: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {dims}, got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"{name} must be 4-D {dims}, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"{name} must have a floating-point dtype, got {x.dtype}")
 
 
+def _check_sizes(name: str, x: Tensor, dims: str, nonempty: tuple[int, ...]) -> None:
+    """x's dims at the positions `nonempty` (of B, T, H, D) must be ≥ 1."""
+    if any(x.shape[i] == 0 for i in nonempty):
+        labels = dims.strip("[]").split(", ")
+        needed = ", ".join(labels[i] for i in nonempty)
+        raise ValueError(f"{name} must have {needed} ≥ 1 ({dims}), got shape {tuple(x.shape)}")
+
+
+def _checked_scale(scale: float | None, default: float) -> float:
+    """scale as a float: `default` for None; a finite number > 0 otherwise."""
+    if scale is None:
+        return default
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 (or None for the default), got {scale!r}")
+    return float(scale)
+
+
 def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
     if batch != 1:
         raise ValueError(f"cu_seqlens requires packed inputs with batch size 1, got batch size {batch}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
+    if (
+        not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2
+    ):
         raise ValueError(
             "cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence boundaries, "
-            f"got shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+            f"got {getattr(cu_seqlens, 'shape', cu_seqlens)!r} of type {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}"
         )
+    if not _checks_values(cu_seqlens):
+        return
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != length:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got {bounds}")
     if any(end < start for start, end in zip(bounds[:-1], bounds[1:], strict=True)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+
+
+def _check_log_decay(log_decay: Tensor, batch: int, length: int, heads: int, key_dim: int) -> None:
+    allowed = [(batch, length, heads), (batch, length, heads, key_dim)]
+    if not isinstance(log_decay, Tensor) or tuple(log_decay.shape) not in allowed:
+        raise ValueError(
+            f"log_decay must be None or a tensor of shape {allowed[0]} or {allowed[1]}, "
+            f"got {tuple(log_decay.shape) if isinstance(log_decay, Tensor) else type(log_decay).__name__}"
+        )
+    if not log_decay.is_floating_point():
+        raise ValueError(f"log_decay must have a floating-point dtype, got {log_decay.dtype}")
+    if not _checks_values(log_decay):
+        return
+    if log_decay.isnan().any():
+        raise ValueError("log_decay must not contain nan (allowed: values in [−inf, 0]; −inf is a full reset)")
+    largest = log_decay.max().item()
+    if largest > 0:
+        raise ValueError(f"log_decay must be ≤ 0 (the log of a decay in [0, 1]; −inf is a full reset), "
+                         f"got max {largest:g}")
 
 
 def linear_attention(
@@ -85,23 +175,22 @@ def linear_attention(
         normalize=True: z_t = a_t ⊙ z_{t-1} + k_t,  o_t = (scale · q_t)ᵀ S_t / ((scale · q_t)ᵀ z_t + 1e-6)
 
     Args:
-        q, k: [B, T, H, K], already feature-mapped. v: [B, T, H, V].
+        q, k: [B, T, H, K], already feature-mapped. v: [B, T, H, V]. B, T, H, K, V ≥ 1.
         log_decay: None (no decay), [B, T, H] (one decay per head and step; a per-head constant expanded
-            over B and T gives a fixed decay) or [B, T, H, K] (one per key dim). All values ≤ 0.
-        scale: multiplies q; None means K ** -0.5.
+            over B and T gives a fixed decay) or [B, T, H, K] (one per key dim). Values in [−inf, 0]; −inf
+            forgets everything before the step (a full reset).
+        scale: a finite number > 0 that multiplies q; None means K ** -0.5.
         normalize: divide by the normaliser, as in the Linear Transformer.
         initial_state: None or the state to start from, [B, H, K, V] ([B, H, K, V + 1] if normalize; with
             cu_seqlens, N instead of B).
         output_final_state: also return the state after the last token (same layout, accumulation dtype).
         cu_seqlens: None or int [N + 1] boundaries (0, ..., T) of N sequences packed into a batch of 1;
             the state restarts at each boundary (from initial_state[n] if given).
-        backend: "recurrent" (token loop), "parallel" (quadratic), "torch" (chunked), "triton" (chunked
-            kernels; when triton is installed) or "auto".
+        backend: one of BACKENDS (see the module docstring).
 
     Returns:
         o: [B, T, H, V] in the dtype of v; the final state, or None unless output_final_state.
     """
-    name = _pick_backend(backend, LINEAR_BACKENDS, q.device)
     _check_4d_floating("q", q, "[B, T, H, K]")
     _check_4d_floating("k", k, "[B, T, H, K]")
     _check_4d_floating("v", v, "[B, T, H, V]")
@@ -113,17 +202,11 @@ def linear_attention(
         raise ValueError(f"v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
     if length == 0:
         raise ValueError("q, k, v must hold at least one token, got T = 0")
+    _check_sizes("q", q, "[B, T, H, K]", (0, 2, 3))
+    _check_sizes("v", v, "[B, T, H, V]", (3,))
+    scale = _checked_scale(scale, key_dim**-0.5)
     if log_decay is not None:
-        allowed = [(batch, length, heads), (batch, length, heads, key_dim)]
-        if tuple(log_decay.shape) not in allowed:
-            raise ValueError(
-                f"log_decay must have shape {allowed[0]} or {allowed[1]}, got {tuple(log_decay.shape)}"
-            )
-        if not log_decay.is_floating_point():
-            raise ValueError(f"log_decay must have a floating-point dtype, got {log_decay.dtype}")
-        largest = log_decay.max().item()
-        if largest > 0:
-            raise ValueError(f"log_decay must be ≤ 0 (the log of a decay in (0, 1]), got max {largest:g}")
+        _check_log_decay(log_decay, batch, length, heads, key_dim)
         if log_decay.dim() == 3:
             log_decay = log_decay[..., None]  # one decay shared by all K rows of the state
     states = batch
@@ -132,21 +215,37 @@ def linear_attention(
         states = len(cu_seqlens) - 1
     if initial_state is not None:
         expected = (states, heads, key_dim, value_dim + int(normalize))
-        if tuple(initial_state.shape) != expected:
+        if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != expected:
             raise ValueError(
                 f"initial_state must have shape {expected} ([N, H, K, V{' + 1' if normalize else ''}], N = "
-                f"{'sequences' if cu_seqlens is not None else 'batch'}), got {tuple(initial_state.shape)}"
+                f"{'sequences' if cu_seqlens is not None else 'batch'}), got {getattr(initial_state, 'shape', None)}"
             )
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must have a floating-point dtype, got {initial_state.dtype}")
-    return LINEAR_BACKENDS[name](
+
+    tensors = {"q": q, "k": k, "v": v, "log_decay": log_decay, "initial_state": initial_state}
+    name = pick_backend(
+        backend, q.device, single_query=length == 1,
+        triton_problem=lambda: ops_triton.unsupported_inputs({n: x for n, x in tensors.items() if x is not None}),
+    )
+    return LINEAR_FORMS[name](
         q, k, v, log_decay,
-        scale=key_dim**-0.5 if scale is None else scale,
+        scale=scale,
         normalize=normalize,
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
     )
+
+
+def _check_contiguous_padding(key_padding_mask: Tensor) -> None:
+    """The triton window kernels take each row's real tokens as one run [lo, hi) (left or right padding)."""
+    batch, length = key_padding_mask.shape
+    lo, hi = ops_triton.real_token_bounds(key_padding_mask, batch, length, key_padding_mask.device).unbind(-1)
+    pos = torch.arange(length, device=key_padding_mask.device)
+    if not torch.equal((pos >= lo[:, None]) & (pos < hi[:, None]), key_padding_mask):
+        raise ValueError("key_padding_mask: backend 'triton' needs the real tokens of each row contiguous (left or "
+                         "right padding); backend 'torch' takes any mask")
 
 
 def window_attention(
@@ -177,25 +276,27 @@ def window_attention(
     this is exactly causal softmax attention.
 
     The queries may cover only the last T_q ≤ T positions (q, q_feat [B, T_q, H, ·]): a decode step behind
-    a cache's retained keys computes just the new rows, O(T_q·T) instead of O(T²). Only the reference
-    backend takes T_q < T ("auto" picks it then); the chunked ones need one query per key.
+    a cache's retained keys computes just the new rows. Every backend takes T_q < T (the chunked ones compute
+    the rows in front too, and drop them).
 
     Args:
         q, k: [B, T_q, H, D] queries and [B, T, H, D] keys of the softmax part (after RoPE). v: [B, T, H, V].
-        q_feat, k_feat: [B, T_q, H, F] and [B, T, H, F] feature-mapped queries and keys of the linear part.
+            B, T_q, H, D, V ≥ 1.
+        q_feat, k_feat: [B, T_q, H, F] and [B, T, H, F] feature-mapped queries and keys of the linear part; F ≥ 1.
         window_gate: [H] logits of the per-head softmax weight γ.
         window_size: ≥ 1, number of most recent tokens (the query's own included) under softmax.
         num_sink_tokens: ≥ 0, number of first real tokens always under softmax.
-        scale: of the softmax scores; None means D ** -0.5.
+        scale: of the softmax scores, a finite number > 0; None means D ** -0.5.
         key_padding_mask: None or bool [B, T], True for real tokens (the queries are its last T_q
-            positions). Pad keys contribute nothing; pad queries output 0. Real tokens must be contiguous
-            (left or right padding).
+            positions). Pad keys contribute nothing; pad queries output 0. Windows count positions, pads
+            included; backend "triton" needs the real tokens of each row contiguous (left or right padding).
         initial_state: None or [B, H, F, V + 1]: Σ φ(k_j) [v_j, 1]ᵀ over keys older than the whole input
             (a decode cache's folded tokens), added to every query's linear part.
         output_final_state: also return initial_state plus every real, non-sink key that lies outside the
             window of the *next* query (index T), i.e. keys with index ≤ T − 1 − window_size: what a cache
             carries forward beside the last window_size tokens and the sinks.
-        backend: "reference" (T x T), "torch" (chunked), "triton" (when triton is installed) or "auto".
+        backend: one of BACKENDS (see the module docstring; "recurrent" and "parallel" both run the quadratic
+            reference form).
 
     Returns:
         o: [B, T_q, H, V] in the dtype of v; the final linear state (fp32, [B, H, F, V + 1]) or None.
@@ -222,40 +323,61 @@ def window_attention(
                          f"q_feat), got {tuple(k_feat.shape)}")
     if queries == 0:
         raise ValueError("q, k, v must hold at least one token, got T = 0")
-    name = "reference" if backend == "auto" and queries < length else _pick_backend(backend, WINDOW_BACKENDS, q.device)
-    if queries < length and name != "reference":
-        raise ValueError(f"backend {name!r} needs one query per key (T_q = T); got T_q = {queries} < T = {length}: "
-                         "use backend 'reference' (or 'auto') for queries behind cached keys")
-    if tuple(window_gate.shape) != (heads,) or not window_gate.is_floating_point():
+    _check_sizes("k", k, "[B, T, H, D]", (0, 2, 3))
+    _check_sizes("v", v, "[B, T, H, V]", (3,))
+    _check_sizes("q_feat", q_feat, "[B, T_q, H, F]", (3,))
+    if (
+        not isinstance(window_gate, Tensor) or tuple(window_gate.shape) != (heads,)
+        or not window_gate.is_floating_point()
+    ):
         raise ValueError(
             f"window_gate must be a floating-point tensor of shape ({heads},) (one logit per head), "
-            f"got shape {tuple(window_gate.shape)} and dtype {window_gate.dtype}"
+            f"got {getattr(window_gate, 'shape', window_gate)!r} of type {getattr(window_gate, 'dtype', None)}"
         )
     if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
         raise ValueError(f"window_size must be an int ≥ 1, got {window_size!r}")
     if isinstance(num_sink_tokens, bool) or not isinstance(num_sink_tokens, int) or num_sink_tokens < 0:
         raise ValueError(f"num_sink_tokens must be an int ≥ 0, got {num_sink_tokens!r}")
+    scale = _checked_scale(scale, head_dim**-0.5)
     if key_padding_mask is not None and (
-        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, length)
+        not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool
+        or tuple(key_padding_mask.shape) != (batch, length)
     ):
         raise ValueError(
             f"key_padding_mask must be a bool tensor of shape ({batch}, {length}) (True = real token), "
-            f"got shape {tuple(key_padding_mask.shape)} and dtype {key_padding_mask.dtype}"
+            f"got {getattr(key_padding_mask, 'shape', key_padding_mask)!r} of type "
+            f"{getattr(key_padding_mask, 'dtype', None)}"
         )
     state_shape = (batch, heads, q_feat.shape[-1], v.shape[-1] + 1)
     if initial_state is not None and (
-        tuple(initial_state.shape) != state_shape or not initial_state.is_floating_point()
+        not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != state_shape
+        or not initial_state.is_floating_point()
     ):
         raise ValueError(
             f"initial_state must be a floating-point tensor of shape {state_shape} ([B, H, F, V + 1]), "
-            f"got shape {tuple(initial_state.shape)} and dtype {initial_state.dtype}"
+            f"got {getattr(initial_state, 'shape', initial_state)!r} of type {getattr(initial_state, 'dtype', None)}"
         )
-    return WINDOW_BACKENDS[name](
+
+    tensors = {"q": q, "k": k, "v": v, "q_feat": q_feat, "k_feat": k_feat, "window_gate": window_gate,
+               "initial_state": initial_state}
+    name = pick_backend(
+        backend, q.device, single_query=queries == 1,
+        triton_problem=lambda: ops_triton.unsupported_inputs(
+            {n: x for n, x in tensors.items() if x is not None}, window_head_dims=(head_dim, v.shape[-1])
+        ),
+    )
+    if name == "triton" and key_padding_mask is not None and _checks_values(key_padding_mask):
+        _check_contiguous_padding(key_padding_mask)
+    skipped = length - queries if name in CHUNKED else 0
+    if skipped:  # the chunked forms need a query per key: zero queries in front, whose rows are dropped
+        q, q_feat = (F.pad(x, (0, 0, 0, 0, skipped, 0)) for x in (q, q_feat))
+    o, state = WINDOW_FORMS[name](
         q, k, v, q_feat, k_feat, window_gate,
         window_size=window_size,
         num_sink_tokens=num_sink_tokens,
-        scale=head_dim**-0.5 if scale is None else scale,
+        scale=scale,
         key_padding_mask=key_padding_mask,
         initial_state=initial_state,
         output_final_state=output_final_state,
     )
+    return o[:, skipped:], state

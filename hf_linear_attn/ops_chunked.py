@@ -3,23 +3,35 @@
 Runs on any device and is differentiable by autograd. The sequence is cut into chunks of CHUNK_SIZE
 tokens: the state carried between chunks gives each chunk the contribution of everything before it, and
 a small masked C x C product gives the contribution from inside the chunk. Work O(T·C·(K + V) + T·K·V),
-memory O(T·C + (T/C)·K·V) per head (vector decay adds O(T·K·(L + C/L)), L = SUB_CHUNK_SIZE), and no T x T
+memory O(T·C + (T/C)·K·V) per head (vector decay adds O(T·K·(L + C/L)), L = VECTOR_SUB_BLOCK), and no T x T
 tensor. Arguments, shapes, dtypes and the state layout are those of the oracles in `ops_reference`.
 
 In float32 the decay between two positions is a difference of prefix sums of log_decay within a chunk,
 so its absolute error is about 1e-7 · |Σ log_decay over the chunk|: negligible for ordinary decays,
-1e-4 relative at −30 per step; exp never overflows whatever the decay.
+1e-4 relative at −30 per step; exp never overflows whatever the decay. Log decays below
+`ops_common.log_decay_floor` (−87 in float32), −inf included, are raised to it first: they decay to 0 all
+the same, and the differences stay free of nan (−inf − (−inf)) and of huge magnitudes.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops_reference import NORM_EPS, accumulation_dtype, run_per_sequence, window_token_masks
+from .ops_common import (
+    CHUNK_SIZE,
+    accumulation_dtype,
+    divide_at_real_queries,
+    log_decay_floor,
+    normalized,
+    splits_packed_sequences,
+    window_linear_inputs,
+    window_token_masks,
+)
 
-CHUNK_SIZE = 64
 SCAN_GROUP_SIZE = 16  # decays: chunks per group of the inter-chunk state scan (see _decayed_prefix_states)
-SUB_CHUNK_SIZE = 8  # vector decay: sub-block size of the intra-chunk product; must divide CHUNK_SIZE
+# Vector decay: rows per sub-block of the intra-chunk product in torch (memory O(C·K·(L + C/L)) per chunk:
+# small L keeps the explicit [L, L, K] decays small); must divide CHUNK_SIZE. The Triton kernels pick their own.
+VECTOR_SUB_BLOCK = 8
 
 
 def _masked_exp(exponent: Tensor, mask: Tensor) -> Tensor:
@@ -41,7 +53,7 @@ def _vector_decay_scores(q: Tensor, k: Tensor, b: Tensor) -> Tensor:
     O(C·C·K).
     """
     *lead, length, key_dim = q.shape
-    size = SUB_CHUNK_SIZE
+    size = VECTOR_SUB_BLOCK
     blocks = length // size
     qs, ks, bs = (x.reshape(*lead, blocks, size, key_dim) for x in (q, k, b))
 
@@ -122,6 +134,7 @@ def _to_chunks(x: Tensor, dtype: torch.dtype, chunk_size: int, ones_column: bool
     return x.view(batch, heads, chunks, chunk_size, x.shape[-1])
 
 
+@splits_packed_sequences
 def chunk_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -132,7 +145,6 @@ def chunk_linear_attention(
     normalize: bool = False,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked linear attention.
 
@@ -140,11 +152,6 @@ def chunk_linear_attention(
     [B, H, K, V (+ 1 if normalize)]; cu_seqlens: None or [N + 1] (B == 1, each sequence run on its own).
     Returns o [B, T, H, V] in v's dtype and the final state (None unless output_final_state).
     """
-    if cu_seqlens is not None:
-        return run_per_sequence(
-            chunk_linear_attention, q, k, v, log_decay, scale=scale, normalize=normalize,
-            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        )
     batch, length, heads, key_dim = q.shape
     value_dim, out_dtype = v.shape[-1], v.dtype
     dtype = accumulation_dtype(q, k, v)
@@ -154,7 +161,9 @@ def chunk_linear_attention(
         q, k = _to_chunks(q, dtype, CHUNK_SIZE), _to_chunks(k, dtype, CHUNK_SIZE)
         v = _to_chunks(v, dtype, CHUNK_SIZE, ones_column=normalize)  # [B, H, N, C, V (+ 1)]
         # b: log of the decay accumulated from the chunk start, [B, H, N, C, 1 | K]; None skips all decay math.
-        b = None if log_decay is None else _to_chunks(log_decay, dtype, CHUNK_SIZE).cumsum(dim=3)
+        b = None
+        if log_decay is not None:
+            b = _to_chunks(log_decay, dtype, CHUNK_SIZE).clamp(min=log_decay_floor(dtype)).cumsum(dim=3)
 
         if initial_state is None:
             state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
@@ -179,7 +188,7 @@ def chunk_linear_attention(
         o = o.baddbmm_(q_decayed.flatten(0, 2), entering.flatten(0, 2), beta=scale, alpha=scale)
         o = o.view(v.shape)  # [B, H, N, C, V (+ 1)]
     if normalize:
-        o = o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)
+        o = normalized(o, value_dim)
     o = o.permute(0, 2, 3, 1, 4).reshape(batch, -1, heads, value_dim)[:, :length]
     return o.to(out_dtype), state if output_final_state else None
 
@@ -213,21 +222,12 @@ def chunk_window_attention(
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
     window_keys = real & ~sink  # keys reached through the window range or the linear part
 
-    # Linear part: key j reaches query t iff t − j ≥ window_size, i.e. plain causal linear attention with
-    # keys and values moved window_size steps later. Left or right padding keeps the real tokens contiguous,
-    # so the index shift is also the real-token distance. Zeroed keys drop sinks and pads; the ones column
-    # returns the denominator with the numerator.
-    shift = min(window_size, length)
-
-    def delayed(x: Tensor) -> Tensor:
-        return F.pad(x, (0, 0, 0, 0, shift, 0))[:, :length]
-
+    # Linear part: causal linear attention on delayed keys and values (see `window_linear_inputs`); the ones
+    # column returns the denominator with the numerator.
     v_ones = torch.cat([v_acc, torch.ones_like(v_acc[..., :1])], dim=-1)
-    k_linear = delayed(k_feat * window_keys[..., None, None])
-    # The state after the shifted sequence holds exactly the keys older than the next query's window.
+    k_older, v_older = window_linear_inputs(k_feat, v_ones, real, sink, window_size)
     linear, state = chunk_linear_attention(
-        q_feat, k_linear, delayed(v_ones), None, scale=1.0,
-        initial_state=initial_state, output_final_state=output_final_state,
+        q_feat, k_older, v_older, None, scale=1.0, initial_state=initial_state, output_final_state=output_final_state,
     )  # [B, T, H, V + 1]
 
     # The sinks, gathered once: positions of the first num_sink_tokens real tokens of each row (a row with
@@ -259,6 +259,5 @@ def chunk_window_attention(
 
     gamma = torch.sigmoid(window_gate.to(dtype))[:, None]  # [H, 1]
     total = gamma * softmax + linear
-    keep = real[..., None, None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
-    o = torch.where(keep, total[..., :value_dim], 0.0) / torch.where(keep, total[..., value_dim:], 1.0)
+    o = divide_at_real_queries(total[..., :value_dim], total[..., value_dim:], real[..., None, None])
     return o.to(v.dtype), state

@@ -19,58 +19,20 @@ State layout: [B, H, K, V] in the accumulation dtype; with normalize=True [B, H,
 column is z (z is the state of an extra all-ones value column).
 """
 
-from collections.abc import Callable
-from functools import reduce
-
 import torch
 from torch import Tensor
 
-NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
+from .ops_common import (
+    NORM_EPS,
+    accumulation_dtype,
+    divide_at_real_queries,
+    normalized,
+    splits_packed_sequences,
+    window_token_masks,
+)
 
 
-def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
-    """float32 for half / bfloat16 / float32 inputs, float64 if any input is float64."""
-    return reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
-
-
-def run_per_sequence(
-    backend: Callable[..., tuple[Tensor, Tensor | None]],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_decay: Tensor | None,
-    *,
-    scale: float,
-    normalize: bool,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor,
-) -> tuple[Tensor, Tensor | None]:
-    """Run `backend` on each sequence of a packed batch (B == 1) on its own and pack the results.
-
-    cu_seqlens: [N + 1] sequence boundaries; initial_state and the final state are [N, H, K, V (+ 1)].
-    A zero-length sequence contributes no output and keeps its initial state (zeros if none given).
-    """
-    _, _, heads, key_dim = q.shape
-    state_shape = (1, heads, key_dim, v.shape[-1] + int(normalize))
-    dtype = accumulation_dtype(q, k, v)
-    bounds = cu_seqlens.tolist()
-    outputs, states = [], []
-    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        state = None if initial_state is None else initial_state[n : n + 1]
-        if start < end:
-            seq = slice(start, end)
-            o, state = backend(
-                q[:, seq], k[:, seq], v[:, seq], None if log_decay is None else log_decay[:, seq],
-                scale=scale, normalize=normalize, initial_state=state, output_final_state=True,
-            )
-            outputs.append(o)
-        elif state is None:
-            state = q.new_zeros(state_shape, dtype=dtype)
-        states.append(state.to(dtype))
-    return torch.cat(outputs, dim=1), torch.cat(states) if output_final_state else None
-
-
+@splits_packed_sequences
 def recurrent_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -81,7 +43,6 @@ def recurrent_linear_attention(
     normalize: bool = False,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The recurrence, literally: one token at a time, with S and z kept apart.
 
@@ -90,11 +51,6 @@ def recurrent_linear_attention(
     every sequence starts from its own initial_state[n] and the states are [N, H, K, V (+ 1)].
     Returns o [B, T, H, V] in v's dtype and the final state (None unless output_final_state).
     """
-    if cu_seqlens is not None:
-        return run_per_sequence(
-            recurrent_linear_attention, q, k, v, log_decay, scale=scale, normalize=normalize,
-            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        )
     batch, length, heads, key_dim = q.shape
     value_dim, out_dtype = v.shape[-1], v.dtype
     dtype = accumulation_dtype(q, k, v)
@@ -124,6 +80,7 @@ def recurrent_linear_attention(
     return o, final_state if output_final_state else None
 
 
+@splits_packed_sequences
 def parallel_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -134,21 +91,16 @@ def parallel_linear_attention(
     normalize: bool = False,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The same sums in closed form: a masked T x T attention matrix with an explicit [T, T, K] decay.
 
-    With B_t = Σ_{s≤t} log_decay_s (cumulative over the sequence):
-        o_t = Σ_{i≤t} (q_t ⊙ exp(B_t − B_i))ᵀ k_i v_iᵀ + (q_t ⊙ exp(B_t))ᵀ S_0
-        S_T = exp(B_T) ⊙ S_0 + Σ_i exp(B_T − B_i) ⊙ k_i v_iᵀ
-    Normalisation appends an all-ones column to v and divides by its output. Arguments, shapes and
-    returns are those of `recurrent_linear_attention`. Memory O(T² K): tiny inputs only.
+    With G_ti = Σ_{i<s≤t} log_decay_s (the log decay from key i to query t) and B_t = Σ_{s≤t} log_decay_s:
+        o_t = Σ_{i≤t} (q_t ⊙ exp(G_ti))ᵀ k_i v_iᵀ + (q_t ⊙ exp(B_t))ᵀ S_0
+        S_T = exp(B_T) ⊙ S_0 + Σ_i exp(G_Ti) ⊙ k_i v_iᵀ
+    G is summed directly, never taken as B_t − B_i: a log decay of −inf (a full reset) would make that
+    difference −inf − (−inf) = nan. Normalisation appends an all-ones column to v and divides by its output.
+    Arguments, shapes and returns are those of `recurrent_linear_attention`. Memory O(T² K): tiny inputs only.
     """
-    if cu_seqlens is not None:
-        return run_per_sequence(
-            parallel_linear_attention, q, k, v, log_decay, scale=scale, normalize=normalize,
-            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        )
     batch, length, heads, key_dim = q.shape
     value_dim, out_dtype = v.shape[-1], v.dtype
     dtype = accumulation_dtype(q, k, v)
@@ -158,38 +110,27 @@ def parallel_linear_attention(
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     if log_decay is None:
         log_decay = q.new_zeros(batch, length, heads, 1)
-    b = log_decay.to(dtype).transpose(1, 2).cumsum(dim=2)  # [B, H, T, 1 | K]
+    steps = log_decay.to(dtype).transpose(1, 2)  # [B, H, T, 1 | K]
+    b = steps.cumsum(dim=2)  # B_t
 
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    # exp(B_t − B_i) only where i ≤ t; masking the exponent, not the result, keeps exp and its gradient finite
-    gap = torch.where(causal[..., None], b[:, :, :, None] - b[:, :, None], -torch.inf)  # [B, H, T, T, 1 | K]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()  # [t, i]: i ≤ t
+    # up_to[t, s] = log_decay_s for s ≤ t (else 0); G_ti is the sum of row t over s > i: a suffix sum along s,
+    # shifted by one. −inf entries only ever meet finite ones (all values are ≤ 0), so no nan.
+    up_to = torch.where(causal[..., None], steps[:, :, None], 0.0)  # [B, H, T, T, 1 | K]
+    suffix = up_to.flip(3).cumsum(3).flip(3)
+    gap = torch.cat([suffix[:, :, :, 1:], torch.zeros_like(suffix[:, :, :, :1])], dim=3)  # G_ti
+    # exp(G_ti) only where i ≤ t; masking the exponent, not the result, keeps exp and its gradient finite
+    gap = torch.where(causal[..., None], gap, -torch.inf)
     scores = torch.einsum("bhtk,bhik,bhtik->bhti", q, k, gap.exp().expand(-1, -1, -1, -1, key_dim))
     o = scores @ v
-    b_last = b[:, :, -1:]  # [B, H, 1, 1 | K]
-    state = (k * (b_last - b).exp()).transpose(-1, -2) @ v  # [B, H, K, V (+ 1)]
+    state = (k * gap[:, :, -1].exp()).transpose(-1, -2) @ v  # [B, H, K, V (+ 1)]
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
         o = o + (q * b.exp()) @ initial_state
-        state = state + b_last.transpose(-1, -2).exp() * initial_state
+        state = state + b[:, :, -1:].transpose(-1, -2).exp() * initial_state
     if normalize:
-        o = o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)
+        o = normalized(o, value_dim)
     return o.transpose(1, 2).to(out_dtype), state if output_final_state else None
-
-
-def window_token_masks(
-    key_padding_mask: Tensor | None, batch: int, length: int, num_sink_tokens: int, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """Which positions are real tokens and which of them are sinks, both bool [B, T].
-
-    The sinks are the first `num_sink_tokens` real tokens of each row, so a left-padded row has the same
-    sinks as the same row without padding.
-    """
-    if key_padding_mask is None:
-        real = torch.ones(batch, length, dtype=torch.bool, device=device)
-    else:
-        real = key_padding_mask
-    rank = real.cumsum(-1) - 1  # index of each position among the real tokens of its row
-    return real, real & (rank < num_sink_tokens)
 
 
 def reference_window_attention(
@@ -246,8 +187,7 @@ def reference_window_attention(
     if initial_state is not None:
         total = total + q_feat.to(dtype).transpose(1, 2) @ initial_state.to(dtype)
     value_dim = v.shape[-1]
-    keep = real[:, None, first_query:, None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
-    o = torch.where(keep, total[..., :value_dim], 0.0) / torch.where(keep, total[..., value_dim:], 1.0)
+    o = divide_at_real_queries(total[..., :value_dim], total[..., value_dim:], real[:, None, first_query:, None])
     final_state = None
     if output_final_state:
         # Only keys before T − window_size can fold: a decode step sums over a handful, not the whole window.

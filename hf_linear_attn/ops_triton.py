@@ -33,7 +33,7 @@ through the chunks of each sequence; dS backwards), `_chunk_output_kernel` (o; t
 `_chunk_dqk_kernel` (dq̂, dk) and, for the per-key-dim decay, `_vector_scores_kernel` (A) and
 `_vector_grads_kernel` (the intra-chunk part of dq̂ and dk). b is non-increasing inside a chunk, so every
 exponent above is ≤ 0 and nothing overflows, however strong the decay — except e^{b_tk − b_ik} inside A for a
-per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}: there sub-chunks of SUB_CHUNK_SIZE rows factor it
+per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}: there sub-chunks of VECTOR_SUB_CHUNK rows factor it
 around a reference r between i and t (e^{b_t − r}·e^{r − b_i}, both ≤ 1), and the diagonal sub-blocks use the
 explicit [SUB, SUB, K] decay. The normaliser of normalize=True is the state of an extra all-ones value column.
 
@@ -49,10 +49,16 @@ import functools
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .ops_reference import NORM_EPS, window_token_masks
+from .ops_common import (
+    CHUNK_SIZE,
+    divide_at_real_queries,
+    log_decay_floor,
+    normalized,
+    window_linear_inputs,
+    window_token_masks,
+)
 
 try:
     import triton
@@ -62,18 +68,21 @@ except ImportError:  # the backend is then not registered; the kernels below are
 
 HAS_TRITON = triton is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when @triton.jit runs, i.e. at import
-CHUNK_SIZE = 64  # tokens per chunk of linear attention
-SUB_CHUNK_SIZE = 16  # rows per sub-chunk of the per-key-dim decay's intra-chunk products; divides CHUNK_SIZE
+# Per-key-dim decay: rows per sub-chunk of the intra-chunk products, one program each (the torch backend's
+# sub-blocks are smaller, to bound its explicit decay tensors); must divide CHUNK_SIZE.
+VECTOR_SUB_CHUNK = 16
 WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels; half that for head dims > 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DECAY_NONE, DECAY_SCALAR, DECAY_VECTOR = 0, 1, 2  # the kernels' DECAY: none, per head, per key dim
+MAX_WINDOW_HEAD_DIM = 256  # D and V of the window softmax part: one tile of the window kernels
 
 if not HAS_TRITON:
 
     class _NoTriton:
         """Stands in for `triton` and `triton.language` so that the kernel definitions below still execute."""
 
-        constexpr = None
+        class constexpr:  # noqa: N801 (triton's name)
+            def __init__(self, value):
+                self.value = value
 
         @staticmethod
         def jit(fn):
@@ -84,6 +93,10 @@ if not HAS_TRITON:
             return lambda fn: fn
 
     triton = tl = _NoTriton
+
+# The kernels' DECAY: no decay, one per head, one per key dim. Kernels may read only constexpr globals; host code
+# passes and compares their .value.
+DECAY_NONE, DECAY_SCALAR, DECAY_VECTOR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 def _configs() -> list:
@@ -134,14 +147,14 @@ def _chunk_bounds(chunk_info, chunk):
 
 @triton.jit
 def _load_decay(b, h, rows, row_end, kk, H: tl.constexpr, K: tl.constexpr, DECAY: tl.constexpr):
-    """Cumulative log decay b of `rows`: [rows, len(kk)] per key dim (DECAY 2), else [rows, 1] (DECAY 1: per head;
-    DECAY 0: no decay, i.e. zeros).
+    """Cumulative log decay b of `rows`: [rows, len(kk)] for DECAY_VECTOR, else [rows, 1] (DECAY_SCALAR: one per
+    head; DECAY_NONE: no decay, i.e. zeros).
 
     b: fp32 [tokens, H, 1 | K]. Rows ≥ row_end read 0, which keeps every exponent built from them ≤ 0.
     """
-    if DECAY == 2:
+    if DECAY == DECAY_VECTOR:
         tile = _load_tile(b + h * K, rows, row_end, H * K, kk, K)
-    elif DECAY == 1:
+    elif DECAY == DECAY_SCALAR:
         tile = _load_tile(b + h, rows, row_end, H, tl.arange(0, 1), 1)
     else:
         tile = tl.zeros([rows.shape[0], 1], dtype=tl.float32)
@@ -190,41 +203,45 @@ def _sub_chunk_decay(b, SUB: tl.constexpr):
 
 @triton.jit
 def _chunk_cumsum_kernel(
-    x, y, chunk_info, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    terms, sums, chunk_info, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
     REVERSE: tl.constexpr,
 ):
-    """y = cumulative sum of x over the tokens of each chunk, from its start (or from its end if REVERSE).
+    """sums = cumulative sum of terms over the tokens of each chunk, from its start (or from its end if REVERSE).
 
-    x, y: [tokens, H, D], y fp32. Grid: (chunks, H).
+    terms, sums: [tokens, H, D], sums fp32. Grid: (chunks, H).
     """
     chunk, h = tl.program_id(0), tl.program_id(1)
     start, end, _ = _chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     cols = tl.arange(0, BLOCK_D)
-    tile = _load_tile(x + h * D, rows, end, H * D, cols, D).to(tl.float32)
-    _store_tile(y + h * D, tl.cumsum(tile, axis=0, reverse=REVERSE), rows, end, H * D, cols, D)
+    tile = _load_tile(terms + h * D, rows, end, H * D, cols, D).to(tl.float32)
+    _store_tile(sums + h * D, tl.cumsum(tile, axis=0, reverse=REVERSE), rows, end, H * D, cols, D)
 
 
 @triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE"])
 @triton.jit
 def _state_pass_kernel(
-    x, y, b, init, states, seq_info, x_scale,
+    outer_k, outer_v, b, init, states, seq_info, outer_k_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr,
     HAS_INIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BF16_DOT: tl.constexpr,
 ):
     """Carries each sequence's state through its chunks and stores it at every chunk boundary.
 
-    Forward (REVERSE=0; x = k, y = v): S_0 = init (or 0),
-        S_{j+1} = e^{b_last} ⊙ S_j + Σ_t (x_t ⊙ e^{b_last − b_t}) y_tᵀ;
+    The state is a decayed sum of outer products outer_k_t outer_v_tᵀ (scaled by outer_k_scale), either way:
+    Forward (REVERSE=0; outer_k = k, outer_v = v): S_0 = init (or 0),
+        S_{j+1} = e^{b_last} ⊙ S_j + Σ_t (k_t ⊙ e^{b_last − b_t}) v_tᵀ;
     slot first + j receives S_j for j = 0 … n (n chunks; slot first + n holds the final state).
-    Reverse (REVERSE=1; x = q, y = do): dS_n = init (the final state's gradient, or 0),
-        dS_j = e^{b_last} ⊙ dS_{j+1} + Σ_t (x_scale·x_t ⊙ e^{b_t}) y_tᵀ;
+    Reverse (REVERSE=1; outer_k = q, outer_v = do, outer_k_scale = scale): dS_n = init (the final state's
+    gradient, or 0),
+        dS_j = e^{b_last} ⊙ dS_{j+1} + Σ_t (scale·q_t ⊙ e^{b_t}) do_tᵀ;
     slot first + j receives dS_j (j = 0: the initial state's gradient).
-    x: [tokens, H, K]; y: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: fp32 [sequences, H, K, V];
+    outer_k: [tokens, H, K]; outer_v: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: fp32
+    [sequences, H, K, V];
     states: fp32 [slots, H, K, V]; seq_info: int32 [sequences, 3] (first token, end token, first slot).
     Grid: (K / BLOCK_K, V / BLOCK_V, sequences · H); a program owns one [BLOCK_K, BLOCK_V] tile of one state.
     """
+    tl.static_assert((REVERSE == 0) or (REVERSE == 1))  # also the offset of a state slot below
     pid_k, pid_v, pid_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n, h = pid_nh // H, pid_nh % H
     first_token, end_token = tl.load(seq_info + 3 * n), tl.load(seq_info + 3 * n + 1)
@@ -245,15 +262,15 @@ def _state_pass_kernel(
         start = first_token + j * CHUNK
         end = tl.minimum(start + CHUNK, end_token)
         rows = start + tl.arange(0, CHUNK)
-        x_tile = _load_tile(x + h * K, rows, end, H * K, kk, K).to(tl.float32) * x_scale
+        k_tile = _load_tile(outer_k + h * K, rows, end, H * K, kk, K).to(tl.float32) * outer_k_scale
         b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
         b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
         if REVERSE:
-            x_tile = x_tile * tl.exp(b_rows)
+            k_tile = k_tile * tl.exp(b_rows)
         else:
-            x_tile = x_tile * tl.exp(b_last - b_rows)
-        y_tile = _load_tile(y + h * V, rows, end, H * V, vv, V)
-        state = state * tl.exp(tl.trans(b_last)) + _dot(tl.trans(x_tile), y_tile, BF16_DOT)
+            k_tile = k_tile * tl.exp(b_last - b_rows)
+        v_tile = _load_tile(outer_v + h * V, rows, end, H * V, vv, V)
+        state = state * tl.exp(tl.trans(b_last)) + _dot(tl.trans(k_tile), v_tile, BF16_DOT)
     last_slot = first_slot + (1 - REVERSE) * num_chunks
     _store_tile(_state_base(states, last_slot, h, H, K, V), state, kk, K, V, vv, V)
 
@@ -272,6 +289,7 @@ def _vector_scores_kernel(
     at the sub-chunk's first query, so one dot; keys of sub-chunk m itself: the explicit masked decay.
     Grid: (chunks, H, CHUNK / SUB).
     """
+    tl.static_assert(CHUNK % SUB == 0)
     chunk, h, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, _ = _chunk_bounds(chunk_info, chunk)
     rows = start + m * SUB + tl.arange(0, SUB)
@@ -283,10 +301,10 @@ def _vector_scores_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
-        b_rows = _load_decay(b, h, rows, end, kk, H, K, 2)
-        r = _load_decay(b, h, reference, end, kk, H, K, 2)
+        b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY_VECTOR)
+        r = _load_decay(b, h, reference, end, kk, H, K, DECAY_VECTOR)
         k_keys = _load_tile(k + h * K, keys, end, H * K, kk, K).to(tl.float32)
-        b_keys = _load_decay(b, h, keys, end, kk, H, K, 2)
+        b_keys = _load_decay(b, h, keys, end, kk, H, K, DECAY_VECTOR)
         k_keys = tl.where(earlier, k_keys * tl.exp(tl.minimum(r - b_keys, 0.0)), 0.0)
         q_ref = q_rows * tl.exp(tl.minimum(b_rows - r, 0.0))
         off_diagonal += _dot(q_ref, tl.trans(k_keys), BF16_DOT)
@@ -303,20 +321,22 @@ def _vector_scores_kernel(
 @triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "TRANSPOSE"])
 @triton.jit
 def _chunk_output_kernel(
-    x, z, y, b, scores, states, out, chunk_info, x_scale, z_scale,
+    row_k, col_k, col_v, b, scores, states, out, chunk_info, row_scale, col_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, TRANSPOSE: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
     """Each chunk's output: the contribution of a carried state plus the masked intra-chunk product.
 
-    Forward (TRANSPOSE=0; x = q, z = k, y = v, states S):
+    Output row r reads the state with row_k_r and sums col_v over the columns c of the chunk, weighted by the
+    decayed, masked scores of row_k_r against col_k_c (row_scale and col_scale scale row_k and col_k):
+    Forward (TRANSPOSE=0; rows: queries, row_k = q, col_k = k, col_v = v, states S):
         o_t  = (q̂_t ⊙ e^{b_t})ᵀ S_j + Σ_{i ≤ t} A_ti v_i
-    Backward (TRANSPOSE=1; x = k, z = q, y = do, states dS):
+    Backward (TRANSPOSE=1; rows: keys, row_k = k, col_k = q, col_v = do, states dS):
         dv_i = (k_i ⊙ e^{b_last − b_i})ᵀ dS_{j+1} + Σ_{t ≥ i} A_ti do_t
-    (q̂ = scale·q: x_scale and z_scale scale x and z.) A = (q̂ kᵀ) ⊙ e^{b_t − b_i} masked, for no or per-head decay;
-    read from `scores` (`_vector_scores_kernel`) for the per-key-dim decay.
-    x, z: [tokens, H, K]; y, out: [tokens, H, V]; states: fp32 [slots, H, K, V]; chunk_info: int32 [chunks, 3].
-    Grid: (chunks, H, V / BLOCK_V).
+    (q̂ = scale·q.) A = (q̂ kᵀ) ⊙ e^{b_t − b_i} masked, for no or per-head decay; read from `scores`
+    (`_vector_scores_kernel`) for the per-key-dim decay.
+    row_k, col_k: [tokens, H, K]; col_v, out: [tokens, H, V]; states: fp32 [slots, H, K, V]; chunk_info: int32
+    [chunks, 3]. Grid: (chunks, H, V / BLOCK_V).
     """
     chunk, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _chunk_bounds(chunk_info, chunk)
@@ -327,24 +347,24 @@ def _chunk_output_kernel(
     scores_tile = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        x_tile = _load_tile(x + h * K, rows, end, H * K, kk, K).to(tl.float32) * x_scale
+        row_tile = _load_tile(row_k + h * K, rows, end, H * K, kk, K).to(tl.float32) * row_scale
         b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
         if TRANSPOSE:
             b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
             weight = tl.exp(b_last - b_rows)
         else:
             weight = tl.exp(b_rows)
-        acc += _dot(x_tile * weight, _load_tile(state, kk, K, V, vv, V), BF16_DOT)
-        if DECAY != 2:
-            z_tile = _load_tile(z + h * K, rows, end, H * K, kk, K).to(tl.float32) * z_scale
-            scores_tile += _dot(x_tile, tl.trans(z_tile), BF16_DOT)
-    if DECAY == 2:
+        acc += _dot(row_tile * weight, _load_tile(state, kk, K, V, vv, V), BF16_DOT)
+        if DECAY != DECAY_VECTOR:
+            col_tile = _load_tile(col_k + h * K, rows, end, H * K, kk, K).to(tl.float32) * col_scale
+            scores_tile += _dot(row_tile, tl.trans(col_tile), BF16_DOT)
+    if DECAY == DECAY_VECTOR:
         scores_tile = _load_tile(scores + h * CHUNK, rows, end, H * CHUNK, tl.arange(0, CHUNK), CHUNK)
         if TRANSPOSE:
             scores_tile = tl.trans(scores_tile)
     else:
         scores_tile *= _causal_decay(_load_decay(b, h, rows, end, 0, H, K, DECAY), TRANSPOSE, CHUNK)
-    acc += _dot(scores_tile, _load_tile(y + h * V, rows, end, H * V, vv, V), BF16_DOT)
+    acc += _dot(scores_tile, _load_tile(col_v + h * V, rows, end, H * V, vv, V), BF16_DOT)
     _store_tile(out + h * V, acc, rows, end, H * V, vv, V)
 
 
@@ -384,14 +404,14 @@ def _chunk_dqk_kernel(
         dq_acc += _dot(do_tile, tl.trans(_load_tile(entering, kk, K, V, vv, V)), BF16_DOT)
         dk_acc += _dot(v_tile, tl.trans(d_state), BF16_DOT)
         dA_acc += _dot(do_tile, tl.trans(v_tile), BF16_DOT)
-        if DECAY != 0:
+        if DECAY != DECAY_NONE:
             term += tl.sum(_load_tile(leaving, kk, K, V, vv, V) * d_state, axis=1)
     b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
     b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
     dq_acc *= tl.exp(b_rows)
     dk_acc *= tl.exp(b_last - b_rows)
     tl.store(state_term + (chunk.to(tl.int64) * H + h) * K + kk, term, mask=kk < K)
-    if DECAY == 2:
+    if DECAY == DECAY_VECTOR:
         if pid_k == 0:
             _store_tile(dA + h * CHUNK, dA_acc, rows, end, H * CHUNK, tl.arange(0, CHUNK), CHUNK)
     else:
@@ -419,6 +439,7 @@ def _vector_grads_kernel(
     sub-chunk m (both factors ≤ 1); pairs inside sub-chunk m with the explicit decay. All buffers fp32
     [tokens, H, K] except dA [tokens, H, CHUNK]. Grid: (chunks, H, (CHUNK / SUB) · (K / BLOCK_K)).
     """
+    tl.static_assert(CHUNK % SUB == 0)
     chunk, h, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m, pid_k = pid % (CHUNK // SUB), pid // (CHUNK // SUB)
     start, end, _ = _chunk_bounds(chunk_info, chunk)
@@ -428,18 +449,18 @@ def _vector_grads_kernel(
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     q_chunk = _load_tile(q + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32) * scale
     k_chunk = _load_tile(k + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32)
-    b_chunk = _load_decay(b, h, chunk_rows, end, kk, H, K, 2)
+    b_chunk = _load_decay(b, h, chunk_rows, end, kk, H, K, DECAY_VECTOR)
     q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
     k_rows = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-    b_rows = _load_decay(b, h, rows, end, kk, H, K, 2)
+    b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY_VECTOR)
     dA_rows = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # [SUB, CHUNK]: dA_t· for t in m
     dA_cols = _load_tile(dA + h * CHUNK, chunk_rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)  # dA_·i
 
-    first = _load_decay(b, h, tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1), end, kk, H, K, 2)
+    first = _load_decay(b, h, tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1), end, kk, H, K, DECAY_VECTOR)
     k_ref = tl.where((local < m * SUB)[:, None], k_chunk * tl.exp(tl.minimum(first - b_chunk, 0.0)), 0.0)
     dq_acc = tl.exp(tl.minimum(b_rows - first, 0.0)) * _dot(dA_rows, k_ref, BF16_DOT)
 
-    last = _load_decay(b, h, tl.minimum(start + m * SUB + SUB, end) - 1 + tl.arange(0, 1), end, kk, H, K, 2)
+    last = _load_decay(b, h, tl.minimum(start + m * SUB + SUB, end) - 1 + tl.arange(0, 1), end, kk, H, K, DECAY_VECTOR)
     q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
     dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
 
@@ -494,35 +515,36 @@ def _batch_chunks(batch: int, length: int, device: torch.device) -> _Chunks:
     return _Chunks(list(range(0, batch * length + 1, length)), device)
 
 
-def _chunk_cumsum(x: Tensor, chunks: _Chunks, reverse: bool) -> Tensor:
-    """fp32 cumulative sum of x [.., H, D] over the tokens of each chunk (see `_chunk_cumsum_kernel`)."""
-    heads, dim = x.shape[-2:]
-    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+def _chunk_cumsum(terms: Tensor, chunks: _Chunks, reverse: bool) -> Tensor:
+    """fp32 cumulative sum of terms [.., H, D] over the tokens of each chunk (see `_chunk_cumsum_kernel`)."""
+    heads, dim = terms.shape[-2:]
+    sums = torch.empty(terms.shape, dtype=torch.float32, device=terms.device)
     _chunk_cumsum_kernel[(chunks.num_chunks, heads)](
-        x, y, chunks.chunk_info, H=heads, D=dim, BLOCK_D=triton.next_power_of_2(dim), CHUNK=CHUNK_SIZE,
+        terms, sums, chunks.chunk_info, H=heads, D=dim, BLOCK_D=triton.next_power_of_2(dim), CHUNK=CHUNK_SIZE,
         REVERSE=reverse,
     )
-    return y
+    return sums
 
 
 def _decay_mode(b: Tensor | None) -> int:
     """The kernels' DECAY for b: None, [.., 1] or [.., K]."""
     if b is None:
-        return DECAY_NONE
-    return DECAY_SCALAR if b.shape[-1] == 1 else DECAY_VECTOR
+        return DECAY_NONE.value
+    return DECAY_SCALAR.value if b.shape[-1] == 1 else DECAY_VECTOR.value
 
 
 def _state_pass(
-    x: Tensor, y: Tensor, b: Tensor | None, init: Tensor | None, chunks: _Chunks, *, reverse: bool,
-    x_scale: float, bf16_dot: bool,
+    outer_k: Tensor, outer_v: Tensor, b: Tensor | None, init: Tensor | None, chunks: _Chunks, *, reverse: bool,
+    outer_k_scale: float, bf16_dot: bool,
 ) -> Tensor:
     """fp32 [slots, H, K, V]: the state at every chunk boundary (reverse: its gradient), see `_state_pass_kernel`."""
-    heads, key_dim, value_dim = x.shape[-2], x.shape[-1], y.shape[-1]
-    states = x.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)
+    heads, key_dim, value_dim = outer_k.shape[-2], outer_k.shape[-1], outer_v.shape[-1]
+    states = outer_k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)
     block_k, block_v = _block(key_dim), _block(value_dim)
     grid = (triton.cdiv(key_dim, block_k), triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)
     _state_pass_kernel[grid](
-        x, y, states if b is None else b, states if init is None else init, states, chunks.seq_info, x_scale,
+        outer_k, outer_v, states if b is None else b, states if init is None else init, states, chunks.seq_info,
+        outer_k_scale,
         H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), REVERSE=int(reverse), HAS_INIT=init is not None,
         CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=block_v, BF16_DOT=bf16_dot,
     )
@@ -533,25 +555,25 @@ def _vector_scores(q: Tensor, k: Tensor, b: Tensor, chunks: _Chunks, scale: floa
     """fp32 [.., H, CHUNK_SIZE]: the intra-chunk scores A of a per-key-dim decay (`_vector_scores_kernel`)."""
     heads, key_dim = q.shape[-2:]
     scores = q.new_empty(*q.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
-    _vector_scores_kernel[(chunks.num_chunks, heads, CHUNK_SIZE // SUB_CHUNK_SIZE)](
-        q, k, b, scores, chunks.chunk_info, scale, H=heads, K=key_dim, CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK_SIZE,
+    _vector_scores_kernel[(chunks.num_chunks, heads, CHUNK_SIZE // VECTOR_SUB_CHUNK)](
+        q, k, b, scores, chunks.chunk_info, scale, H=heads, K=key_dim, CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK,
         BLOCK_K=_block(key_dim, 32), BF16_DOT=bf16_dot,
     )
     return scores
 
 
 def _chunk_output(
-    x: Tensor, z: Tensor, y: Tensor, b: Tensor | None, scores: Tensor | None, states: Tensor, chunks: _Chunks, *,
-    transpose: bool, x_scale: float, z_scale: float, out_dtype: torch.dtype, bf16_dot: bool,
+    row_k: Tensor, col_k: Tensor, col_v: Tensor, b: Tensor | None, scores: Tensor | None, states: Tensor,
+    chunks: _Chunks, *, transpose: bool, row_scale: float, col_scale: float, out_dtype: torch.dtype, bf16_dot: bool,
 ) -> Tensor:
     """o (or, transposed, dv) [.., H, V] in out_dtype, see `_chunk_output_kernel`."""
-    heads, key_dim, value_dim = x.shape[-2], x.shape[-1], y.shape[-1]
-    out = y.new_empty(y.shape, dtype=out_dtype)
+    heads, key_dim, value_dim = row_k.shape[-2], row_k.shape[-1], col_v.shape[-1]
+    out = col_v.new_empty(col_v.shape, dtype=out_dtype)
     block_v = _block(value_dim)
     _chunk_output_kernel[(chunks.num_chunks, heads, triton.cdiv(value_dim, block_v))](
-        x, z, y, states if b is None else b, states if scores is None else scores, states, out, chunks.chunk_info,
-        x_scale, z_scale, H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), TRANSPOSE=int(transpose),
-        CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim), BLOCK_V=block_v, BF16_DOT=bf16_dot,
+        row_k, col_k, col_v, states if b is None else b, states if scores is None else scores, states, out,
+        chunks.chunk_info, row_scale, col_scale, H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b),
+        TRANSPOSE=int(transpose), CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim), BLOCK_V=block_v, BF16_DOT=bf16_dot,
     )
     return out
 
@@ -566,7 +588,7 @@ def _chunk_dqk(
     dq, dk = (torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
     state_term = k.new_empty(chunks.num_chunks, heads, key_dim, dtype=torch.float32)
     # Per-key-dim decay: this pass leaves the intra-chunk sums to `_vector_grads_kernel` and stores dA for it.
-    if decay == DECAY_VECTOR:
+    if decay == DECAY_VECTOR.value:
         dq_state, dk_state = torch.empty_like(dq), torch.empty_like(dk)
         dA = q.new_empty(*q.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
     else:
@@ -577,12 +599,12 @@ def _chunk_dqk(
         chunks.chunk_info, scale, H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE,
         BLOCK_K=block_k, BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
     )
-    if decay == DECAY_VECTOR:
+    if decay == DECAY_VECTOR.value:
         block_k = _block(key_dim, 32)
-        grid = (chunks.num_chunks, heads, CHUNK_SIZE // SUB_CHUNK_SIZE * triton.cdiv(key_dim, block_k))
+        grid = (chunks.num_chunks, heads, CHUNK_SIZE // VECTOR_SUB_CHUNK * triton.cdiv(key_dim, block_k))
         _vector_grads_kernel[grid](
             q, k, b, dA, dq_state, dk_state, dq, dk, chunks.chunk_info, scale, H=heads, K=key_dim,
-            CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK_SIZE, BLOCK_K=block_k, BF16_DOT=bf16_dot,
+            CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK, BLOCK_K=block_k, BF16_DOT=bf16_dot,
         )
     return dq, dk, state_term
 
@@ -594,10 +616,10 @@ class _ChunkedLinearAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, log_decay, initial_state, scale, chunks, out_dtype):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
-        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, x_scale=1.0, bf16_dot=bf16_dot)
-        scores = None if _decay_mode(b) != DECAY_VECTOR else _vector_scores(q, k, b, chunks, scale, bf16_dot)
+        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot)
+        scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
         o = _chunk_output(
-            q, k, v, b, scores, states, chunks, transpose=False, x_scale=scale, z_scale=1.0, out_dtype=out_dtype,
+            q, k, v, b, scores, states, chunks, transpose=False, row_scale=scale, col_scale=1.0, out_dtype=out_dtype,
             bf16_dot=bf16_dot,
         )
         ctx.save_for_backward(q, k, v, log_decay, initial_state)
@@ -610,13 +632,13 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         scale, chunks, bf16_dot = ctx.scale, ctx.chunks, ctx.bf16_dot
         do = do.contiguous()
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
-        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, x_scale=1.0, bf16_dot=bf16_dot)
+        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot)
         dstates = _state_pass(
-            q, do, b, d_final_state.contiguous(), chunks, reverse=True, x_scale=scale, bf16_dot=bf16_dot
+            q, do, b, d_final_state.contiguous(), chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
         )
-        scores = None if _decay_mode(b) != DECAY_VECTOR else _vector_scores(q, k, b, chunks, scale, bf16_dot)
+        scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
         dv = _chunk_output(
-            k, q, do, b, scores, dstates, chunks, transpose=True, x_scale=1.0, z_scale=scale, out_dtype=v.dtype,
+            k, q, do, b, scores, dstates, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=v.dtype,
             bf16_dot=bf16_dot,
         )
         dq_hat, dk, state_term = _chunk_dqk(q, k, v, do, b, states, dstates, chunks, scale, bf16_dot)
@@ -865,29 +887,43 @@ class _WindowSoftmax(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_triton_inputs(**tensors: Tensor) -> None:
-    """Triton-specific checks, before any launch: device, interpreter, dtypes."""
+def unsupported_inputs(tensors: dict[str, Tensor], window_head_dims: tuple[int, int] | None = None) -> str | None:
+    """Why the triton backend cannot take these tensors (device, interpreter, dtypes, window head dims), or None.
+
+    `ops` asks before picking the backend for "auto" and raises this message for an explicit backend="triton".
+    window_head_dims: (D, V) of the window softmax part, which the kernels take up to MAX_WINDOW_HEAD_DIM.
+    """
+    if not HAS_TRITON:
+        return "backend 'triton' needs the triton package (pip install triton); backend 'torch' runs anywhere"
     devices = {x.device for x in tensors.values()}
     if len(devices) > 1:
-        raise ValueError(f"backend 'triton' needs all tensors on one device, got {sorted(map(str, devices))}")
+        return f"backend 'triton' needs all tensors on one device, got {sorted(map(str, devices))}"
     device = devices.pop()
     if device.type != "cuda" and not INTERPRET:
-        raise ValueError(
+        return (
             f"backend 'triton' runs on CUDA tensors, got tensors on {device}; on CPU use backend 'torch' (or set "
             "TRITON_INTERPRET=1 before importing hf_linear_attn to run the kernels in the slow Triton interpreter)"
         )
     for name, x in tensors.items():
         if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
+            return (
                 f"backend 'triton' takes float16, bfloat16 or float32 tensors, got {name} in {x.dtype} "
                 "(backend 'torch' handles float64)"
             )
+    if window_head_dims is not None and max(window_head_dims) > MAX_WINDOW_HEAD_DIM:
+        head_dim, value_dim = window_head_dims
+        return (
+            f"backend 'triton' supports window head dims up to {MAX_WINDOW_HEAD_DIM}, got D = {head_dim}, "
+            f"V = {value_dim}"
+        )
+    return None
 
 
 def _linear(q, k, v, log_decay, initial_state, *, scale, chunks, out_dtype):
     """o [B, T, H, V] in out_dtype and the fp32 final states of the unnormalised linear attention."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    log_decay = None if log_decay is None else log_decay.contiguous()
+    # Kernels take decays as differences of prefix sums: −inf (a reset) would give nan, see `log_decay_floor`.
+    log_decay = None if log_decay is None else log_decay.clamp(min=log_decay_floor(torch.float32)).contiguous()
     initial_state = None if initial_state is None else initial_state.contiguous()
     return _ChunkedLinearAttention.apply(q, k, v, log_decay, initial_state, scale, chunks, out_dtype)
 
@@ -910,8 +946,6 @@ def triton_linear_attention(
     [N, H, K, V (+ 1 if normalize)]; cu_seqlens: None or [N + 1] (B == 1). Returns o [B, T, H, V] in v's dtype and
     the fp32 final state (None unless output_final_state).
     """
-    optional = {"log_decay": log_decay, "initial_state": initial_state}
-    _check_triton_inputs(q=q, k=k, v=v, **{name: x for name, x in optional.items() if x is not None})
     chunks = _batch_chunks(*q.shape[:2], q.device) if cu_seqlens is None else _Chunks(cu_seqlens.tolist(), q.device)
     value_dim = v.shape[-1]
     if normalize:
@@ -921,19 +955,17 @@ def triton_linear_attention(
         out_dtype=torch.float32 if normalize else v.dtype,
     )
     if normalize:
-        o = (o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)).to(v.dtype)
+        o = normalized(o, value_dim).to(v.dtype)
     return o, final_state if output_final_state else None
 
 
-def _real_token_bounds(key_padding_mask: Tensor | None, batch: int, length: int, device: torch.device) -> Tensor:
-    """int32 [B, 2]: each row's real tokens [lo, hi). They must be contiguous (left or right padding)."""
+def real_token_bounds(key_padding_mask: Tensor | None, batch: int, length: int, device: torch.device) -> Tensor:
+    """int32 [B, 2]: each row's real tokens [lo, hi), which the window kernels take to be contiguous (left or right
+    padding; `ops.window_attention` checks it where it checks values)."""
     if key_padding_mask is None:
         return torch.tensor([[0, length]], dtype=torch.int32, device=device).expand(batch, 2).contiguous()
     lo = key_padding_mask.int().argmax(-1)  # the first real token (0 for a row without any)
     hi = lo + key_padding_mask.sum(-1)
-    pos = torch.arange(length, device=device)
-    if not torch.equal((pos >= lo[:, None]) & (pos < hi[:, None]), key_padding_mask):
-        raise ValueError("backend 'triton' needs the real tokens of each row contiguous (left or right padding)")
     return torch.stack([lo, hi], dim=1).int()
 
 
@@ -953,22 +985,16 @@ def triton_window_attention(
     output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Sliding-window softmax + linear attention in Triton: arguments and results as
-    `ops_chunked.chunk_window_attention`. The softmax head dims D and V must be ≤ 256."""
-    optional = {} if initial_state is None else {"initial_state": initial_state}
-    _check_triton_inputs(q=q, k=k, v=v, q_feat=q_feat, k_feat=k_feat, window_gate=window_gate, **optional)
-    batch, length, heads, head_dim = q.shape
+    `ops_chunked.chunk_window_attention`. The softmax head dims D and V must be ≤ MAX_WINDOW_HEAD_DIM."""
+    batch, length = q.shape[:2]
     value_dim = v.shape[-1]
-    if max(head_dim, value_dim) > 256:
-        raise ValueError(f"backend 'triton' supports window head dims up to 256, got D = {head_dim}, V = {value_dim}")
-    bounds = _real_token_bounds(key_padding_mask, batch, length, q.device)
+    bounds = real_token_bounds(key_padding_mask, batch, length, q.device)
 
-    # Linear part: key j reaches query t iff t − j ≥ window_size, so linear attention on keys and values delayed by
-    # window_size steps; sinks and pads get zero keys. The ones column returns the denominator with the numerator,
-    # and the state after the delayed sequence holds exactly the keys older than the next query's window.
+    # Linear part: the linear kernels on delayed keys and values (see `window_linear_inputs`); the ones column
+    # returns the denominator with the numerator.
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
-    delay = min(window_size, length)
-    k_older = F.pad(k_feat * (real & ~sink)[..., None, None], (0, 0, 0, 0, delay, 0))[:, :length]
-    v_older = F.pad(torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), (0, 0, 0, 0, delay, 0))[:, :length]
+    v_ones = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    k_older, v_older = window_linear_inputs(k_feat, v_ones, real, sink, window_size)
     linear, state = _linear(
         q_feat, k_older, v_older, None, initial_state, scale=1.0, chunks=_batch_chunks(batch, length, q.device),
         out_dtype=torch.float32,
@@ -977,7 +1003,8 @@ def triton_window_attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num, den = _WindowSoftmax.apply(q, k, v, bounds, scale, min(window_size, length), num_sink_tokens)
     gamma = torch.sigmoid(window_gate.float())
-    keep = real[..., None]  # pad queries output 0; the 1 avoids 0 / 0 (and nan gradients) there
-    total_num = torch.where(keep[..., None], gamma[:, None] * num + linear[..., :value_dim], 0.0)
-    total_den = torch.where(keep, gamma * den + linear[..., value_dim], 1.0)
-    return (total_num / total_den[..., None]).to(v.dtype), state if output_final_state else None
+    o = divide_at_real_queries(
+        gamma[:, None] * num + linear[..., :value_dim], gamma[:, None] * den[..., None] + linear[..., value_dim:],
+        real[..., None, None],
+    )
+    return o.to(v.dtype), state if output_final_state else None

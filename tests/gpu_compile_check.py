@@ -61,7 +61,7 @@ def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], norm
     for name in dir(ops_triton):
         if name.endswith("_kernel"):
             setattr(ops_triton, name, Recorder(getattr(ops_triton, name), seen))
-    ops_triton._check_triton_inputs = lambda **_: None  # CPU tensors stand in for CUDA ones
+    ops_triton.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
     batch, length, heads = 1, 100, 2
     for dtype, (key_dim, value_dim) in itertools.product(dtypes, dims):
         for decay, normalize in itertools.product((None, "scalar", "vector"), normalize_values):

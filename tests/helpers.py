@@ -268,3 +268,13 @@ def read_log(output_dir: Path) -> list[dict[str, Any]]:
     """The run's `log.jsonl` records without the timing field (which differs between runs)."""
     records = [json.loads(line) for line in (Path(output_dir) / "log.jsonl").read_text().splitlines()]
     return [{k: v for k, v in record.items() if k != "tokens_per_second"} for record in records]
+
+
+def with_resets(log_decay: torch.Tensor, seed: int = 3) -> torch.Tensor:
+    """log_decay with about one step in six (and, for vector decay, some key dims) set to −inf (a full reset),
+    one in six to ≤ −1e30, and step 0 of every row reset; a leaf again."""
+    draw = torch.rand(log_decay.shape, generator=torch.Generator().manual_seed(seed), dtype=log_decay.dtype)
+    log_decay = torch.where(draw < 2 / 6, -1e30 * (1 + draw), log_decay.detach())
+    log_decay = torch.where(draw < 1 / 6, -torch.inf, log_decay)
+    log_decay[:, 0] = -torch.inf
+    return log_decay.requires_grad_()

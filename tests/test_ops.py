@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from helpers import assert_all_close, make_inputs
+from helpers import assert_all_close, make_inputs, with_resets
 
-from hf_linear_attn import ops_chunked
+from hf_linear_attn import configuration_linear_attention, ops, ops_chunked
 from hf_linear_attn.ops import linear_attention
-from hf_linear_attn.ops_chunked import CHUNK_SIZE
+from hf_linear_attn.ops_common import CHUNK_SIZE
 
 C = CHUNK_SIZE
 DECAYS = [None, "fixed", "scalar", "vector"]
@@ -78,6 +78,46 @@ def test_strong_decay_stays_finite(decay, dtype, log_decay_value, tol):
         assert_all_close(run_with_grads(inputs, backend), expected, tol)
 
 
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_reset_decays_match_the_token_loop(decay, normalize, with_state):
+    """log_decay = −inf (a full reset, e.g. a document boundary) and ≤ −1e30 anywhere: every backend gives what
+    the token loop gives, outputs, final states and gradients, without inf or nan."""
+    inputs = make_inputs(decay, normalize, 3 * C + 5, 16, 8, with_state=with_state)
+    inputs["log_decay"] = with_resets(inputs["log_decay"])
+    expected = run_with_grads(inputs, "recurrent", normalize=normalize)
+    for backend in ("parallel", "torch"):
+        assert_all_close(run_with_grads(inputs, backend, normalize=normalize), expected, 1e-10)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_reset_decays_in_float32(decay, normalize):
+    """Decays between positions are differences of prefix sums, raised to the floor (about −87 in float32) where
+    lower: the error is about 1e-7 · |Σ log_decay| over a chunk, here some 20 steps at the floor (1e-4)."""
+    inputs = make_inputs(decay, normalize, 3 * C + 5, 16, 8, with_state=True, dtype=torch.float32)
+    inputs["log_decay"] = with_resets(inputs["log_decay"])
+    expected = run_with_grads(inputs, "recurrent", normalize=normalize)
+    assert_all_close(run_with_grads(inputs, "torch", normalize=normalize), expected, 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "parallel", "torch"])
+def test_minus_inf_forgets_everything_before(backend):
+    """A user marks a document boundary with log_decay = −inf: outputs from there on are those of the second
+    document run alone, from no state, whatever came before (and whatever initial state was given)."""
+    inputs = {name: x.detach() for name, x in make_inputs("scalar", True, 2 * C + 9, 16, 8, with_state=True).items()}
+    boundary = C - 5
+    inputs["log_decay"][:, boundary] = -torch.inf
+    o, state = linear_attention(**inputs, normalize=True, output_final_state=True, backend=backend)
+    second = {name: inputs[name][:, boundary:] for name in ("q", "k", "v", "log_decay")}
+    second["log_decay"] = second["log_decay"].clone()
+    second["log_decay"][:, 0] = 0.0
+    o_alone, state_alone = linear_attention(**second, normalize=True, output_final_state=True, backend="recurrent")
+    torch.testing.assert_close(o[:, boundary:], o_alone, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state, state_alone, rtol=1e-10, atol=1e-12)
+
+
 def test_auto_backend_and_default_scale():
     inputs = make_inputs("vector", False, 70, 16, 8)
     inputs = {name: x.detach() for name, x in inputs.items() if x is not None}
@@ -140,13 +180,13 @@ def test_half_precision_inputs(dtype, normalize):
     assert_all_close([o.float(), state], [o_ref, state_ref], 2e-2)
 
 
-def _args(batch: int = 1, length: int = 6, **changes) -> dict:
-    """Valid arguments for linear_attention (K = 4, V = 3) with `changes` applied."""
+def _args(batch: int = 1, length: int = 6, heads: int = 2, key_dim: int = 4, value_dim: int = 3, **changes) -> dict:
+    """Valid arguments for linear_attention (of the given sizes, any of which may be 0) with `changes` applied."""
     args = {
-        "q": torch.randn(batch, length, 2, 4),
-        "k": torch.randn(batch, length, 2, 4),
-        "v": torch.randn(batch, length, 2, 3),
-        "log_decay": -torch.rand(batch, length, 2),
+        "q": torch.randn(batch, length, heads, key_dim),
+        "k": torch.randn(batch, length, heads, key_dim),
+        "v": torch.randn(batch, length, heads, value_dim),
+        "log_decay": -torch.rand(batch, length, heads),
     }
     return {**args, **changes}
 
@@ -162,7 +202,17 @@ def _args(batch: int = 1, length: int = 6, **changes) -> dict:
         (_args(q=torch.ones(1, 6, 2, 4, dtype=torch.int64)), "q"),
         (_args(length=0), "q, k, v"),
         (_args(log_decay=-torch.rand(1, 6, 2, 3)), "log_decay"),
-        (_args(log_decay=torch.full((1, 6, 2), 0.1)), "log_decay"),
+        (_args(log_decay=torch.full((1, 6, 2), 0.1)), "log_decay must be ≤ 0"),
+        (_args(log_decay=torch.tensor([[[-0.1, float("nan")]] * 6])), "log_decay must not contain nan"),
+        (_args(log_decay=torch.full((1, 6, 2), -1, dtype=torch.int64)), "log_decay"),
+        (_args(batch=0), "q must have B, H, K ≥ 1"),
+        (_args(heads=0), "q must have B, H, K ≥ 1"),
+        (_args(key_dim=0), "q must have B, H, K ≥ 1"),
+        (_args(value_dim=0), "v must have V ≥ 1"),
+        (_args(scale=0.0), "scale must be a finite number > 0"),
+        (_args(scale=-0.5), "scale must be a finite number > 0"),
+        (_args(scale=float("inf")), "scale must be a finite number > 0"),
+        (_args(scale=float("nan")), "scale must be a finite number > 0"),
         (_args(initial_state=torch.zeros(1, 2, 4, 4)), "initial_state"),
         (_args(initial_state=torch.zeros(1, 2, 4, 3), normalize=True), "initial_state"),
         (_args(batch=2, cu_seqlens=torch.tensor([0, 2, 6])), "cu_seqlens"),
@@ -173,8 +223,45 @@ def _args(batch: int = 1, length: int = 6, **changes) -> dict:
         (_args(cu_seqlens=torch.tensor([0, 4, 2, 6])), "cu_seqlens"),
         (_args(cu_seqlens=torch.tensor([0, 2, 6]), initial_state=torch.zeros(1, 2, 4, 3)), "initial_state"),
         (_args(backend="triton-ish"), "backend"),
+        (_args(backend="reference"), "backend"),
     ],
 )
 def test_invalid_arguments_raise(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         linear_attention(**kwargs)
+
+
+@pytest.mark.parametrize("scale", ["0.5", [0.5], True, torch.tensor(0.5)])
+def test_non_numeric_scale_raises_type_error(scale):
+    with pytest.raises(TypeError, match="scale must be a number"):
+        linear_attention(**_args(scale=scale))
+
+
+def test_value_checks_read_no_values_off_the_cpu(monkeypatch):
+    """On an accelerator, reading log_decay's or cu_seqlens' values would sync with the host in every layer call:
+    validation leaves them alone there (meta tensors have no values to read), unless the debug switch is on."""
+    meta = {name: x.to("meta") for name, x in _args().items()}
+    o, _ = linear_attention(**meta, backend="recurrent")
+    assert o.device.type == "meta" and o.shape == (1, 6, 2, 3)
+    monkeypatch.setenv(ops.CHECK_VALUES_ENV, "1")
+    with pytest.raises(RuntimeError, match="meta"):  # the checks now try to read the values
+        linear_attention(**meta, backend="recurrent")
+
+
+def test_config_accepts_exactly_the_ops_backends():
+    """The config checks its own tuple (it may not import ops: remote-code import rules): the same names."""
+    assert configuration_linear_attention.BACKENDS == ops.BACKENDS
+
+
+def test_auto_picks_by_device_query_count_and_what_triton_takes():
+    def pick(device, single_query=False, problem=None):
+        return ops.pick_backend("auto", torch.device(device), single_query=single_query, triton_problem=lambda: problem)
+
+    assert pick("cpu") == "torch"
+    assert pick("cuda") == "triton"
+    assert pick("cuda", problem="float64") == "torch"
+    assert pick("cuda", single_query=True) == "recurrent"  # one decode step: the direct form
+    assert pick("cpu", single_query=True) == "recurrent"
+    with pytest.raises(ValueError, match="needs the triton package"):
+        ops.pick_backend("triton", torch.device("cuda"), single_query=False,
+                         triton_problem=lambda: "backend 'triton' needs the triton package")

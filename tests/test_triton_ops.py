@@ -17,22 +17,17 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from helpers import ROOT, assert_all_close, make_inputs, make_window_inputs, window_initial_state  # noqa: E402
+from helpers import ROOT, assert_all_close, make_inputs, make_window_inputs, window_initial_state, with_resets  # noqa: E402,I001
 
-from hf_linear_attn import ops_triton  # noqa: E402
-from hf_linear_attn.ops import (  # noqa: E402
-    LINEAR_BACKENDS,
-    WINDOW_BACKENDS,
-    _pick_backend,
-    linear_attention,
-    window_attention,
-)
+from hf_linear_attn import ops, ops_triton  # noqa: E402
+from hf_linear_attn.ops import linear_attention, window_attention  # noqa: E402
+from hf_linear_attn.ops_common import CHUNK_SIZE  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not ops_triton.INTERPRET:
     pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn", allow_module_level=True)
 
-C = ops_triton.CHUNK_SIZE
+C = CHUNK_SIZE
 DECAYS = [None, "fixed", "scalar", "vector"]
 # Largest error relative to the oracle's largest magnitude. Measured under the interpreter: float32 1.4e-6,
 # float16 4.7e-4, bfloat16 6e-3; a GPU adds TF32 (float32, float16) and bf16 rounding of dot operands.
@@ -52,10 +47,11 @@ def outputs_and_grads(attention, inputs: dict, **kwargs) -> list[torch.Tensor]:
     return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None])]
 
 
-def compare_with_oracle(attention, inputs: dict, oracle: str, dtype: torch.dtype, low: tuple[str, ...], **kwargs):
+def compare_with_oracle(attention, inputs: dict, oracle: str, dtype: torch.dtype, low: tuple[str, ...], *,
+                        tol: float | None = None, **kwargs):
     """Run `attention` with backend "triton" on DEVICE, with the tensors named in `low` in `dtype` and the others
-    in float32, against `oracle` in float64 on CPU on the same (rounded) values; check dtypes and closeness.
-    Tensors in kwargs (masks, cu_seqlens) are given on CPU."""
+    in float32, against `oracle` in float64 on CPU on the same (rounded) values; check dtypes and closeness (to
+    `tol`, by default TOLERANCE[dtype]). Tensors in kwargs (masks, cu_seqlens) are given on CPU."""
     rounded = {
         name: None if x is None else x.detach().to(dtype if name in low else torch.float32)
         for name, x in inputs.items()
@@ -69,7 +65,7 @@ def compare_with_oracle(attention, inputs: dict, oracle: str, dtype: torch.dtype
     o, state, *grads = actual
     assert o.dtype == dtype and state.dtype == torch.float32
     assert [g.dtype for g in grads] == [x.dtype for x in tested.values() if x is not None]
-    assert_all_close([x.detach().double().cpu() for x in actual], expected, TOLERANCE[dtype])
+    assert_all_close([x.detach().double().cpu() for x in actual], expected, TOLERANCE[dtype] if tol is None else tol)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,6 +126,17 @@ def test_strong_decay_stays_finite(decay, log_decay_value, tol):
     assert_all_close([x.detach().double().cpu() for x in actual], expected, tol)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_reset_decays_match_the_token_loop(decay, normalize):
+    """log_decay = −inf (a full reset) and ≤ −1e30: what the token loop gives, no inf / nan anywhere (the kernels
+    take decays as differences of prefix sums: float32 error as the torch path's, see test_ops)."""
+    inputs = make_inputs(decay, normalize, C + 7, 16, 8, batch=1, with_state=True)
+    inputs["log_decay"] = with_resets(inputs["log_decay"])
+    compare_with_oracle(linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW, normalize=normalize,
+                        tol=max(1e-4, TOLERANCE[torch.float32]))
+
+
 def test_non_contiguous_inputs_and_final_state_on_request():
     inputs = make_inputs("vector", True, 9, 5, 3, dtype=torch.float32)
     inputs = {name: x.detach().to(DEVICE) for name, x in inputs.items() if x is not None}
@@ -141,11 +148,18 @@ def test_non_contiguous_inputs_and_final_state_on_request():
     torch.testing.assert_close(linear_attention(**strided, normalize=True, backend="triton")[0], o)
 
 
-def test_auto_picks_triton_for_cuda_tensors_only():
-    assert _pick_backend("auto", LINEAR_BACKENDS, torch.device("cuda", 0)) == "triton"
-    assert _pick_backend("auto", WINDOW_BACKENDS, torch.device("cuda", 0)) == "triton"
-    assert _pick_backend("auto", LINEAR_BACKENDS, torch.device("cpu")) == "torch"
-    assert _pick_backend("auto", WINDOW_BACKENDS, torch.device("cpu")) == "torch"
+def test_auto_picks_triton_for_cuda_tensors_it_takes():
+    """What triton takes decides "auto" on a GPU: float64 goes to torch, as do window head dims over 256."""
+    def problem(dtype, head_dim=64):
+        tensor = torch.empty(1, dtype=dtype, device=DEVICE)
+        return ops_triton.unsupported_inputs({"q": tensor}, window_head_dims=(head_dim, head_dim))
+
+    def pick(found):
+        return ops.pick_backend("auto", torch.device("cuda", 0), single_query=False, triton_problem=lambda: found)
+
+    assert pick(problem(torch.float32)) == "triton" and pick(problem(torch.bfloat16)) == "triton"
+    assert pick(problem(torch.float64)) == "torch"
+    assert pick(problem(torch.float32, head_dim=512)) == "torch"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,7 +193,7 @@ def test_window_matches_reference(length, window_size, num_sink_tokens, with_sta
     if with_state:
         inputs["initial_state"] = window_initial_state()
     compare_with_oracle(
-        window_attention, inputs, "reference", torch.float32, WINDOW_LOW, window_size=window_size,
+        window_attention, inputs, "parallel", torch.float32, WINDOW_LOW, window_size=window_size,
         num_sink_tokens=num_sink_tokens, key_padding_mask=padding_mask(length, padding),
     )
 
@@ -188,7 +202,20 @@ def test_window_matches_reference(length, window_size, num_sink_tokens, with_sta
 def test_window_half_precision(dtype):
     inputs = make_window_inputs(2 * C + 3)
     inputs["initial_state"] = window_initial_state()
-    compare_with_oracle(window_attention, inputs, "reference", dtype, WINDOW_LOW, window_size=50, num_sink_tokens=3)
+    compare_with_oracle(window_attention, inputs, "parallel", dtype, WINDOW_LOW, window_size=50, num_sink_tokens=3)
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_window_queries_behind_keys(queries):
+    """A decode step behind a cache's retained keys: fewer queries than keys, the rows in front dropped."""
+    length = 23
+    inputs = make_window_inputs(length)
+    inputs["initial_state"] = window_initial_state()
+    inputs["q"], inputs["q_feat"] = (inputs[name].detach()[:, -queries:].requires_grad_() for name in ("q", "q_feat"))
+    compare_with_oracle(
+        window_attention, inputs, "parallel", torch.float32, WINDOW_LOW, window_size=6, num_sink_tokens=2,
+        key_padding_mask=padding_mask(length, "left"),
+    )
 
 
 def test_whole_sequence_window_is_softmax_attention():
@@ -250,11 +277,13 @@ def window_args(**changes) -> dict:
                                        cu_seqlens=torch.tensor([0, 1, 3])), "batch size 1"),
         (window_attention, window_args(v=torch.randn(2, 6, 2, 300, device=DEVICE)), "up to 256"),
         (window_attention, window_args(key_padding_mask=torch.tensor([[1, 0, 1, 1, 1, 1]] * 2, dtype=torch.bool,
-                                                                     device=DEVICE)), "contiguous"),
+                                                                     device=DEVICE)), "key_padding_mask.*contiguous"),
+        (linear_attention, linear_args(log_decay=torch.tensor([[[-0.1, float("nan")]] * 6], device=DEVICE)), "nan"),
         (window_attention, window_args(window_gate=torch.zeros(2, dtype=torch.float64, device=DEVICE)), "float64"),
     ],
 )
-def test_invalid_inputs_raise_before_any_launch(no_launch, attention, kwargs, match):
+def test_invalid_inputs_raise_before_any_launch(no_launch, monkeypatch, attention, kwargs, match):
+    monkeypatch.setenv(ops.CHECK_VALUES_ENV, "1")  # on a GPU, the checks that read values run only when asked
     with pytest.raises(ValueError, match=match):
         attention(**kwargs)
 
@@ -275,10 +304,19 @@ def test_module_imports_without_triton():
         sys.modules["triton"] = None  # `import triton` raises ImportError
         import torch
         from hf_linear_attn import ops, ops_triton
-        assert not ops_triton.HAS_TRITON and "triton" not in ops.LINEAR_BACKENDS | ops.WINDOW_BACKENDS
-        assert ops._pick_backend("auto", ops.LINEAR_BACKENDS, torch.device("cuda")) == "torch"
+        assert not ops_triton.HAS_TRITON
+        problem = ops_triton.unsupported_inputs({"q": torch.empty(1, device="meta")})
+        assert "needs the triton package" in problem
+        picked = ops.pick_backend("auto", torch.device("cuda"), single_query=False, triton_problem=lambda: problem)
+        assert picked == "torch"
         q = torch.randn(1, 5, 2, 4)
         ops.linear_attention(q, q, q)
+        try:
+            ops.linear_attention(q, q, q, backend="triton")
+        except ValueError as error:
+            assert "needs the triton package" in str(error)
+        else:
+            raise AssertionError("backend 'triton' ran without triton")
         """
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from helpers import make_window_inputs, window_initial_state
 
 from hf_linear_attn.ops import window_attention
-from hf_linear_attn.ops_chunked import CHUNK_SIZE
+from hf_linear_attn.ops_common import CHUNK_SIZE
 
 C = CHUNK_SIZE
 NAMES = ("q", "k", "v", "q_feat", "k_feat", "window_gate")
@@ -42,13 +42,13 @@ def test_chunked_matches_reference(length, window_size, num_sink_tokens, padded,
     kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens}
     if padded:
         kwargs["key_padding_mask"] = left_padding(length, length // 3)
-    expected = run_with_grads(inputs, "reference", **kwargs)
+    expected = run_with_grads(inputs, "parallel", **kwargs)
     actual = run_with_grads(inputs, "torch", **kwargs)
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["parallel", "torch"])
 @pytest.mark.parametrize("num_sink_tokens", [0, 3])
 def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
     """Pads change nothing for real tokens (sinks are the first real tokens); pad queries output 0."""
@@ -62,7 +62,7 @@ def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
     assert torch.equal(o[1, :pads], torch.zeros_like(o[1, :pads]))
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["parallel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_whole_sequence_window_is_softmax_attention(backend, dtype):
     length = 2 * C + 3
@@ -81,11 +81,11 @@ def test_half_precision_inputs(dtype):
     o, _ = window_attention(**inputs, **kwargs, backend="torch")
     assert o.dtype == dtype
     exact = {name: x.float() for name, x in inputs.items()}
-    expected, _ = window_attention(**exact, **kwargs, backend="reference")
+    expected, _ = window_attention(**exact, **kwargs, backend="parallel")
     torch.testing.assert_close(o.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["parallel", "torch"])
 @pytest.mark.parametrize("split, window_size, num_sink_tokens", [(50, 8, 2), (5, 8, 2), (C + 3, 1, 0), (70, 30, 0)])
 def test_continuing_from_the_carried_state_equals_one_shot(backend, split, window_size, num_sink_tokens):
     """What a decode cache does: keep the sinks and the last window_size tokens raw, fold the rest into the
@@ -105,24 +105,25 @@ def test_continuing_from_the_carried_state_equals_one_shot(backend, split, windo
     torch.testing.assert_close(rest_state, full_state, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["auto", "parallel", "torch"])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("length, queries, window_size, num_sink_tokens", [(9, 1, 4, 2), (40, 3, 8, 0), (12, 12, 5, 1),
-                                                                          (5, 2, 8, 2)])
+                                                                          (5, 2, 8, 2), (C + 9, C - 2, 20, 2)])
 def test_queries_behind_keys_are_the_last_rows_of_the_full_computation(length, queries, window_size,
-                                                                       num_sink_tokens, with_state):
-    """What a decode step runs: only the last T_q queries against all T keys (reference backend, also
-    picked by "auto"). Outputs are the full computation's last rows; the final state and the gradients
-    of everything but the skipped queries are the same."""
+                                                                       num_sink_tokens, with_state, backend):
+    """What a decode step runs: only the last T_q queries against all T keys, with every backend (the chunked
+    one computes the rows in front and drops them). Outputs are the full computation's last rows; the final
+    state and the gradients of everything but the skipped queries are the same."""
     inputs = make_window_inputs(length)
     mask = left_padding(length, 2)
     state = window_initial_state() if with_state else None
     kwargs = dict(window_size=window_size, num_sink_tokens=num_sink_tokens, key_padding_mask=mask,
                   initial_state=state, output_final_state=True)
-    full_o, full_state = window_attention(**inputs, backend="reference", **kwargs)
+    full_o, full_state = window_attention(**inputs, backend="parallel", **kwargs)
     short = {**inputs, "q": inputs["q"][:, -queries:], "q_feat": inputs["q_feat"][:, -queries:]}
-    o, final_state = window_attention(**short, backend="auto", **kwargs)
-    torch.testing.assert_close(o, full_o[:, -queries:], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(final_state, full_state, rtol=1e-12, atol=1e-12)
+    o, final_state = window_attention(**short, backend=backend, **kwargs)
+    torch.testing.assert_close(o, full_o[:, -queries:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final_state, full_state, rtol=1e-10, atol=1e-10)
 
     gen = torch.Generator().manual_seed(5)
     weights = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(
@@ -140,6 +141,13 @@ def _args(**changes) -> dict:
     return {**args, "window_size": 2, **changes}
 
 
+def _sized(batch: int = 1, heads: int = 2, head_dim: int = 8, value_dim: int = 5, features: int = 6) -> dict:
+    """Consistent window_attention arguments of the given sizes (T = 6), any of which may be 0."""
+    dims = {"q": head_dim, "k": head_dim, "v": value_dim, "q_feat": features, "k_feat": features}
+    tensors = {name: torch.rand(batch, 6, heads, dim) for name, dim in dims.items()}
+    return {**tensors, "window_gate": torch.zeros(heads), "window_size": 2}
+
+
 @pytest.mark.parametrize(
     "kwargs, argument",
     [
@@ -154,13 +162,39 @@ def _args(**changes) -> dict:
         (_args(num_sink_tokens=-1), "num_sink_tokens"),
         (_args(key_padding_mask=torch.ones(1, 6)), "key_padding_mask"),
         (_args(key_padding_mask=torch.ones(1, 5, dtype=torch.bool)), "key_padding_mask"),
-        (_args(backend="recurrent"), "backend"),
+        (_args(backend="reference"), "backend"),
+        (_args(backend=None), "backend"),
         (_args(initial_state=torch.zeros(1, 2, 6, 5)), "initial_state"),
         (_args(q=torch.randn(1, 7, 2, 8), q_feat=torch.rand(1, 7, 2, 6)), "T_q ≤ T"),
-        (_args(q=torch.randn(1, 2, 2, 8), q_feat=torch.rand(1, 2, 2, 6), backend="torch"), "one query per key"),
+        (_sized(batch=0), "k must have B, H, D ≥ 1"),
+        (_sized(heads=0), "k must have B, H, D ≥ 1"),
+        (_sized(head_dim=0), "k must have B, H, D ≥ 1"),
+        (_sized(value_dim=0), "v must have V ≥ 1"),
+        (_sized(features=0), "q_feat must have F ≥ 1"),
+        (_args(scale=0.0), "scale must be a finite number > 0"),
+        (_args(scale=-1.0), "scale must be a finite number > 0"),
+        (_args(scale=float("nan")), "scale must be a finite number > 0"),
         (_args(q_feat=torch.rand(1, 2, 2, 6)), "q_feat must have B, T_q, H"),
     ],
 )
 def test_invalid_arguments_raise(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         window_attention(**kwargs)
+
+
+@pytest.mark.parametrize("scale", ["0.5", True, torch.tensor(0.5)])
+def test_non_numeric_scale_raises_type_error(scale):
+    with pytest.raises(TypeError, match="scale must be a number"):
+        window_attention(**_args(scale=scale))
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "parallel", "torch", "auto"])
+def test_every_config_backend_name_runs_the_window(backend):
+    """The window op takes the config's backend names; both oracle names run its one reference form."""
+    inputs = {name: x.detach() for name, x in make_window_inputs(C + 3).items()}
+    kwargs = {"window_size": 9, "num_sink_tokens": 2, "key_padding_mask": left_padding(C + 3, 4)}
+    o, _ = window_attention(**inputs, **kwargs, backend=backend)
+    expected, _ = window_attention(**inputs, **kwargs, backend="parallel")
+    torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
+    if backend == "recurrent":
+        assert torch.equal(o, expected)

@@ -1,0 +1,126 @@
+"""Helpers shared by the attention backends (`ops_reference`, `ops_chunked`, `ops_triton`).
+
+What lives here is plumbing every backend needs the same way: the accumulation dtype, the per-sequence runner
+for packed inputs (cu_seqlens), the token masks and the delayed keys of the window hybrid, the divisions that
+produce outputs, and the chunk length. The math of each form stays in its own module, so that an oracle and a
+fast path never share a line of the computation they are compared on.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from functools import reduce
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
+CHUNK_SIZE = 64  # tokens per chunk of the chunked backends (torch and Triton)
+
+
+def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    """float32 for half / bfloat16 / float32 inputs, float64 if any input is float64."""
+    return reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+
+
+def log_decay_floor(dtype: torch.dtype) -> float:
+    """The smallest log decay the chunked backends compute with in `dtype`: log of its smallest normal number
+    (about −87.3 in float32, −708.4 in float64).
+
+    The chunked forms take decays between two positions as differences of prefix sums of log_decay: a −inf (a
+    full reset) would give −inf − (−inf) = nan, and a huge finite one (−1e30) swallows the small decays summed
+    with it. A decay of e^{floor} already multiplies what it decays by less than the smallest normal number, so
+    raising log_decay to the floor changes no result beyond rounding, and every difference stays exact enough.
+    """
+    return math.log(torch.finfo(dtype).tiny)
+
+
+def splits_packed_sequences(backend: Callable[..., tuple[Tensor, Tensor | None]]):
+    """Makes a linear-attention backend accept cu_seqlens: it then runs on each sequence of the packed batch
+    (B == 1) on its own, and the results are packed again. The other arguments go to `backend` as they are.
+
+    cu_seqlens: [N + 1] sequence boundaries; initial_state and the final state are [N, H, K, V (+ 1)].
+    A zero-length sequence contributes no output and keeps its initial state (zeros if none given).
+    """
+
+    @functools.wraps(backend)
+    def run(
+        q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, *, cu_seqlens: Tensor | None = None, **options
+    ) -> tuple[Tensor, Tensor | None]:
+        if cu_seqlens is None:
+            return backend(q, k, v, log_decay, **options)
+        initial_state = options.pop("initial_state", None)
+        output_final_state = options.pop("output_final_state", False)
+        _, _, heads, key_dim = q.shape
+        state_shape = (1, heads, key_dim, v.shape[-1] + int(options.get("normalize", False)))
+        dtype = accumulation_dtype(q, k, v)
+        bounds = cu_seqlens.tolist()
+        outputs, states = [], []
+        for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            state = None if initial_state is None else initial_state[n : n + 1]
+            if start < end:
+                seq = slice(start, end)
+                o, state = backend(
+                    q[:, seq], k[:, seq], v[:, seq], None if log_decay is None else log_decay[:, seq],
+                    initial_state=state, output_final_state=True, **options,
+                )
+                outputs.append(o)
+            elif state is None:
+                state = q.new_zeros(state_shape, dtype=dtype)
+            states.append(state.to(dtype))
+        return torch.cat(outputs, dim=1), torch.cat(states) if output_final_state else None
+
+    return run
+
+
+def normalized(o: Tensor, value_dim: int) -> Tensor:
+    """o [..., V + 1] whose last column is the normaliser's output -> o / (normaliser + NORM_EPS), [..., V]."""
+    return o[..., :value_dim] / (o[..., value_dim:] + NORM_EPS)
+
+
+def divide_at_real_queries(numerator: Tensor, denominator: Tensor, real: Tensor) -> Tensor:
+    """numerator / denominator where `real`, 0 at pad queries.
+
+    real broadcasts against both. Padding both sides (0 over 1) rather than the quotient keeps a pad query's
+    empty sums from dividing 0 by 0, which would send nan into the gradients through torch.where.
+    """
+    return torch.where(real, numerator, 0.0) / torch.where(real, denominator, 1.0)
+
+
+def window_token_masks(
+    key_padding_mask: Tensor | None, batch: int, length: int, num_sink_tokens: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Which positions are real tokens and which of them are sinks, both bool [B, T].
+
+    The sinks are the first `num_sink_tokens` real tokens of each row, so a left-padded row has the same
+    sinks as the same row without padding.
+    """
+    if key_padding_mask is None:
+        real = torch.ones(batch, length, dtype=torch.bool, device=device)
+    else:
+        real = key_padding_mask
+    rank = real.cumsum(-1) - 1  # index of each position among the real tokens of its row
+    return real, real & (rank < num_sink_tokens)
+
+
+def window_linear_inputs(
+    k_feat: Tensor, v_ones: Tensor, real: Tensor, sink: Tensor, window_size: int
+) -> tuple[Tensor, Tensor]:
+    """Keys and values that turn the window hybrid's linear part into plain causal linear attention.
+
+    Key j reaches query t linearly iff t − j ≥ window_size, so the linear part is causal linear attention
+    against keys and values delayed by window_size positions; sinks and pads get zero keys and drop out. With
+    left or right padding the real tokens are contiguous, so the index delay is also the real-token distance.
+    The linear state after the delayed sequence holds exactly the keys older than the next query's window.
+
+    k_feat: [B, T, H, F]; v_ones: [B, T, H, V + 1] (values with a ones column, whose output is the
+    denominator); real, sink: bool [B, T]. Returns the delayed keys [B, T, H, F] and values [B, T, H, V + 1].
+    """
+    length = k_feat.shape[1]
+    delay = min(window_size, length)
+
+    def delayed(x: Tensor) -> Tensor:
+        return F.pad(x, (0, 0, 0, 0, delay, 0))[:, :length]
+
+    return delayed(k_feat * (real & ~sink)[..., None, None]), delayed(v_ones)
