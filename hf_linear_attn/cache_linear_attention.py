@@ -12,7 +12,7 @@ Per layer it holds what the next token needs and nothing that grows with the con
   `DynamicLayer`), the only part whose size depends on the context.
 
 Every layer counts the positions it has seen, so `get_seq_length()` is right for `generate()`'s
-cache-reuse slicing even when no layer is a softmax layer (DESIGN §4). A recurrent state cannot be
+cache-reuse slicing even when no layer is a softmax layer. A recurrent state cannot be
 rolled back: `crop` raises, and the model refuses assisted decoding.
 """
 
@@ -69,9 +69,10 @@ class LinearStateLayer(CacheLayerMixin):
         self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, window_size: int, num_sink_tokens: int
     ) -> None:
         """Keep, of keys/values `[B, L, H_kv, D]` and mask `[B, L]` (the retained window followed by the new
-        tokens), the sinks (first `num_sink_tokens` real tokens) and the last `window_size` positions,
-        right-aligned into R = num_sink_tokens + window_size slots. Everything else has been folded into the
-        state by the caller."""
+        tokens), the sinks (first `num_sink_tokens` real tokens) and the last `window_size` positions (pads
+        included, as masked slots: the window counts positions, so a decode step sees a hole where the full
+        forward does), right-aligned into R = num_sink_tokens + window_size slots. Everything else has been
+        folded into the state by the caller."""
         batch, length = mask.shape
         slots = window_size + num_sink_tokens
         if length < slots:  # left-pad with empty slots so that exactly R are always kept (constant size)

@@ -5,8 +5,12 @@ One file per model, in the spirit of transformers' `modeling_llama.py`. Shapes a
 functional entry point, several backends); this file only projects, applies RoPE and feature
 maps, builds decays, and handles padding.
 
-Padding rule (DESIGN §4): at pad positions φ(k), v and the log-decay are zeroed *after* the
-feature map and gate, so a pad step leaves the recurrent state exactly unchanged.
+Padding rule: at pad positions φ(k), v and the log-decay are zeroed *after* the feature map and gate,
+so a pad step leaves the recurrent state exactly unchanged; window and softmax layers mask a pad as a key.
+Any mask pattern follows from this (left or right padding, holes between real tokens), with or without a
+cache. The sliding window is defined over positions, pads included: a hole inside it removes one key, so
+prefill, chunked prefill and token-by-token decode (whose cache keeps the last window_size *positions*)
+see the same keys.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from .ops_triton import HAS_TRITON  # noqa: F401
 GATE_LOGIT_NORMALIZER = 16.0
 
 # transformers 5.24 renamed `past_key_values` to `cache` in model outputs and in generate()'s model kwargs;
-# use whichever name the installed release reads, or the cache is silently dropped between steps (DESIGN §4).
+# use whichever name the installed release reads, or the cache is silently dropped between steps.
 OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 GENERATE_CACHE_KEY = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
@@ -577,9 +581,9 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
     ) -> BaseModelOutputWithPast | tuple:
         """input_ids [B, T] (or inputs_embeds [B, T, hidden]) -> last_hidden_state [B, T, hidden].
 
-        `attention_mask` is the usual 2-D padding mask over cached + new positions (left padding; right
-        padding only without a cache). Without `position_ids`, positions count real tokens only, so a
-        left-padded row sees the same RoPE angles as the same prompt unpadded. `cache` (alias
+        `attention_mask` is the usual 2-D padding mask over cached + new positions; any pattern works (left
+        or right padding, holes), with or without a cache. Without `position_ids`, positions count real tokens
+        only, so a padded row sees the same RoPE angles as the same prompt unpadded. `cache` (alias
         `past_key_values`) is a LinearAttentionCache; with `use_cache` (default: config.use_cache when
         not training) a new one is made and returned.
         """
