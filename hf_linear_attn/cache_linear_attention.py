@@ -70,9 +70,10 @@ class LinearStateLayer(CacheLayerMixin):
         self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, window_size: int, num_sink_tokens: int
     ) -> None:
         """Keep, of keys/values `[B, L, H_kv, D]` and mask `[B, L]` (the retained window followed by the new
-        tokens), the sinks (first `num_sink_tokens` real tokens) and the last `window_size` positions,
-        right-aligned into R = num_sink_tokens + window_size slots. Everything else has been folded into the
-        state by the caller."""
+        tokens), the sinks (first `num_sink_tokens` real tokens) and the last `window_size` positions (pads
+        included, as masked slots: the window counts positions, so a decode step sees a hole where the full
+        forward does), right-aligned into R = num_sink_tokens + window_size slots. Everything else has been
+        folded into the state by the caller."""
         batch, length = mask.shape
         slots = window_size + num_sink_tokens
         if length < slots:  # left-pad with empty slots so that exactly R are always kept (constant size)
@@ -128,6 +129,22 @@ class LinearStateLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
+# The config fields that decide what a cache holds and how the model reads it: the layer kinds, the state's
+# layout (heads, head and feature sizes, normaliser column) and its meaning (feature map, decay, window, sinks).
+# A cache built for a config that differs in any of them would be read as garbage, so the model refuses it.
+FINGERPRINT_FIELDS = (
+    "num_hidden_layers", "softmax_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "feature_map", "feature_dim", "decay", "normalize", "window_size", "num_sink_tokens",
+)
+
+
+def config_fingerprint(config) -> dict:
+    """The values of FINGERPRINT_FIELDS in `config` (lists as sorted tuples, so equal configs compare equal)."""
+    values = {name: getattr(config, name, None) for name in FINGERPRINT_FIELDS}
+    values["softmax_layers"] = tuple(sorted(values["softmax_layers"] or ()))
+    return values
+
+
 class LinearAttentionCache(Cache):
     """The cache `generate()` uses for `LinearAttentionForCausalLM` (built automatically).
 
@@ -144,7 +161,7 @@ class LinearAttentionCache(Cache):
             DynamicLayer() if i in softmax_layers else LinearStateLayer() for i in range(config.num_hidden_layers)
         ]
         super().__init__(layers=layers)
-        self.layer_kinds = ["softmax" if i in softmax_layers else "linear" for i in range(config.num_hidden_layers)]
+        self.config_fingerprint = config_fingerprint(config)
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError(NO_CROP)
@@ -179,4 +196,4 @@ class LinearAttentionCache(Cache):
         return total
 
 
-__all__ = ["LinearAttentionCache", "LinearStateLayer"]
+__all__ = ["LinearAttentionCache", "LinearStateLayer", "config_fingerprint"]

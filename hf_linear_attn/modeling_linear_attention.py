@@ -5,9 +5,12 @@ One file per model, in the spirit of transformers' `modeling_llama.py`. Shapes a
 functional entry point, several backends); this file only projects, applies RoPE and feature
 maps, builds decays, and handles padding.
 
-Padding rule: at pad positions φ(k), v and the log-decay are zeroed *after* the feature map and
-gate, so a pad step leaves the recurrent state exactly unchanged (zeroing the inputs would not:
-elu(0) + 1 = 1, and a zero gate still decays). The repository's docs/design.md derives it.
+Padding rule: at pad positions φ(k), v and the log-decay are zeroed *after* the feature map and gate,
+so a pad step leaves the recurrent state exactly unchanged; window and softmax layers mask a pad as a key.
+Any mask pattern follows from this (left or right padding, holes between real tokens), with or without a
+cache. The sliding window is defined over positions, pads included: a hole inside it removes one key, so
+prefill, chunked prefill and token-by-token decode (whose cache keeps the last window_size *positions*)
+see the same keys. The repository's docs/design.md derives the rule.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
-from .cache_linear_attention import LinearAttentionCache, LinearStateLayer
+from .cache_linear_attention import LinearAttentionCache, LinearStateLayer, config_fingerprint
 from .configuration_linear_attention import LinearAttentionConfig
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
 from .ops import linear_attention, window_attention
@@ -431,8 +434,28 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
+def _tracing() -> bool:
+    """Whether torch.compile / torch.export is tracing the forward. Checks that branch on tensor *values* are
+    skipped then: a traced Python branch on a value is data-dependent (export fails; compile breaks the graph)."""
+    return torch.compiler.is_compiling()
+
+
+def _check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Out-of-range ids would index past the embedding table; checked where it is free (CPU tensors, eager)."""
+    if input_ids.device.type != "cpu" or _tracing() or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids holds the token id {bad}, outside [0, vocab_size) = [0, {vocab_size}).")
+
+
 def _validated_mask(attention_mask: torch.Tensor | None, batch: int, total: int, caching: bool) -> torch.Tensor | None:
-    """The 2-D padding mask as bool [B, past + T] (True = real token), or None when nothing is padded."""
+    """The 2-D padding mask as bool [B, past + T] (True = real token), or None when nothing is padded.
+
+    Any 0/1 pattern is allowed: left padding, right padding and holes (a pad between real tokens). A pad
+    leaves every linear state unchanged and is masked as a key in the window and softmax layers; positions
+    count real tokens only. Under torch.compile / torch.export the mask is kept as given (no value checks)."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, total):
@@ -442,15 +465,10 @@ def _validated_mask(attention_mask: torch.Tensor | None, batch: int, total: int,
             f"it); got shape {list(attention_mask.shape)}."
         )
     mask = attention_mask.bool()
+    if _tracing():
+        return mask
     if bool(mask.all()):
         return None
-    # Allowed: left padding (0…0 1…1) and, without a cache, right padding (1…1 0…0).
-    flips = (mask[:, 1:] != mask[:, :-1]).sum(dim=1)
-    if not bool((flips <= 1).all()):
-        raise ValueError(
-            "attention_mask has holes (a 0 between real tokens) or pads on both sides; only left "
-            "padding (0…0 1…1) or, without a cache, right padding (1…1 0…0) is supported."
-        )
     if not caching and not bool(mask.any(dim=1).all()):
         # (With a cache an all-pad row is fine: a chunked prefill may not have reached its tokens yet.)
         raise ValueError("attention_mask has a row with no real token (all zeros).")
@@ -458,20 +476,31 @@ def _validated_mask(attention_mask: torch.Tensor | None, batch: int, total: int,
 
 
 def _packed_boundaries(position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """cu_seqlens [N + 1] when position_ids [1, T] restart at 0 (documents packed into one row, as
-    transformers' DataCollatorWithFlattening marks them), else None."""
-    if position_ids.shape[0] != 1 or position_ids.shape[1] < 2 or int(position_ids[0, 0]) != 0:
+    """cu_seqlens [N + 1] when the caller's position_ids [1, T] restart at 0 at a real token that follows other
+    real tokens (documents packed into one row, as transformers' DataCollatorWithFlattening marks them), else
+    None. A 0 at a pad or at a row's first real token is ordinary padding (generate() gives pads position 0).
+
+    Reading the values is data-dependent: torch.export skips the detection (an exported graph treats
+    position_ids as plain positions); torch.compile breaks the graph here."""
+    if torch.compiler.is_exporting():
         return None
-    starts = (position_ids[0] == 0).nonzero().flatten()
-    if starts.numel() < 2:
-        return None
-    if mask is not None:
+    t = position_ids.shape[1]
+    if mask is None:
+        if position_ids.shape[0] != 1 or t < 2 or int(position_ids[0, 0]) != 0:
+            return None
+        starts = (position_ids[0] == 0).nonzero().flatten()
+        if starts.numel() < 2:
+            return None
+        end = torch.tensor([t], device=starts.device)
+        return torch.cat([starts, end])
+    seen_before = mask.long().cumsum(-1)[:, -t:] - 1  # real tokens before each position, [B, T]
+    if bool((mask[:, -t:] & (position_ids == 0) & (seen_before > 0)).any()):
         raise ValueError(
-            "position_ids restart at 0 inside the row (packed documents) and an attention_mask with pads was "
-            "given; packed rows carry no padding: drop the mask."
+            "position_ids restart at 0 at a real token inside the row (packed documents) and the attention_mask "
+            "has pads; packed rows carry no padding: drop the mask (or give positions that count on across "
+            "the pads)."
         )
-    end = torch.tensor([position_ids.shape[1]], device=starts.device)
-    return torch.cat([starts, end])
+    return None
 
 
 def _one_cache(cache, past_key_values):
@@ -512,10 +541,13 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 f"cache must be a LinearAttentionCache (built with LinearAttentionCache(model.config) or returned "
                 f"by this model); got {type(cache).__name__}."
             )
-        kinds = ["softmax" if i in self.config.softmax_layers else "linear" for i in range(len(self.layers))]
-        if cache.layer_kinds != kinds:
+        theirs, ours = getattr(cache, "config_fingerprint", {}), config_fingerprint(self.config)
+        differ = [f"{name}={theirs.get(name)!r} (model: {value!r})" for name, value in ours.items()
+                  if theirs.get(name) != value]
+        if differ:
             raise ValueError(
-                f"cache was built for another model: its layers are {cache.layer_kinds}, this model's are {kinds}."
+                f"cache was built for another model configuration: {', '.join(differ)}. Build it with "
+                "LinearAttentionCache(model.config) for the model that reads it."
             )
         if cache.batch_size not in (-1, batch):
             raise ValueError(
@@ -538,17 +570,24 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
     ) -> BaseModelOutputWithPast | tuple:
         """input_ids [B, T] (or inputs_embeds [B, T, hidden]) -> last_hidden_state [B, T, hidden].
 
-        `attention_mask` is the usual 2-D padding mask over cached + new positions (left padding; right
-        padding only without a cache). Without `position_ids`, positions count real tokens only, so a
-        left-padded row sees the same RoPE angles as the same prompt unpadded. `cache` (alias
+        `attention_mask` is the usual 2-D padding mask over cached + new positions; any pattern works (left
+        or right padding, holes), with or without a cache. Without `position_ids`, positions count real tokens
+        only, so a padded row sees the same RoPE angles as the same prompt unpadded. `cache` (alias
         `past_key_values`) is a LinearAttentionCache; with `use_cache` (default: config.use_cache when
         not training) a new one is made and returned.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if kwargs.get("output_attentions"):
+            raise ValueError("output_attentions=True: linear attention has no attention weights to return.")
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if return_dict is None:
+            return_dict = self.config.return_dict
         if inputs_embeds is None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq_len]; got shape {list(input_ids.shape)}.")
+            _check_token_ids(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         b, t, _ = inputs_embeds.shape
         if t == 0:
@@ -562,20 +601,15 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
             )
         past = 0 if cache is None else cache.get_seq_length()
         mask = _validated_mask(attention_mask, b, past + t, caching=cache_requested)
-        if mask is not None and cache is not None and bool((mask[:, 0] & ~mask[:, -1]).any()):
-            if cache_requested:
-                raise ValueError(
-                    "attention_mask is right-padded, which a cache cannot continue from (the next token would "
-                    "follow pads); pad on the left (tokenizer.padding_side = 'left') or pass use_cache=False."
-                )
-            cache = None  # only the config's default asked for a cache: return none rather than a broken one
         mask = None if mask is None else mask.to(inputs_embeds.device)
-        if position_ids is None:
+        cu_seqlens = None
+        if position_ids is None:  # count real tokens only: a pad repeats its predecessor's position
             if mask is None:
                 position_ids = torch.arange(past, past + t, device=inputs_embeds.device).expand(b, t)
             else:
                 position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
-        cu_seqlens = _packed_boundaries(position_ids, mask)
+        else:
+            cu_seqlens = _packed_boundaries(position_ids, mask)
         if cu_seqlens is not None and cache is not None:
             if cache_requested:
                 raise ValueError("Packed documents (position_ids restarting at 0) cannot fill a cache; "
@@ -598,7 +632,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
             hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
             **{OUTPUT_CACHE_FIELD: cache},
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if return_dict else output.to_tuple()
 
 
 class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin):
@@ -631,6 +665,8 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         With `labels` [B, T] (-100 = ignored) the shifted cross-entropy loss is returned too. The cache
         comes back in the output field transformers uses for it (`cache`, or `past_key_values` before 5.24).
         """
+        if return_dict is None:
+            return_dict = self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -639,7 +675,9 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            return_dict=True,
             past_key_values=past_key_values,
+            output_attentions=kwargs.pop("output_attentions", None),
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -653,11 +691,14 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
             hidden_states=outputs.hidden_states,
             **{OUTPUT_CACHE_FIELD: getattr(outputs, OUTPUT_CACHE_FIELD)},
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if return_dict else output.to_tuple()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """Give generate() a LinearAttentionCache before the first forward (chunked prefill needs one), or
         move a user's cache passed as `past_key_values` to the name generate() slices reused tokens by."""
+        chunk = getattr(generation_config, "prefill_chunk_size", None)
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk_size must be None (one-shot prefill) or an int ≥ 1; got {chunk!r}.")
         cache = _one_cache(model_kwargs.pop("cache", None), model_kwargs.pop("past_key_values", None))
         if cache is None and generation_config.use_cache is not False:
             cache = LinearAttentionCache(self.config)

@@ -83,7 +83,10 @@ def pick_backend(
 
 
 def _checks_values(x: Tensor) -> bool:
-    """Whether to run the checks that read x's values: on CPU (free), or anywhere under the debug switch."""
+    """Whether to run the checks that read x's values: on CPU (free), or anywhere under the debug switch; never
+    while torch.compile / torch.export trace (a value read is a data-dependent branch there)."""
+    if torch.compiler.is_compiling():
+        return False
     return x.device.type == "cpu" or os.environ.get(CHECK_VALUES_ENV) == "1"
 
 
@@ -289,7 +292,8 @@ def window_attention(
         scale: of the softmax scores, a finite number > 0; None means D ** -0.5.
         key_padding_mask: None or bool [B, T], True for real tokens (the queries are its last T_q
             positions). Pad keys contribute nothing; pad queries output 0. Windows count positions, pads
-            included; backend "triton" needs the real tokens of each row contiguous (left or right padding).
+            included. Backend "triton" needs the real tokens of each row contiguous (left or right padding;
+            checked, at the price of one host sync on a GPU), so "auto" picks it only without a mask.
         initial_state: None or [B, H, F, V + 1]: Σ φ(k_j) [v_j, 1]ᵀ over keys older than the whole input
             (a decode cache's folded tokens), added to every query's linear part.
         output_final_state: also return initial_state plus every real, non-sink key that lies outside the
@@ -360,13 +364,18 @@ def window_attention(
 
     tensors = {"q": q, "k": k, "v": v, "q_feat": q_feat, "k_feat": k_feat, "window_gate": window_gate,
                "initial_state": initial_state}
-    name = pick_backend(
-        backend, q.device, single_query=queries == 1,
-        triton_problem=lambda: ops_triton.unsupported_inputs(
+
+    def triton_problem() -> str | None:
+        if backend == "auto" and key_padding_mask is not None:
+            # The Triton kernels take each row's real tokens as one run; only a host sync could tell whether a
+            # mask has holes, so "auto" runs masked inputs on "torch", which takes any mask.
+            return "key_padding_mask given"
+        return ops_triton.unsupported_inputs(
             {n: x for n, x in tensors.items() if x is not None}, window_head_dims=(head_dim, v.shape[-1])
-        ),
-    )
-    if name == "triton" and key_padding_mask is not None and _checks_values(key_padding_mask):
+        )
+
+    name = pick_backend(backend, q.device, single_query=queries == 1, triton_problem=triton_problem)
+    if name == "triton" and key_padding_mask is not None:  # chosen explicitly: checked on every device
         _check_contiguous_padding(key_padding_mask)
     skipped = length - queries if name in CHUNKED else 0
     if skipped:  # the chunked forms need a query per key: zero queries in front, whose rows are dropped

@@ -174,16 +174,91 @@ def test_cache_errors():
         cache.crop(3)
 
 
-def test_padding_masks_with_a_cache():
+def holed(seqs, holes, pad_id=0):
+    """Left-padded batch of `seqs` with a pad inserted before each index in holes[row] (0 = none)."""
+    rows = []
+    for seq, at in zip(seqs, holes, strict=True):
+        rows.append(torch.cat([seq[:at], torch.tensor([pad_id]), seq[at:]]) if at else seq)
+    ids, mask = left_pad(rows, pad_id)
+    for row, at in enumerate(holes):
+        if at:
+            mask[row, ids.shape[1] - len(rows[row]) + at] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", CACHED_VARIANTS)
+def test_holed_prompt_decodes_with_a_cache_as_without(name):
+    """A pad inside a prompt: prefill, chunked prefill and token-by-token decode all equal the no-cache forward."""
+    model = tiny_model(**VARIANTS[name])
+    ids, mask = holed(prompts([30, 21], seed=6), holes=[12, 3])
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        cache = LinearAttentionCache(model.config)
+        stepwise = []
+        for start, end in [(0, 9), (9, 10), (10, 23), *((i, i + 1) for i in range(23, ids.shape[1]))]:
+            out = model(ids[:, start:end], attention_mask=mask[:, :end], cache=cache)
+            stepwise.append(out.logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(stepwise, dim=1)[real], full[real], atol=2e-5, rtol=1e-4)
+    with_cache = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
+    without = model.generate(ids, attention_mask=mask, max_new_tokens=8, use_cache=False, **GREEDY)
+    chunked = model.generate(ids, attention_mask=mask, max_new_tokens=8, prefill_chunk_size=7, **GREEDY)
+    torch.testing.assert_close(with_cache, without)
+    torch.testing.assert_close(chunked, without)
+
+
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+def test_right_padded_prompt_continues_with_a_cache(name):
+    """Right padding is a hole before the next token: a cache continues from it as the no-cache forward does."""
+    model = tiny_model(**VARIANTS[name])
+    ids = torch.randint(3, 128, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 6:9] = 0  # row 1: six real tokens, three pads, then three more real tokens fed after the pads
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        prefill = model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True)
+        rest = model(ids[:, 9:], attention_mask=mask, cache=returned_cache(prefill)).logits
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat([prefill.logits, rest], dim=1)[real], full[real], atol=2e-5, rtol=1e-4)
+
+
+def test_right_padded_batch_generates_with_a_cache_as_without():
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks"])
+    ids = torch.randint(3, 128, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[0, 5:] = 0
+    with_cache = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
+    without = model.generate(ids, attention_mask=mask, max_new_tokens=6, use_cache=False, **GREEDY)
+    torch.testing.assert_close(with_cache, without)
+
+
+WINDOW = {"feature_map": "hedgehog", "feature_dim": 16, "window_size": 5, "num_sink_tokens": 2}
+LINEAR = {"feature_map": "elu", "decay": "none"}
+
+
+@pytest.mark.parametrize(
+    "base, field, value",
+    [(LINEAR, "feature_map", "relu"), (LINEAR, "decay", "scalar"), (LINEAR, "normalize", False),
+     (WINDOW, "feature_dim", 8), (WINDOW, "window_size", 4), (WINDOW, "num_sink_tokens", 1),
+     (LINEAR, "num_key_value_heads", 4), (LINEAR, "softmax_layers", [1])],
+)
+def test_cache_built_for_another_config_is_refused(base, field, value):
+    model = tiny_model(**base)
+    other = tiny_model(**{**base, field: value})
+    ids = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        cache = returned_cache(other(ids, use_cache=True))
+    with pytest.raises(ValueError, match=rf"another model configuration: {field}="):
+        model(ids[:, :1], cache=cache)
+    with pytest.raises(ValueError, match=rf"another model configuration: {field}="):
+        model.generate(ids, cache=LinearAttentionCache(other.config), max_new_tokens=2, **GREEDY)
+
+
+@pytest.mark.parametrize("chunk", [0, -3, 2.5, "8", True])
+def test_bad_prefill_chunk_size_is_refused(chunk):
     model = tiny_model()
-    ids = torch.randint(3, 128, (1, 5))
-    with pytest.raises(ValueError, match="right-padded"):
-        model(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0]]), use_cache=True)
-    with pytest.raises(ValueError, match="holes"):
-        model(ids, attention_mask=torch.tensor([[0, 1, 0, 1, 1]]), use_cache=True)
-    with torch.no_grad():  # right padding without a cache is fine; the config's default cache is then skipped
-        model(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0]]), use_cache=False)
-        assert returned_cache(model(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0]]))) is None
+    with pytest.raises(ValueError, match=rf"prefill_chunk_size must be None .* an int ≥ 1; got {chunk!r}"):
+        model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=2, prefill_chunk_size=chunk, **GREEDY)
 
 
 def test_assisted_decoding_is_refused():

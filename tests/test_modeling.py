@@ -66,7 +66,6 @@ def test_right_padding_leaves_real_positions_unchanged():
 @pytest.mark.parametrize(
     "mask, message",
     [
-        ([[1, 0, 1, 1]], "holes"),
         ([[0, 0, 0, 0]], "no real token"),
         ([[1, 1, 1]], "shape"),
     ],
@@ -83,6 +82,117 @@ def test_bad_inputs_raise():
         model(torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="exactly one"):
         model()
+    with pytest.raises(ValueError, match="no attention weights"):
+        model(torch.randint(3, 128, (1, 4)), output_attentions=True)
+
+
+@pytest.mark.parametrize("bad", [128, 1000, -1])
+def test_out_of_range_token_id_names_input_ids_and_vocab_size(bad):
+    model = tiny_model()
+    ids = torch.tensor([[5, bad, 7]])
+    with pytest.raises(ValueError, match=rf"input_ids holds the token id {bad}, outside .*vocab_size.*128"):
+        model(ids)
+    with pytest.raises(ValueError, match="input_ids"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+def test_batch_of_one_left_padded_row_equals_the_row_unpadded(name):
+    """A single left-padded row (the default positions give every pad position 0) is no packed document."""
+    model = tiny_model(**VARIANTS[name])
+    seq = prompts([9], seed=11)[0]
+    ids = torch.cat([torch.zeros(4, dtype=torch.long), seq])[None]  # four pads on the left
+    mask = (torch.arange(13) >= 4).long()[None]
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits[0, 4:]
+        alone = model(seq[None]).logits[0]
+    torch.testing.assert_close(padded, alone, atol=2e-5, rtol=1e-4)
+    greedy = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for use_cache in (True, False):
+        out = model.generate(ids, attention_mask=mask, use_cache=use_cache, **greedy)
+        torch.testing.assert_close(out[0, 4:], model.generate(seq[None], use_cache=use_cache, **greedy)[0])
+
+
+def test_packed_position_ids_with_a_padding_mask_raise():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 6))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])  # a second document starts at a real token
+    with pytest.raises(ValueError, match="packed documents"):
+        model(ids, position_ids=position_ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
+    with torch.no_grad():  # a 0 at the first real token or at a pad is padding (as generate() numbers pads)
+        model(ids, position_ids=torch.tensor([[0, 0, 0, 1, 2, 3]]), attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]))
+
+
+def hole_after(seq, at, pad_id=0):
+    """seq with a pad token inserted before index `at`, and its mask (the hole is the 0)."""
+    ids = torch.cat([seq[:at], torch.tensor([pad_id]), seq[at:]])[None]
+    mask = torch.ones_like(ids)
+    mask[0, at] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", ["elu", "identity-fixed-decay", "t2r-vector-decay", "qwen3-like-hybrid"])
+def test_a_hole_in_the_mask_equals_the_prompt_without_the_pad(name):
+    """Linear layers skip the pad (state unchanged), softmax layers mask it, positions count real tokens."""
+    model = tiny_model(**VARIANTS[name])
+    seq = prompts([70], seed=12)[0]
+    ids, mask = hole_after(seq, 30)
+    with torch.no_grad():
+        holed = model(ids, attention_mask=mask).logits[0]
+        alone = model(seq[None]).logits[0]
+    real = mask[0].bool()
+    torch.testing.assert_close(holed[real], alone, atol=2e-5, rtol=1e-4)
+
+
+def test_a_hole_in_the_window_hybrid_removes_one_key_from_the_window():
+    """The window counts positions: a hole inside it leaves window_size - 1 real keys under softmax. The
+    chunked backend agrees with the quadratic reference."""
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks"])
+    seq = prompts([70], seed=13)[0]
+    ids, mask = hole_after(seq, 40)
+    with torch.no_grad():
+        fast = model(ids, attention_mask=mask).logits
+        model.config.linear_attention_backend = "reference"
+        slow = model(ids, attention_mask=mask).logits
+        alone = model(seq[None]).logits[0]
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)
+    real = mask[0].bool()
+    # Before the hole the prompt is untouched; right after it, the window holds one real key fewer.
+    torch.testing.assert_close(fast[0, :40], alone[:40], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(fast[0, real][40:45], alone[40:45], atol=1e-4)
+
+
+def test_config_output_hidden_states_and_return_dict_are_the_defaults():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 5))
+    model.config.output_hidden_states = True
+    model.config.return_dict = False
+    with torch.no_grad():
+        as_tuple = model(ids)
+        as_output = model(ids, return_dict=True, output_hidden_states=False)
+        base = model.model(ids)
+    assert isinstance(as_tuple, tuple)
+    assert len(as_tuple[-1]) == model.config.num_hidden_layers + 1  # the hidden states, last
+    torch.testing.assert_close(as_tuple[0], as_output.logits)
+    assert as_output.hidden_states is None
+    assert isinstance(base, tuple) and len(base[-1]) == model.config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("name", ["elu", "qwen3-like-hybrid", "hedgehog-window-sinks", "elu-scalar-decay"])
+def test_torch_export_of_the_no_cache_forward_matches_eager(name):
+    model = tiny_model(**VARIANTS[name])
+    ids = torch.randint(3, 128, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kwargs = {"attention_mask": mask, "use_cache": False}
+    exported = torch.export.export(model, (ids,), kwargs)
+    other_ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        for x in (ids, other_ids):
+            torch.testing.assert_close(exported.module()(x, **kwargs).logits, model(x, **kwargs).logits)
+    plain = torch.export.export(model, (ids,), {"use_cache": False})
+    torch.testing.assert_close(plain.module()(other_ids, use_cache=False).logits,
+                               model(other_ids, use_cache=False).logits)
 
 
 def test_labels_give_shifted_cross_entropy_and_gradients_reach_every_parameter():
