@@ -4,6 +4,7 @@ decoding and cache bytes, on tiny models and synthetic texts."""
 import math
 import re
 import struct
+import zlib
 
 import pytest
 import torch
@@ -78,6 +79,19 @@ def test_read_r_strings_reads_a_character_vector_and_refuses_anything_else():
     integers = r_serialization([])[:-8] + struct.pack(">ii", 13, 0)
     with pytest.raises(ValueError, match="STRSXP"):
         lc.read_r_strings(integers)
+
+
+def test_austen_novels_are_read_block_by_block_with_paragraphs_rejoined(tmp_path):
+    """A fake janeaustenr package: its lazy-load database is a run of (4-byte length, zlib block) records."""
+    novels = [["EMMA", "", "By Jane Austen", "", "", "Emma Woodhouse, handsome,", "clever, and rich."],
+              ["PERSUASION", None, "Sir Walter Elliot"]]
+    data = tmp_path / "usr/lib/R/site-library/janeaustenr/data"
+    data.mkdir(parents=True)
+    blocks = [r_serialization(lines) for lines in novels]
+    (data / "Rdata.rdb").write_bytes(b"".join(struct.pack(">i", len(b)) + zlib.compress(b) for b in blocks))
+    assert lc._austen_novels(tmp_path) == [
+        {"title": "Emma", "text": "EMMA\n\nBy Jane Austen\n\nEmma Woodhouse, handsome, clever, and rich."},
+        {"title": "Persuasion", "text": "PERSUASION\n\nSir Walter Elliot"}]
 
 
 def test_missing_data_is_a_clear_error_naming_the_prepare_command(tmp_path, capsys):

@@ -215,10 +215,17 @@ class WindowBaseline:
         return document_mask(positions, self.window, self.sinks)
 
 
+def model_device(model) -> torch.device:
+    """Where the weights of a model (or of a `WindowBaseline`'s model) are; rows are moved there."""
+    parameter = next((model.model if isinstance(model, WindowBaseline) else model).parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
 def next_token_logits(model, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
     """Logits [1, T', vocab] of one unpadded row `input_ids` [1, T] (T' = T, or the last `logits_to_keep`)."""
+    input_ids = input_ids.to(model_device(model))
     if isinstance(model, WindowBaseline):
-        positions = torch.arange(input_ids.shape[1])[None]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         return model.model(input_ids=input_ids, attention_mask=model.mask(positions), position_ids=positions,
                            logits_to_keep=logits_to_keep).logits
     return model(input_ids=input_ids, logits_to_keep=logits_to_keep).logits
@@ -227,13 +234,14 @@ def next_token_logits(model, input_ids: torch.Tensor, logits_to_keep: int = 0) -
 def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokenizer) -> list[int]:
     """Greedy continuation of one row `input_ids` [1, T]: `generate()` for a plain model; for a `WindowBaseline`
     a cached decoding loop whose every step gets its row of the window mask."""
+    input_ids = input_ids.to(model_device(model))
     if not isinstance(model, WindowBaseline):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.eos_token_id)
         return out[0, input_ids.shape[1]:].tolist()
     cache = DynamicCache(config=model.model.config)
     length = input_ids.shape[1]
-    positions = torch.arange(length + max_new_tokens)[None]
+    positions = torch.arange(length + max_new_tokens, device=input_ids.device)[None]
     mask = model.mask(positions)  # [1, 1, N, N]: row t is what position t sees
     logits = model.model(input_ids=input_ids, attention_mask=mask[:, :, :length, :length],
                          position_ids=positions[:, :length], cache=cache, use_cache=True, logits_to_keep=1).logits
@@ -244,7 +252,7 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokeniz
         if token == tokenizer.eos_token_id or step == max_new_tokens - 1:
             break
         t = length + step
-        logits = model.model(input_ids=torch.tensor([[token]]), attention_mask=mask[:, :, t:t + 1, :t + 1],
+        logits = model.model(input_ids=input_ids.new_tensor([[token]]), attention_mask=mask[:, :, t:t + 1, :t + 1],
                              position_ids=positions[:, t:t + 1], cache=cache, use_cache=True).logits
     return generated
 
@@ -286,7 +294,7 @@ def scored_loss(model, row: torch.Tensor) -> tuple[float, int]:
     length = row.shape[1]
     first = length // 2
     logits = next_token_logits(model, row, logits_to_keep=length - first + 1)[0, :-1].float()
-    return F.cross_entropy(logits, row[0, first:], reduction="sum").item(), length - first
+    return F.cross_entropy(logits, row[0, first:].to(logits.device), reduction="sum").item(), length - first
 
 
 def perplexity_by_context(models: dict[str, object], documents: list[LongDocument], contexts: list[int],
