@@ -27,6 +27,7 @@ chunked path.
 # ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
@@ -239,12 +240,14 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokeniz
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.eos_token_id)
         return out[0, input_ids.shape[1]:].tolist()
-    cache = DynamicCache(config=model.model.config)
+    # transformers renamed `past_key_values` to `cache` in 5.24; older releases would silently ignore `cache`.
+    name = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    cache = {name: DynamicCache(config=model.model.config)}
     length = input_ids.shape[1]
     positions = torch.arange(length + max_new_tokens, device=input_ids.device)[None]
     mask = model.mask(positions)  # [1, 1, N, N]: row t is what position t sees
     logits = model.model(input_ids=input_ids, attention_mask=mask[:, :, :length, :length],
-                         position_ids=positions[:, :length], cache=cache, use_cache=True, logits_to_keep=1).logits
+                         position_ids=positions[:, :length], use_cache=True, logits_to_keep=1, **cache).logits
     generated = []
     for step in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
@@ -253,7 +256,7 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokeniz
             break
         t = length + step
         logits = model.model(input_ids=input_ids.new_tensor([[token]]), attention_mask=mask[:, :, t:t + 1, :t + 1],
-                             position_ids=positions[:, t:t + 1], cache=cache, use_cache=True).logits
+                             position_ids=positions[:, t:t + 1], use_cache=True, **cache).logits
     return generated
 
 
