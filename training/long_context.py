@@ -18,6 +18,17 @@ Each source becomes one token stream (books in order, separated by blank lines),
 KJV's are not all Genesis). Everything is deterministic: no sampling anywhere but the passkey keys, which come
 from `seed`.
 
+Perplexity at context L: rows of L consecutive document tokens (row r is window r // D, not overlapping, of
+document r % D of the D documents), added until `scored_tokens` tokens are scored. Each row scores its second
+half, positions L // 2 .. L - 1, every token predicted from all tokens before it in the row: each scored token
+has at least L / 2 tokens of context, so a model that uses context can only gain from a longer L. The rows are
+the same for every model at a given L (they are different windows at different L: compare models at one L, and
+each model's trend over L).
+
+Passkey retrieval at length L: prompts of exactly L tokens (preamble, haystack with the needle(s) inserted at
+token level, question), the asked-for needle at depth (i + 0.5) / trials in trial i; greedy decoding; a trial
+counts when the first run of digits of the continuation is exactly the key.
+
 Every model is a `PreTrainedModel` (the teacher, a converted linear-attention checkpoint, ...) or a
 `WindowBaseline`: a softmax model restricted by an attention mask to a sliding window plus sink tokens (the
 training-free baseline). Each is run on one row at a time, without padding, so linear models take their
