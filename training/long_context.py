@@ -520,6 +520,9 @@ def plot_perplexity(result: dict, path: str | Path) -> Path | None:
         mine = [r for r in result["perplexity"] if r["model"] == label]
         ax.plot([r["context"] for r in mine], [r["perplexity"] for r in mine], "o-", label=label)
     ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="held-out perplexity")
+    contexts = sorted({r["context"] for r in result["perplexity"]})
+    ax.set_xticks(contexts, [str(c) for c in contexts], minor=False)
+    ax.minorticks_off()
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
