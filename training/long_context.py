@@ -522,7 +522,7 @@ def plot_perplexity(result: dict, path: str | Path) -> Path | None:
     ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="held-out perplexity")
     contexts = sorted({r["context"] for r in result["perplexity"]})
     ax.set_xticks(contexts, [str(c) for c in contexts], minor=False)
-    ax.minorticks_off()
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
