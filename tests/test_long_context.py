@@ -1,0 +1,320 @@
+"""training/long_context.py: held-out texts, perplexity by context, passkey prompts and scoring, window baseline
+decoding and cache bytes, on tiny models and synthetic texts."""
+
+import math
+import re
+import struct
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+from training_utils import WORDS, single_thread  # noqa: F401 - fixture
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from training import long_context as lc
+from training.data import byte_level_tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+VOCAB = 259  # the byte-level tokenizer's
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level_tokenizer()
+
+
+def synthetic_texts(words: int = 400) -> dict[str, list[dict]]:
+    """Two sources of a few records each, deterministic, different per source and record."""
+    texts = {}
+    for s, source in enumerate(("kjv", "austen")):
+        texts[source] = [{"title": f"{source} {r}",
+                          "text": " ".join(WORDS[(7 * i + 3 * r + s) % len(WORDS)] for i in range(words))}
+                         for r in range(3)]
+    return texts
+
+
+@pytest.fixture(scope="module")
+def documents(tokenizer):
+    return lc.long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
+
+
+def byte_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return LlamaForCausalLM(config).eval()
+
+
+def window_mask(length: int, window: int, sinks: int) -> torch.Tensor:
+    """Additive float mask [1, 1, L, L], written out directly: causal, last `window` positions and first `sinks`."""
+    i = torch.arange(length)
+    allowed = (i[:, None] >= i[None]) & ((i[:, None] - i[None] < window) | (i[None] < sinks))
+    return torch.where(allowed, 0.0, -torch.inf)[None, None]
+
+
+# ------------------------------------------------------------------------------------------ texts and documents
+
+def r_serialization(strings: list[str | None], version: int = 3) -> bytes:
+    header = b"X\n" + struct.pack(">iii", version, 0x040201, 0x030500)
+    if version == 3:
+        header += struct.pack(">i", 5) + b"UTF-8"
+    body = struct.pack(">ii", 16, len(strings))
+    for text in strings:
+        if text is None:
+            body += struct.pack(">ii", 9, -1)
+        else:
+            raw = text.encode()
+            body += struct.pack(">ii", 9 | (1 << 15) | (1 << 18), len(raw)) + raw
+    return header + body
+
+
+def test_read_r_strings_reads_a_character_vector_and_refuses_anything_else():
+    strings = ["EMMA", "", None, "Mr. Knightley’s"]
+    assert lc.read_r_strings(r_serialization(strings)) == strings
+    assert lc.read_r_strings(r_serialization(strings, version=2)) == strings
+    with pytest.raises(ValueError, match="XDR"):
+        lc.read_r_strings(b"A\n" + r_serialization(strings)[2:])
+    integers = r_serialization([])[:-8] + struct.pack(">ii", 13, 0)
+    with pytest.raises(ValueError, match="STRSXP"):
+        lc.read_r_strings(integers)
+
+
+def test_austen_novels_are_read_block_by_block_with_paragraphs_rejoined(tmp_path):
+    """A fake janeaustenr package: its lazy-load database is a run of (4-byte length, zlib block) records."""
+    novels = [["EMMA", "", "By Jane Austen", "", "", "Emma Woodhouse, handsome,", "clever, and rich."],
+              ["PERSUASION", None, "Sir Walter Elliot"]]
+    data = tmp_path / "usr/lib/R/site-library/janeaustenr/data"
+    data.mkdir(parents=True)
+    blocks = [r_serialization(lines) for lines in novels]
+    (data / "Rdata.rdb").write_bytes(b"".join(struct.pack(">i", len(b)) + zlib.compress(b) for b in blocks))
+    assert lc._austen_novels(tmp_path) == [
+        {"title": "Emma", "text": "EMMA\n\nBy Jane Austen\n\nEmma Woodhouse, handsome, clever, and rich."},
+        {"title": "Persuasion", "text": "PERSUASION\n\nSir Walter Elliot"}]
+
+
+def test_missing_data_is_a_clear_error_naming_the_prepare_command(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match=r"python -m training.long_context prepare --data_dir"):
+        lc.load_texts(tmp_path / "nowhere")
+    (tmp_path / "kjv.jsonl").write_text('{"title": "Ge", "text": "In the beginning"}\n')
+    with pytest.raises(FileNotFoundError, match=r"\['austen'\]"):
+        lc.load_texts(tmp_path)
+    # The script stops before loading any model.
+    assert lc.main(["evaluate", "--teacher", str(tmp_path / "no-model"), "--data_dir", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert lc.main(["bogus"]) == 2
+
+
+def test_documents_are_deterministic_evenly_spaced_and_alternate_sources(tokenizer, documents):
+    again = lc.long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
+    assert [(d.source, d.index) for d in documents] == [(d.source, d.index) for d in again]
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(documents, again, strict=True))
+    assert [d.source for d in documents] == ["kjv", "austen", "kjv", "austen"]
+    assert all(len(d.input_ids) == 512 for d in documents)
+    # Each document is the stated piece of its source's stream (records joined by blank lines).
+    for document in documents:
+        stream = "\n\n".join(record["text"] for record in synthetic_texts()[document.source])
+        ids = tokenizer(stream, add_special_tokens=False).input_ids
+        assert document.input_ids.tolist() == ids[512 * document.index:512 * (document.index + 1)]
+    available = len(tokenizer("\n\n".join(r["text"] for r in synthetic_texts()["kjv"])).input_ids) // 512
+    assert [d.index for d in documents if d.source == "kjv"] == [available // 4, 3 * available // 4]
+    with pytest.raises(ValueError, match="documents_per_source"):
+        lc.long_documents(tokenizer, synthetic_texts(words=20), document_tokens=512, documents_per_source=2)
+
+
+# ------------------------------------------------------------------------------------------ perplexity
+
+class Uniform(torch.nn.Module):
+    """Equal logits everywhere (perplexity = vocabulary size), recording every row it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, input_ids, logits_to_keep=0):
+        self.seen.append(input_ids.clone())
+        kept = input_ids.shape[1] if logits_to_keep == 0 else logits_to_keep
+        return type("Output", (), {"logits": torch.zeros(1, kept, VOCAB)})
+
+
+def test_every_model_scores_the_same_rows_and_the_second_half_of_each(documents):
+    first, second = Uniform(), Uniform()
+    rows = lc.perplexity_by_context({"a": first, "b": second}, documents, [32, 64], scored_tokens=100, log=str)
+    assert len(first.seen) == len(second.seen) == math.ceil(100 / 16) + math.ceil(100 / 32)
+    assert all(torch.equal(x, y) for x, y in zip(first.seen, second.seen, strict=True))
+    by_context = {(r["model"], r["context"]): r for r in rows}
+    assert by_context["a", 32]["rows"] == 7 and by_context["a", 32]["scored_tokens"] == 7 * 16
+    assert by_context["b", 64]["rows"] == 4 and by_context["b", 64]["scored_tokens"] == 4 * 32
+    assert all(r["perplexity"] == pytest.approx(VOCAB) for r in rows)
+    # Row r: window r // 4 of document r % 4.
+    expected = [documents[r % 4].input_ids[32 * (r // 4):32 * (r // 4 + 1)] for r in range(7)]
+    assert all(torch.equal(seen[0], row) for seen, row in zip(first.seen[:7], expected, strict=True))
+    assert lc.perplexity_windows(documents, 32, 100, max_rows=3)[2].shape == (1, 32)
+    with pytest.raises(ValueError, match="context 256 needs 129 rows"):
+        lc.perplexity_windows(documents, 256, 128 * 129)
+
+
+def direct_perplexity(model, windows, mask_of=None) -> float:
+    total, count = 0.0, 0
+    for row in windows:
+        length = row.shape[1]
+        mask = None if mask_of is None else mask_of(length)
+        with torch.no_grad():
+            logits = model(row, attention_mask=mask).logits[0]
+        total += F.cross_entropy(logits[length // 2 - 1:-1], row[0, length // 2:], reduction="sum").item()
+        count += length - length // 2
+    return math.exp(total / count)
+
+
+def test_perplexity_equals_a_direct_per_row_computation(documents):
+    teacher = byte_llama()
+    linear = tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8, num_sink_tokens=2)
+    models = {"teacher": teacher, "window": lc.WindowBaseline(teacher, window=8, sinks=2), "linear": linear}
+    rows = lc.perplexity_by_context(models, documents, [24, 64], scored_tokens=80, log=str)
+    got = {(r["model"], r["context"]): r["perplexity"] for r in rows}
+    for context in (24, 64):
+        windows = lc.perplexity_windows(documents, context, 80)
+        assert got["teacher", context] == pytest.approx(direct_perplexity(teacher, windows), rel=1e-5)
+        assert got["window", context] == pytest.approx(
+            direct_perplexity(teacher, windows, lambda n: window_mask(n, 8, 2)), rel=1e-5)
+        assert got["linear", context] == pytest.approx(direct_perplexity(linear, windows), rel=1e-5)
+        assert got["window", context] != pytest.approx(got["teacher", context], rel=1e-4)  # the window binds
+
+
+# ------------------------------------------------------------------------------------------ passkey
+
+def test_passkey_prompt_puts_each_needle_at_its_depth_and_has_the_exact_length(tokenizer):
+    haystack = tokenizer("abcdefghij" * 40, add_special_tokens=False).input_ids
+    needles = [(0.75, " KEY-B "), (0.25, " KEY-A ")]
+    ids, starts = lc.passkey_prompt(tokenizer, haystack, 300, needles, " Q?")
+    ids = ids[0].tolist()
+    head = len(tokenizer(lc.PREAMBLE).input_ids)
+    budget = 300 - head - len(" Q?") - len(" KEY-B ") - len(" KEY-A ")
+    assert len(ids) == 300
+    assert tokenizer.decode(ids[starts[1]:starts[1] + 7]) == " KEY-A "
+    assert tokenizer.decode(ids[starts[0]:starts[0] + 7]) == " KEY-B "
+    assert starts[1] - head == round(0.25 * budget)  # haystack tokens before the first needle
+    assert starts[0] - head - 7 == round(0.75 * budget)
+    assert ids[head:starts[1]] == haystack[:round(0.25 * budget)]
+    assert tokenizer.decode(ids[-3:]) == " Q?"
+    with pytest.raises(ValueError, match="leaves"):
+        lc.passkey_prompt(tokenizer, haystack, 120, needles, " Q?")
+    with pytest.raises(ValueError, match="depth"):
+        lc.passkey_prompt(tokenizer, haystack, 300, [(1.5, "x")], " Q?")
+
+
+@pytest.mark.parametrize("haystack", ["natural", "filler"])
+@pytest.mark.parametrize("variant", ["single", "multi"])
+def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents, haystack, variant):
+    trials = lc.passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
+    again = lc.passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
+    assert [t.answer for t in trials] == [t.answer for t in again]
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(trials, again, strict=True))
+    assert [t.depth for t in trials] == [0.1, 0.3, 0.5, 0.7, 0.9]
+    if variant == "single":  # haystack tokens before the needle: depth × all of them
+        head, tail = len(tokenizer(lc.PREAMBLE).input_ids), len(" What is the pass key? The pass key is")
+        budget = 400 - head - tail - len(" The pass key is 12345. Remember it. 12345 is the pass key. ")
+        assert [t.needle_start - head for t in trials] == [round(t.depth * budget) for t in trials]
+    for trial in trials:
+        assert trial.input_ids.shape == (1, 400) and re.fullmatch(r"\d{5}", trial.answer)
+        text = tokenizer.decode(trial.input_ids[0])
+        needle = tokenizer.decode(trial.input_ids[0, trial.needle_start:])
+        if variant == "single":
+            assert needle.startswith(f" The pass key is {trial.answer}.")
+        else:
+            door = re.search(r"pass key of the (\w+) door\?", text).group(1)
+            assert needle.startswith(f" The pass key of the {door} door is {trial.answer}.")
+            assert len(re.findall(r"The pass key of the \w+ door is \d{5}", text)) == 3
+        sentences = ("grass is green", "sky is blue", "sun is yellow", "Here we go", "back again")
+        assert any(sentence in text for sentence in sentences) == (haystack == "filler")
+    other_seed = lc.passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=4, keys=3)
+    assert [t.answer for t in other_seed] != [t.answer for t in trials]
+    with pytest.raises(ValueError, match="haystack"):
+        lc.passkey_trials(tokenizer, documents, 400, 5, "noise", variant)
+
+
+def test_answer_check_is_exact():
+    assert lc.answer_matches(" 12345.", "12345")
+    assert lc.answer_matches("12345 is it", "12345")
+    assert not lc.answer_matches(" 123456", "12345")
+    assert not lc.answer_matches(" 1234", "12345")
+    assert not lc.answer_matches(" 54321 12345", "12345")
+    assert not lc.answer_matches(" the key", "12345")
+
+
+class Reader(torch.nn.Module):
+    """A fake model whose `generate` reads the asked-for key out of the prompt (plus `offset`)."""
+
+    def __init__(self, tokenizer, offset: int = 0):
+        super().__init__()
+        self.tokenizer, self.offset = tokenizer, offset
+
+    def generate(self, input_ids, max_new_tokens, **kwargs):
+        text = self.tokenizer.decode(input_ids[0])
+        door = re.search(r"pass key of the (\w+) door\?", text)
+        pattern = rf"pass key of the {door.group(1)} door is (\d+)" if door else r"pass key is (\d+)"
+        answer = f" {int(re.search(pattern, text).group(1)) + self.offset}. And"
+        new = self.tokenizer(answer, add_special_tokens=False).input_ids[:max_new_tokens]
+        return torch.cat([input_ids, torch.tensor([new])], dim=1)
+
+
+@pytest.mark.parametrize("haystack", ["natural", "filler"])
+@pytest.mark.parametrize("variant", ["single", "multi"])
+def test_a_model_that_copies_the_key_scores_100_percent_and_one_that_does_not_0(tokenizer, documents, haystack,
+                                                                                variant):
+    trials = lc.passkey_trials(tokenizer, documents, 400, 4, haystack, variant)
+    assert lc.passkey_accuracy(Reader(tokenizer), tokenizer, trials) == 1.0
+    assert lc.passkey_accuracy(Reader(tokenizer, offset=1), tokenizer, trials) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ decoding and cache
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_greedy_decoding_equals_the_argmax_of_full_forwards(window, tokenizer):
+    teacher = byte_llama()
+    model = lc.WindowBaseline(teacher, window=window, sinks=2) if window else teacher
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    got = lc.greedy_generate(model, ids, 6, tokenizer)
+    expected = ids
+    for _ in range(6):
+        mask = window_mask(expected.shape[1], window, 2) if window else None
+        with torch.no_grad():
+            logits = teacher(expected, attention_mask=mask).logits
+        expected = torch.cat([expected, logits[:, -1:].argmax(-1)], dim=1)
+    assert got == expected[0, 20:].tolist()
+
+
+def test_cache_bytes_constant_for_linear_growing_for_the_teacher_window_for_the_baseline():
+    teacher = byte_llama()
+    linear = tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8, num_sink_tokens=2)
+    teacher_bytes = [lc.cache_bytes_at(teacher, n, prefill_chunk=32) for n in (16, 64)]
+    assert teacher_bytes[1] == 4 * teacher_bytes[0] > 0
+    assert lc.cache_bytes_at(linear, 16, 32) == lc.cache_bytes_at(linear, 64, 32) > 0
+    baseline = lc.WindowBaseline(teacher, window=6, sinks=2)
+    assert lc.cache_bytes_at(baseline, 64, 32) == teacher_bytes[0] // 2  # 8 of 16 tokens
+
+
+def test_evaluate_long_context_runs_everything_and_renders_tables(tmp_path, tokenizer, documents):
+    teacher = byte_llama()
+    models = {"teacher": teacher, "SWA(6)+2 sinks": lc.WindowBaseline(teacher, 6, 2),
+              "linear": tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8)}
+    result = lc.evaluate_long_context(models, tokenizer, documents, contexts=[32, 64], scored_tokens=32,
+                                      passkey_lengths=[400], passkey_trials_per_length=2, keys=2, log=str)
+    assert [(r["model"], r["context"]) for r in result["perplexity"]] == [
+        (m, c) for c in (32, 64) for m in models]
+    assert {(r["haystack"], r["variant"]) for r in result["passkey"]} == {
+        (h, v) for h in ("natural", "filler") for v in ("single", "multi")}
+    assert len(result["passkey"]) == 4 * 3 and all(r["trials"] == 2 for r in result["passkey"])
+    assert [r["length"] for r in result["cache"]] == [32] * 3 + [64] * 3 + [400] * 3
+    tables = lc.markdown_tables(result)
+    assert "| context (scored) | teacher | SWA(6)+2 sinks | linear |" in tables
+    ppl = {(r["model"], r["context"]): r["perplexity"] for r in result["perplexity"]}
+    assert f"| 32 (32 tokens) | {ppl['teacher', 32]:.1f} | {ppl['SWA(6)+2 sinks', 32]:.1f} (" in tables
+    assert "| 400 filler multi |" in tables and "### Decoding cache MiB" in tables
+    plot = lc.plot_perplexity(result, tmp_path / "ppl.png")
+    assert plot is None or plot.stat().st_size > 0
+    with pytest.raises(ValueError, match="raise document_tokens"):
+        lc.evaluate_long_context(models, tokenizer, documents, contexts=[1024], passkey_lengths=[], log=str)
+    with pytest.raises(ValueError, match="models is empty"):
+        lc.evaluate_long_context({}, tokenizer, documents)

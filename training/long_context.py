@@ -1,0 +1,607 @@
+"""Long-context evaluation of causal LMs: held-out perplexity against context length, passkey retrieval, and
+cache bytes at each length.
+
+    python -m training.long_context prepare [--data_dir outputs/long_context_data]
+    python -m training.long_context evaluate --teacher SRC [--gguf_file F] [--models label=path ...] \
+        [--contexts 256 512 1024 2048 4096] [--passkey_lengths 1024 2048 4096] [--passkey_trials 20]
+
+Held-out text: two long public-domain texts that no training stage of the project reads, from Debian
+packages (`prepare` fetches them with `apt-get download` + `dpkg-deb -x`, no root needed, into `data_dir`):
+- `kjv`: the King James Bible (`bible-kjv-text` data, printed by the `bible` program of `bible-kjv`), one
+  record per book;
+- `austen`: Jane Austen's six novels (`r-cran-janeaustenr`, an R data file read by `read_r_strings`), one
+  record per novel.
+Evaluation never touches the network: without the data it stops with an error naming the prepare command.
+
+Each source becomes one token stream (books in order, separated by blank lines), cut into documents of
+`document_tokens` tokens; `documents_per_source` of them, evenly spaced over the stream, are kept (so the
+KJV's are not all Genesis). Everything is deterministic: no sampling anywhere but the passkey keys, which come
+from `seed`.
+
+Perplexity at context L: rows of L consecutive document tokens (row r is window r // D, not overlapping, of
+document r % D of the D documents), added until `scored_tokens` tokens are scored. Each row scores its second
+half, positions L // 2 .. L - 1, every token predicted from all tokens before it in the row: each scored token
+has at least L / 2 tokens of context, so a model that uses context can only gain from a longer L. The rows are
+the same for every model at a given L (they are different windows at different L: compare models at one L, and
+each model's trend over L).
+
+Passkey retrieval at length L: prompts of exactly L tokens (preamble, haystack with the needle(s) inserted at
+token level, question), the asked-for needle at depth (i + 0.5) / trials in trial i; greedy decoding; a trial
+counts when the first run of digits of the continuation is exactly the key.
+
+Every model is a `PreTrainedModel` (the teacher, a converted linear-attention checkpoint, ...) or a
+`WindowBaseline`: a softmax model restricted by an attention mask to a sliding window plus sink tokens (the
+training-free baseline). Each is run on one row at a time, without padding, so linear models take their
+chunked path.
+"""
+
+# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import random
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make the `training` package importable
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the cache measurements are the decode benchmark's
+
+import torch
+import torch.nn.functional as F
+from bench_decode import cache_bytes, new_cache, prefill
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, HfArgumentParser, PreTrainedModel
+
+from hf_linear_attn.conversion import load_teacher
+from training.evaluate import FILLER, document_mask
+
+DEFAULT_DATA_DIR = "outputs/long_context_data"
+PREPARE_COMMAND = "python -m training.long_context prepare"
+SOURCES = ("kjv", "austen")
+
+
+# --------------------------------------------------------------------------------------------- held-out texts
+
+def read_r_strings(data: bytes) -> list[str | None]:
+    """The character vector held by one R serialization (format 2 or 3, XDR), as R's lazy-load databases
+    store each object: "X\\n", the version header, then a STRSXP of CHARSXPs (None for NA)."""
+    if data[:2] != b"X\n":
+        raise ValueError("not an XDR R serialization (expected it to start with 'X\\n')")
+    offset = 2
+    version = struct.unpack_from(">i", data, offset)[0]
+    offset += 12
+    if version == 3:  # a native-encoding name follows the header
+        offset += 4 + struct.unpack_from(">i", data, offset)[0]
+    flags, count = struct.unpack_from(">ii", data, offset)
+    offset += 8
+    if flags & 0xFF != 16:
+        raise ValueError(f"expected a character vector (STRSXP, type 16), got type {flags & 0xFF}")
+    strings: list[str | None] = []
+    for _ in range(count):
+        flags, size = struct.unpack_from(">ii", data, offset)
+        offset += 8
+        if flags & 0xFF != 9:
+            raise ValueError(f"expected a string (CHARSXP, type 9), got type {flags & 0xFF}")
+        if size < 0:
+            strings.append(None)
+            continue
+        strings.append(data[offset:offset + size].decode("utf-8" if flags & (1 << 15) else "latin-1"))
+        offset += size
+    return strings
+
+
+def _austen_novels(root: Path) -> list[dict]:
+    """The novels of the janeaustenr package: its data/Rdata.rdb is a run of zlib blocks (a 4-byte length, then
+    the compressed serialization of one novel's lines). Paragraphs are re-joined into single lines."""
+    blob = (root / "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb").read_bytes()
+    novels, offset = [], 0
+    while offset < len(blob):
+        decompressor = zlib.decompressobj()
+        lines = read_r_strings(decompressor.decompress(blob[offset + 4:]))
+        offset = len(blob) - len(decompressor.unused_data)
+        paragraphs, current = [], []
+        for line in [*(line or "" for line in lines), ""]:
+            if line.strip():
+                current.append(line.strip())
+            elif current:
+                paragraphs.append(" ".join(current))
+                current = []
+        novels.append({"title": paragraphs[0].title(), "text": "\n\n".join(paragraphs)})
+    return novels
+
+
+_VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
+
+
+def _kjv_books(root: Path) -> list[dict]:
+    """The KJV as printed by the package's own `bible` program (plain format: "Ge1:1 In the beginning ..."),
+    verses of a chapter joined into one paragraph."""
+    printed = subprocess.run([str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "Gen1:1-Rev22:21"],
+                             capture_output=True, text=True, check=True).stdout
+    books: dict[str, dict[str, list[str]]] = {}
+    for line in printed.splitlines():
+        match = _VERSE.match(line)
+        if match:
+            book, chapter, _, verse = match.groups()
+            books.setdefault(book, {}).setdefault(chapter, []).append(verse.strip())
+    if len(books) != 66:
+        raise RuntimeError(f"the bible program printed {len(books)} books, expected 66")
+    return [{"title": book, "text": "\n\n".join(" ".join(verses) for verses in chapters.values())}
+            for book, chapters in books.items()]
+
+
+_PACKAGES: dict[str, tuple[tuple[str, ...], Callable[[Path], list[dict]]]] = {
+    "kjv": (("bible-kjv", "bible-kjv-text"), _kjv_books),
+    "austen": (("r-cran-janeaustenr",), _austen_novels),
+}
+
+
+def prepare(data_dir: str | Path = DEFAULT_DATA_DIR) -> list[Path]:
+    """Fetch the held-out texts (needs `apt-get`, `dpkg-deb` and the Debian package mirror) and write
+    `DATA_DIR/<source>.jsonl`, one {"title", "text"} record per book. Returns the files written."""
+    for tool in ("apt-get", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} not found: preparing the long-context texts needs Debian's package tools")
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for source, (packages, extract) in _PACKAGES.items():
+        with tempfile.TemporaryDirectory() as work:
+            work = Path(work)
+            subprocess.run(["apt-get", "download", *packages], cwd=work, check=True, capture_output=True)
+            for deb in sorted(work.glob("*.deb")):
+                subprocess.run(["dpkg-deb", "-x", str(deb), str(work / "root")], check=True)
+            records = extract(work / "root")
+        path = data_dir / f"{source}.jsonl"
+        partial = path.with_suffix(".partial")
+        partial.write_text("".join(json.dumps(record) + "\n" for record in records))
+        partial.replace(path)
+        written.append(path)
+    return written
+
+
+def load_texts(data_dir: str | Path = DEFAULT_DATA_DIR) -> dict[str, list[dict]]:
+    """{source: [{"title", "text"}, ...]} for every source prepared in `data_dir` (no network)."""
+    data_dir = Path(data_dir)
+    missing = [source for source in SOURCES if not (data_dir / f"{source}.jsonl").is_file()]
+    if missing:
+        raise FileNotFoundError(f"data_dir {str(data_dir)!r} lacks the long-context texts {missing}: run "
+                                f"`{PREPARE_COMMAND} --data_dir {data_dir}` once (it fetches Debian packages)")
+    return {source: [json.loads(line) for line in (data_dir / f"{source}.jsonl").read_text().splitlines()]
+            for source in SOURCES}
+
+
+@dataclass(frozen=True)
+class LongDocument:
+    source: str
+    index: int  # which piece of the source's token stream
+    input_ids: torch.Tensor  # [document_tokens]
+
+
+def long_documents(tokenizer, texts: dict[str, list[dict]], document_tokens: int = 8192,
+                   documents_per_source: int = 4) -> list[LongDocument]:
+    """Cut each source's token stream (its records in order, joined by blank lines, no special tokens) into
+    consecutive pieces of `document_tokens` tokens and keep `documents_per_source` of them, evenly spaced;
+    the result alternates sources (source 1's first, source 2's first, source 1's second, ...)."""
+    if document_tokens < 1 or documents_per_source < 1:
+        raise ValueError(f"document_tokens and documents_per_source must be ≥ 1, got {document_tokens} and "
+                         f"{documents_per_source}")
+    per_source = []
+    for source, records in texts.items():
+        ids: list[int] = []
+        for i, record in enumerate(records):
+            ids += tokenizer(("\n\n" if i else "") + record["text"], add_special_tokens=False).input_ids
+        available = len(ids) // document_tokens
+        if available < documents_per_source:
+            raise ValueError(f"source {source!r} has {len(ids)} tokens: fewer than documents_per_source="
+                             f"{documents_per_source} documents of document_tokens={document_tokens}")
+        picks = [(2 * i + 1) * available // (2 * documents_per_source) for i in range(documents_per_source)]
+        per_source.append([LongDocument(source, k, torch.tensor(ids[k * document_tokens:(k + 1) * document_tokens]))
+                           for k in picks])
+    return [document for group in zip(*per_source, strict=True) for document in group]
+
+
+# --------------------------------------------------------------------------------------------- running models
+
+@dataclass
+class WindowBaseline:
+    """The training-free baseline: a softmax `model` whose every position sees only the last `window` positions
+    and the first `sinks` (an attention mask, as `training.evaluate.document_mask` builds it)."""
+    model: PreTrainedModel
+    window: int = 64
+    sinks: int = 4
+
+    def mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool [1, 1, L, L] for positions [1, L] starting at 0."""
+        return document_mask(positions, self.window, self.sinks)
+
+
+def model_device(model) -> torch.device:
+    """Where the weights of a model (or of a `WindowBaseline`'s model) are; rows are moved there."""
+    parameter = next((model.model if isinstance(model, WindowBaseline) else model).parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
+def next_token_logits(model, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits [1, T', vocab] of one unpadded row `input_ids` [1, T] (T' = T, or the last `logits_to_keep`)."""
+    input_ids = input_ids.to(model_device(model))
+    if isinstance(model, WindowBaseline):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return model.model(input_ids=input_ids, attention_mask=model.mask(positions), position_ids=positions,
+                           logits_to_keep=logits_to_keep).logits
+    return model(input_ids=input_ids, logits_to_keep=logits_to_keep).logits
+
+
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokenizer) -> list[int]:
+    """Greedy continuation of one row `input_ids` [1, T]: `generate()` for a plain model; for a `WindowBaseline`
+    a cached decoding loop whose every step gets its row of the window mask."""
+    input_ids = input_ids.to(model_device(model))
+    if not isinstance(model, WindowBaseline):
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        return out[0, input_ids.shape[1]:].tolist()
+    # transformers renamed `past_key_values` to `cache` in 5.24; older releases would silently ignore `cache`.
+    name = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    cache = {name: DynamicCache(config=model.model.config)}
+    length = input_ids.shape[1]
+    positions = torch.arange(length + max_new_tokens, device=input_ids.device)[None]
+    mask = model.mask(positions)  # [1, 1, N, N]: row t is what position t sees
+    logits = model.model(input_ids=input_ids, attention_mask=mask[:, :, :length, :length],
+                         position_ids=positions[:, :length], use_cache=True, logits_to_keep=1, **cache).logits
+    generated = []
+    for step in range(max_new_tokens):
+        token = int(logits[0, -1].argmax())
+        generated.append(token)
+        if token == tokenizer.eos_token_id or step == max_new_tokens - 1:
+            break
+        t = length + step
+        logits = model.model(input_ids=input_ids.new_tensor([[token]]), attention_mask=mask[:, :, t:t + 1, :t + 1],
+                             position_ids=positions[:, t:t + 1], use_cache=True, **cache).logits
+    return generated
+
+
+def cache_bytes_at(model, length: int, prefill_chunk: int = 1024) -> int:
+    """Bytes of the decoding cache after `length` tokens of context (prefilled in chunks; the token values do not
+    matter). For a `WindowBaseline`: the KV of `window + sinks` tokens, what a ring buffer would hold."""
+    if isinstance(model, WindowBaseline):
+        return cache_bytes_at(model.model, min(length, model.window + model.sinks), prefill_chunk)
+    cache = new_cache(model)
+    prefill(model, cache, length, prefill_chunk)
+    return cache_bytes(cache)
+
+
+# --------------------------------------------------------------------------------------------- perplexity
+
+def perplexity_windows(documents: list[LongDocument], context: int, scored_tokens: int,
+                       max_rows: int | None = None) -> list[torch.Tensor]:
+    """The rows [1, context] scored at `context`: enough to score `scored_tokens` tokens (each row scores its last
+    `context - context // 2`), at most `max_rows`. Row r is window r // len(documents) (consecutive, not
+    overlapping) of document r % len(documents), so the rows spread over every document."""
+    if context < 2:
+        raise ValueError(f"context must be ≥ 2, got {context}")
+    rows = math.ceil(scored_tokens / (context - context // 2))
+    if max_rows is not None:
+        rows = min(rows, max_rows)
+    per_document = min(len(d.input_ids) for d in documents) // context
+    if rows > per_document * len(documents):
+        raise ValueError(f"context {context} needs {rows} rows; the documents hold {per_document * len(documents)} "
+                         f"(use longer or more documents, or fewer scored_tokens)")
+    return [documents[r % len(documents)].input_ids[None, (r // len(documents)) * context:
+                                                     (r // len(documents) + 1) * context] for r in range(rows)]
+
+
+@torch.no_grad()
+def scored_loss(model, row: torch.Tensor) -> tuple[float, int]:
+    """(summed next-token loss, tokens) over the scored tokens of one row [1, L]: positions L // 2 .. L - 1, each
+    predicted from every token before it in the row (so from at least L // 2 tokens of context)."""
+    length = row.shape[1]
+    first = length // 2
+    logits = next_token_logits(model, row, logits_to_keep=length - first + 1)[0, :-1].float()
+    return F.cross_entropy(logits, row[0, first:].to(logits.device), reduction="sum").item(), length - first
+
+
+def perplexity_by_context(models: dict[str, object], documents: list[LongDocument], contexts: list[int],
+                          scored_tokens: int = 8192, max_rows: int | None = None,
+                          log: Callable[[str], None] = print) -> list[dict]:
+    """Held-out perplexity of every model at every context: the same rows, and so the same scored token positions,
+    for every model at a given context. One row per (model, context)."""
+    results = []
+    for context in contexts:
+        windows = perplexity_windows(documents, context, scored_tokens, max_rows)
+        for label, model in models.items():
+            total, count = 0.0, 0
+            for row in windows:
+                loss, tokens = scored_loss(model, row)
+                total, count = total + loss, count + tokens
+            results.append({"model": label, "context": context, "rows": len(windows), "scored_tokens": count,
+                            "perplexity": math.exp(total / count)})
+            log(f"  perplexity @{context}: {label} {results[-1]['perplexity']:.2f}")
+    return results
+
+
+# --------------------------------------------------------------------------------------------- passkey retrieval
+
+PREAMBLE = ("There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about it.\n\n")
+DOORS = ("red", "green", "blue", "amber", "violet", "silver", "black", "white")
+
+
+@dataclass(frozen=True)
+class PasskeyTrial:
+    input_ids: torch.Tensor  # [1, length]
+    answer: str  # the digits a correct model generates
+    needle_start: int  # position of the asked-for needle's first token in input_ids
+    depth: float  # the requested depth of that needle in the haystack (0: first, 1: last)
+
+
+def passkey_prompt(tokenizer, haystack_ids: list[int], length: int, needles: list[tuple[float, str]],
+                   question: str) -> tuple[torch.Tensor, list[int]]:
+    """Token ids [1, length]: the preamble, the first tokens of `haystack_ids` with each (depth, text) needle
+    inserted after round(depth × haystack tokens) of them, then `question`. Also the needles' start positions.
+    Pieces are tokenized separately and concatenated, so the needle sits exactly where asked."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    needle_ids = [(depth, encode(text)) for depth, text in sorted(needles, key=lambda n: n[0])]
+    head, tail = encode(PREAMBLE), encode(question)
+    budget = length - len(head) - len(tail) - sum(len(ids) for _, ids in needle_ids)
+    if budget < 1 or len(haystack_ids) < budget:
+        raise ValueError(f"a passkey prompt of length {length} leaves {budget} haystack tokens "
+                         f"(haystack has {len(haystack_ids)}); use a longer length or haystack")
+    ids, starts, taken = list(head), [], 0
+    for depth, piece in needle_ids:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"needle depth must be in [0, 1], got {depth}")
+        cut = round(depth * budget)
+        ids += haystack_ids[taken:cut]
+        taken = cut
+        starts.append(len(ids))
+        ids += piece
+    ids += haystack_ids[taken:budget] + tail
+    order = sorted(range(len(needles)), key=lambda i: needles[i][0])
+    return torch.tensor([ids]), [starts[order.index(i)] for i in range(len(needles))]
+
+
+def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials: int, haystack: str, variant: str,
+                   seed: int = 0, keys: int = 4) -> list[PasskeyTrial]:
+    """`trials` prompts of `length` tokens. The asked-for needle of trial i sits at depth (i + 0.5) / trials
+    (evenly spread); keys (5 digits) and haystack offsets come from `seed`. `haystack`: "natural" (a window of
+    the long documents, document i mod count) or "filler" (a repeated sentence block). `variant`: "single" (one
+    pass key) or "multi" (`keys` doors with a key each, the others at random depths; one door is asked for)."""
+    if haystack not in ("natural", "filler"):
+        raise ValueError(f"haystack must be 'natural' or 'filler', got {haystack!r}")
+    if variant not in ("single", "multi"):
+        raise ValueError(f"variant must be 'single' or 'multi', got {variant!r}")
+    if variant == "multi" and not 2 <= keys <= len(DOORS):
+        raise ValueError(f"keys must be in [2, {len(DOORS)}] for the multi-key variant, got {keys}")
+    rng = random.Random(f"{seed}/{length}/{haystack}/{variant}")
+    filler = tokenizer(FILLER * (length // 8 + 2), add_special_tokens=False).input_ids
+    result = []
+    for i in range(trials):
+        depth = (i + 0.5) / trials
+        if haystack == "natural":
+            document = documents[i % len(documents)].input_ids.tolist()
+            start = rng.randrange(max(len(document) - length, 0) + 1)
+            source = document[start:]
+        else:
+            source = filler
+        if variant == "single":
+            key = str(rng.randint(10000, 99999))
+            needles = [(depth, f" The pass key is {key}. Remember it. {key} is the pass key. ")]
+            question = " What is the pass key? The pass key is"
+        else:
+            doors = rng.sample(DOORS, keys)
+            values = [str(rng.randint(10000, 99999)) for _ in doors]
+            needles = [(depth if j == 0 else rng.random(), f" The pass key of the {door} door is {value}. ")
+                       for j, (door, value) in enumerate(zip(doors, values, strict=True))]
+            key = values[0]
+            question = f" What is the pass key of the {doors[0]} door? The pass key of the {doors[0]} door is"
+        ids, starts = passkey_prompt(tokenizer, source, length, needles, question)
+        result.append(PasskeyTrial(ids, key, starts[0], depth))
+    return result
+
+
+def answer_matches(generated: str, answer: str) -> bool:
+    """True when the first run of digits in the generated text is exactly the answer."""
+    digits = re.search(r"\d+", generated)
+    return digits is not None and digits.group() == answer
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer, trials: list[PasskeyTrial]) -> float:
+    """Share of trials whose greedy continuation (answer digits + 3 tokens) starts with the right digits."""
+    hits = 0
+    for trial in trials:
+        new = greedy_generate(model, trial.input_ids, len(trial.answer) + 3, tokenizer)
+        hits += answer_matches(tokenizer.decode(new, skip_special_tokens=True), trial.answer)
+    return hits / len(trials)
+
+
+# --------------------------------------------------------------------------------------------- all together
+
+def evaluate_long_context(models: dict[str, object], tokenizer, documents: list[LongDocument] | None = None,
+                          data_dir: str | Path = DEFAULT_DATA_DIR, document_tokens: int = 8192,
+                          documents_per_source: int = 4, contexts: list[int] = (256, 512, 1024, 2048, 4096),
+                          scored_tokens: int = 8192, max_rows: int | None = None,
+                          passkey_lengths: list[int] = (1024, 2048, 4096), passkey_trials_per_length: int = 20,
+                          haystacks: list[str] = ("natural", "filler"), variants: list[str] = ("single", "multi"),
+                          keys: int = 4, cache_lengths: list[int] | None = None, prefill_chunk: int = 1024,
+                          seed: int = 0, log: Callable[[str], None] = print) -> dict:
+    """Perplexity against context, passkey accuracy and cache bytes of every model (label -> `PreTrainedModel`
+    or `WindowBaseline`), on `documents` (default: `long_documents` of the texts in `data_dir`).
+    Returns {"perplexity": rows, "passkey": rows, "cache": rows}; `cache_lengths` defaults to every context and
+    passkey length. The first model is the reference of the tables (`markdown_tables`)."""
+    if not models:
+        raise ValueError("models is empty: give at least one label -> model")
+    lengths = sorted({*contexts, *passkey_lengths})
+    if documents is None:
+        documents = long_documents(tokenizer, load_texts(data_dir), document_tokens, documents_per_source)
+    longest = min(len(d.input_ids) for d in documents)
+    if lengths and lengths[-1] > longest:
+        raise ValueError(f"contexts / passkey_lengths go up to {lengths[-1]} tokens, longer than the documents "
+                         f"({longest} tokens): raise document_tokens")
+    for model in models.values():
+        (model.model if isinstance(model, WindowBaseline) else model).eval()
+    result = {"perplexity": perplexity_by_context(models, documents, list(contexts), scored_tokens, max_rows, log),
+              "passkey": [], "cache": []}
+    for length in passkey_lengths:
+        for haystack in haystacks:
+            for variant in variants:
+                trials = passkey_trials(tokenizer, documents, length, passkey_trials_per_length, haystack, variant,
+                                        seed, keys)
+                for label, model in models.items():
+                    accuracy = passkey_accuracy(model, tokenizer, trials)
+                    result["passkey"].append({"model": label, "length": length, "haystack": haystack,
+                                              "variant": variant, "trials": len(trials), "accuracy": accuracy})
+                    log(f"  passkey @{length} {haystack}/{variant}: {label} {accuracy:.0%}")
+    for length in lengths if cache_lengths is None else cache_lengths:
+        for label, model in models.items():
+            result["cache"].append({"model": label, "length": length,
+                                    "cache_bytes": cache_bytes_at(model, length, prefill_chunk)})
+    return result
+
+
+def markdown_tables(result: dict) -> str:
+    """Markdown: perplexity by context (× the first model), passkey accuracy, cache MiB (% of the first model)."""
+    labels = list(dict.fromkeys(r["model"] for part in result.values() for r in part))
+    header = lambda first: ["| " + " | ".join([first, *labels]) + " |", "|" + "---|" * (len(labels) + 1)]  # noqa: E731
+
+    def table(title: str, rows: list[dict], key: Callable[[dict], tuple], name: Callable[[tuple], str],
+              cell: Callable[[dict, dict], str], first: str) -> list[str]:
+        if not rows:
+            return []
+        lines = [f"### {title}", "", *header(first)]
+        for group in dict.fromkeys(key(r) for r in rows):
+            mine = {r["model"]: r for r in rows if key(r) == group}
+            reference = mine.get(labels[0])
+            lines.append("| " + " | ".join([name(group), *(cell(mine[m], reference) if m in mine else "–"
+                                                            for m in labels)]) + " |")
+        return [*lines, ""]
+
+    def ppl(row, reference):
+        ratio = f" ({row['perplexity'] / reference['perplexity']:.2f}×)" if reference and row is not reference else ""
+        return f"{row['perplexity']:.1f}{ratio}"
+
+    def cache(row, reference):
+        share = f" ({row['cache_bytes'] / reference['cache_bytes']:.0%})" if reference and row is not reference else ""
+        return f"{row['cache_bytes'] / 2**20:.2f}{share}"
+
+    scored = {r["context"]: r["scored_tokens"] for r in result["perplexity"]}
+    lines = table("Held-out perplexity by context", result["perplexity"], lambda r: (r["context"],),
+                  lambda g: f"{g[0]} ({scored[g[0]]} tokens)", ppl, "context (scored)")
+    lines += table("Passkey retrieval", result["passkey"], lambda r: (r["length"], r["haystack"], r["variant"]),
+                   lambda g: f"{g[0]} {g[1]} {g[2]}", lambda r, _: f"{r['accuracy']:.0%} of {r['trials']}",
+                   "length haystack variant")
+    lines += table("Decoding cache MiB", result["cache"], lambda r: (r["length"],), lambda g: str(g[0]), cache,
+                   "context")
+    return "\n".join(lines)
+
+
+def plot_perplexity(result: dict, path: str | Path) -> Path | None:
+    """Perplexity against context (log-log), one line per model, saved to `path`; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in dict.fromkeys(r["model"] for r in result["perplexity"]):
+        mine = [r for r in result["perplexity"] if r["model"] == label]
+        ax.plot([r["context"] for r in mine], [r["perplexity"] for r in mine], "o-", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="held-out perplexity")
+    contexts = sorted({r["context"] for r in result["perplexity"]})
+    ax.set_xticks(contexts, [str(c) for c in contexts], minor=False)
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------------------------- command line
+
+@dataclass
+class LongContextArguments:
+    data_dir: str = DEFAULT_DATA_DIR
+    teacher: str | None = field(default=None, metadata={"help": "The softmax checkpoint (folder or Hub id)."})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file of the teacher, inside its folder."})
+    models: list[str] = field(default_factory=list, metadata={"help": "label=path of each model to evaluate."})
+    baseline_window: int = field(default=64, metadata={"help": "Window of the teacher's baseline (0: none)."})
+    baseline_sinks: int = 4
+    contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
+    scored_tokens: int = field(default=8192, metadata={"help": "Scored tokens per context (last half of rows)."})
+    max_rows: int | None = None
+    document_tokens: int = 8192
+    documents_per_source: int = 4
+    passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    passkey_trials: int = 20
+    haystacks: list[str] = field(default_factory=lambda: ["natural", "filler"])
+    variants: list[str] = field(default_factory=lambda: ["single", "multi"])
+    keys: int = field(default=4, metadata={"help": "Doors (key/value needles) of the multi-key variant."})
+    seed: int = 0
+    output_dir: str = "outputs/long_context"
+
+
+def main(argv: list[str]) -> int:
+    """`prepare ARGS` or `evaluate ARGS`; prints `error: ...` and returns 2 on bad input or missing data."""
+    command, argv = (argv[0], argv[1:]) if argv else ("", [])
+    if command not in ("prepare", "evaluate"):
+        print(f"error: the first argument must be prepare or evaluate, got {command!r}", file=sys.stderr)
+        return 2
+    (args,) = HfArgumentParser(LongContextArguments).parse_args_into_dataclasses(argv)
+    if command == "prepare":
+        for path in prepare(args.data_dir):
+            print(f"wrote {path}")
+        return 0
+    paths = dict(entry.partition("=")[::2] for entry in args.models)
+    problem = None
+    if not args.teacher and not args.models:
+        problem = "give --teacher and/or --models label=path ..."
+    elif any(not label or not path for label, path in paths.items()):
+        problem = f"--models entries are label=path, got {args.models}"
+    else:
+        try:
+            texts = load_texts(args.data_dir)
+        except FileNotFoundError as error:
+            problem = str(error)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(args.teacher or next(iter(paths.values())), **kwargs)
+    models: dict[str, object] = {}
+    if args.teacher:
+        models["teacher"] = load_teacher(args.teacher, **kwargs).eval()
+        if args.baseline_window > 0:
+            models[f"SWA({args.baseline_window})+{args.baseline_sinks} sinks"] = WindowBaseline(
+                models["teacher"], args.baseline_window, args.baseline_sinks)
+    models.update({label: AutoModelForCausalLM.from_pretrained(path).eval() for label, path in paths.items()})
+    documents = long_documents(tokenizer, texts, args.document_tokens, args.documents_per_source)
+    result = evaluate_long_context(models, tokenizer, documents, contexts=args.contexts,
+                                   scored_tokens=args.scored_tokens, max_rows=args.max_rows,
+                                   passkey_lengths=args.passkey_lengths, passkey_trials_per_length=args.passkey_trials,
+                                   haystacks=args.haystacks, variants=args.variants, keys=args.keys, seed=args.seed)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = markdown_tables(result)
+    (out / "long_context.md").write_text(tables + "\n")
+    (out / "long_context.json").write_text(json.dumps({"args": asdict(args), **result}, indent=2))
+    plot_perplexity(result, out / "long_context.png")
+    print(tables)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
