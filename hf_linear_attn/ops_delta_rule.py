@@ -55,7 +55,7 @@ def recurrent_delta_rule(
             q, k, v, beta, log_decay, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         )
-    batch, length, heads, key_dim = q.shape
+    batch, _, heads, key_dim = q.shape
     value_dim, out_dtype = v.shape[-1], v.dtype
     dtype = accumulation_dtype(q, k, v, beta, *([] if log_decay is None else [log_decay]))
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
@@ -64,9 +64,9 @@ def recurrent_delta_rule(
     state = q.new_zeros(batch, heads, key_dim, value_dim) if initial_state is None else initial_state.to(dtype)
 
     outputs = []
-    for t in range(length):
-        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, K | V]
-        a_t, beta_t = decay[:, t, :, None, None], beta[:, t, :, None, None]  # [B, H, 1, 1]
+    # unbind, not x[:, t]: each indexing would give backward a full-size gradient to write, O(T²) in all
+    for q_t, k_t, v_t, a_t, beta_t in zip(*(x.unbind(1) for x in (q, k, v, decay, beta)), strict=True):
+        a_t, beta_t = a_t[..., None, None], beta_t[..., None, None]  # [B, H, 1, 1]; q_t, k_t, v_t [B, H, K | V]
         k_state = (k_t[..., None] * state).sum(-2)  # k_tᵀ S_{t−1}, [B, H, V]
         erased = state - beta_t * k_t[..., None] * k_state[..., None, :]  # (I − β_t k_t k_tᵀ) S_{t−1}
         state = a_t * erased + beta_t * k_t[..., None] * v_t[..., None, :]

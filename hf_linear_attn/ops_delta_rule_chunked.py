@@ -29,8 +29,10 @@ Then the outputs and the state after the chunk are
     O   = (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃ Kᵀ) U        M[t, i] = exp(D(i, t)) for i ≤ t, else 0
     S_C = Γ_{C−1} S_0 + (exp(D(i, C−1)) ⊙ K)ᵀ U
 
-and a short loop over chunks carries S from one chunk to the next. Without decay (log_decay = 0) this is DeltaNet;
-with it, Gated DeltaNet.
+Across a chunk S_C = P S_0 + R is affine in S_0, with P = Γ_{C−1} I − K_Cᵀ W_k (K x K) and R = K_Cᵀ W_v,
+K_C = exp(D(i, C−1)) ⊙ K. P and R are batched products over all chunks, so the only sequential part is a loop
+of one K x K by K x V product per chunk, which yields the state entering every chunk; U and O then are batched
+products again. Without decay (log_decay = 0) this is DeltaNet; with it, Gated DeltaNet.
 
 D is not a difference of prefix sums: each D(i, ·) is its own cumulative sum over tokens s > i, so a decay of
 exp(−inf) = 0 (a full reset) gives D = −inf past it and never −inf − (−inf); exp(D) and its gradient stay finite,
@@ -38,7 +40,7 @@ and in float32 the decays carry no cancellation error.
 
 Packed sequences (cu_seqlens) are laid out in one stream of chunks, each sequence padded with zero tokens
 (k = v = β = log_decay = 0, which leave the state as it is) to a whole number of chunks, so every sequence starts
-at a chunk boundary and the loop restarts the state there. Work O(T·C·(K + V) + T·K·V), memory O(T·C + T/C·K·V)
+at a chunk boundary and the loop restarts the state there. Work O(T·(C + K)·(K + V)), memory O(T·C + T/C·K·(K + V))
 per head, no T x T tensor. Arguments, shapes and dtypes are those of `ops_delta_rule.recurrent_delta_rule`.
 """
 
@@ -58,14 +60,14 @@ def _chunk_layout(length: int, bounds: list[int], device: torch.device) -> tuple
     each token (to gather the outputs back); chunks[n] is the range of chunk indices of sequence n (empty for a
     zero-length sequence).
     """
-    source, chunks, first_chunk = [], [], 0
+    source, real, chunks = [], [], []
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         count = -(-(end - start) // CHUNK_SIZE)
-        source += list(range(start, end)) + [length] * (count * CHUNK_SIZE - (end - start))
-        chunks.append(range(first_chunk, first_chunk + count))
-        first_chunk += count
-    source = torch.tensor(source, device=device)
-    real = torch.nonzero(source < length).squeeze(-1)
+        real += range(len(source), len(source) + end - start)
+        chunks.append(range(len(source) // CHUNK_SIZE, len(source) // CHUNK_SIZE + count))
+        source += [*range(start, end), *[length] * (count * CHUNK_SIZE - (end - start))]
+    # Built on the host from Python ints: no device synchronisation.
+    source, real = torch.tensor(source, device=device), torch.tensor(real, device=device)
     return source, real, chunks
 
 
@@ -124,25 +126,33 @@ def chunk_delta_rule(
     w = torch.linalg.solve_triangular(ut_system, rhs, upper=False, unitriangular=True)
     w_v, w_k = w[..., :value_dim], w[..., value_dim:]
 
-    scores = (q @ k.transpose(-1, -2)) * pair_decay  # M ⊙ Q̃Kᵀ, [B, H, N, C, C]
-    q_decayed = gamma[..., None] * q  # Γ ⊙ Q̃: reads S_0
-    k_decayed = pair_decay[..., -1, :, None] * k  # exp(D(i, C−1)) ⊙ K: writes into S_C
-    chunk_decay = gamma[..., -1, None, None]  # Γ_{C−1}, [B, H, N, 1, 1]
+    # Across a chunk S_C = P S_0 + R: the transition P and the update R for all chunks at once.
+    k_to_end = pair_decay[..., -1, :, None] * k  # K_C, [B, H, N, C, K]
+    eye = torch.eye(key_dim, dtype=dtype, device=q.device)
+    transition = gamma[..., -1, None, None] * eye - k_to_end.transpose(-1, -2) @ w_k  # P, [B, H, N, K, K]
+    update = k_to_end.transpose(-1, -2) @ w_v  # R, [B, H, N, K, V]
 
-    # Initial and final states per sequence: [B, H, K, V] for the batch, or [1, H, K, V] per packed sequence.
-    def sequence_slice(n: int) -> slice:
-        return slice(None) if cu_seqlens is None else slice(n, n + 1)
-
-    zeros = q.new_zeros(batch, heads, key_dim, value_dim)
-    finals = []
-    outputs = []
+    # unbind once: indexing the [B, H, N, ...] tensors inside the loop would give each step a backward that
+    # writes a full-size gradient, O(N²) work in all
+    steps = list(zip(transition.unbind(2), update.unbind(2), strict=True))
+    entering, finals = [], []  # the state entering each chunk; the final state of each sequence
     for n, sequence_chunks in enumerate(chunks):
-        state = zeros if initial_state is None else initial_state[sequence_slice(n)].to(dtype)
+        # [B, H, K, V] for the batch, or [1, H, K, V] for packed sequence n
+        sequence = slice(None) if cu_seqlens is None else slice(n, n + 1)
+        if initial_state is None:
+            state = q.new_zeros(1 if cu_seqlens is not None else batch, heads, key_dim, value_dim)
+        else:
+            state = initial_state[sequence].to(dtype)
         for c in sequence_chunks:
-            u = w_v[:, :, c] - w_k[:, :, c] @ state  # pseudo-values U, [B, H, C, V]
-            outputs.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ u)
-            state = chunk_decay[:, :, c] * state + k_decayed[:, :, c].transpose(-1, -2) @ u
+            entering.append(state)
+            transition_c, update_c = steps[c]
+            state = transition_c @ state + update_c
         finals.append(state)
-    o = torch.stack(outputs, dim=2).reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
+    s0 = torch.stack(entering, dim=2)  # [B, H, N, K, V]
+
+    u = w_v - w_k @ s0  # pseudo-values U, [B, H, N, C, V]
+    scores = (q @ k.transpose(-1, -2)) * pair_decay  # M ⊙ Q̃Kᵀ, [B, H, N, C, C]
+    o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
+    o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
     o = o.index_select(2, real).transpose(1, 2)  # [B, T, H, V]
     return o.to(out_dtype), torch.cat(finals) if output_final_state else None

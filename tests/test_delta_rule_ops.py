@@ -98,14 +98,17 @@ def test_low_precision_matches_float64_oracle(dtype, tol):
     assert_all_close(actual, with_grads(delta_rule_attention, exact, backend="recurrent"), tol)
 
 
+@pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("backend", ["recurrent", "torch"])
-def test_packed_sequences_match_separate_runs(backend):
+def test_packed_sequences_match_separate_runs(backend, with_state):
     lengths = [5, 0, C + 6, C, 1]
     packed = make_inputs(sum(lengths), batch=1)
     del packed["initial_state"]  # None: given per sequence below
-    states = torch.randn(len(lengths), 2, 8, 5, dtype=torch.float64, requires_grad=True)
+    states = torch.randn(len(lengths), 2, 8, 5, dtype=torch.float64)
+    if not with_state:
+        states.zero_()  # what each sequence starts from when initial_state is None
     cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
-    o, final = delta_rule_attention(**packed, initial_state=states, output_final_state=True,
+    o, final = delta_rule_attention(**packed, initial_state=states if with_state else None, output_final_state=True,
                                     cu_seqlens=cu_seqlens, backend=backend)
     assert final.shape == states.shape
     for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)):
