@@ -1,0 +1,233 @@
+"""The delta rule (DeltaNet, Gated DeltaNet): the public `delta_rule_attention` and its token-loop oracle.
+
+Additive linear attention only accumulates, S_t = a_t S_{t−1} + k_t v_tᵀ, so a fixed-size state blurs what it
+has seen. The delta rule first removes what the state already stores under the key, then writes the new value:
+
+    S_t = a_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ        o_t = S_tᵀ (scale · q_t)
+
+per batch row and head, with β_t ∈ [0, 1] the write strength and a_t = exp(log_decay_t) ∈ [0, 1] an optional
+data-dependent decay (Gated DeltaNet; a_t = 1 is DeltaNet). With unit keys, I − β_t k_t k_tᵀ has eigenvalues 1 and
+1 − β_t, so the state never grows from the update itself.
+
+`delta_rule_attention` validates every input before any work and dispatches to a backend:
+"recurrent" (`recurrent_delta_rule` below, the equation token by token) or "torch"
+(`ops_delta_rule_chunked.chunk_delta_rule`, chunked). States are [B, H, K, V] in float32 (float64 for float64
+inputs), the same layout as transformers' and flash-linear-attention's gated delta rule.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .ops_delta_rule_chunked import chunk_delta_rule
+from .ops_reference import accumulation_dtype
+
+__all__ = ["delta_rule_attention"]
+
+# How far above 1 a key's L2 norm may be: bfloat16 rounding of a unit vector moves its norm by up to ~4e-3.
+KEY_NORM_TOLERANCE = 1e-2
+
+
+def recurrent_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor | None,
+    *,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The recurrence, literally: one token at a time.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; beta, log_decay (None = no decay): [B, T, H]. initial_state: None or
+    [B, H, K, V]; with cu_seqlens ([N + 1] boundaries, B == 1) every sequence starts from its own
+    initial_state[n] (zeros if None) and the states are [N, H, K, V].
+    Returns o [B, T, H, V] in v's dtype and the final state (None unless output_final_state) in float32
+    (float64 for float64 inputs).
+    """
+    if cu_seqlens is not None:
+        return _per_sequence(
+            q, k, v, beta, log_decay, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
+    batch, _, heads, key_dim = q.shape
+    value_dim, out_dtype = v.shape[-1], v.dtype
+    dtype = accumulation_dtype(q, k, v, beta, *([] if log_decay is None else [log_decay]))
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    q = q * scale
+    decay = torch.ones_like(beta) if log_decay is None else log_decay.to(dtype).exp()  # a_t, [B, T, H]
+    state = q.new_zeros(batch, heads, key_dim, value_dim) if initial_state is None else initial_state.to(dtype)
+
+    outputs = []
+    # unbind, not x[:, t]: each indexing would give backward a full-size gradient to write, O(T²) in all
+    for q_t, k_t, v_t, a_t, beta_t in zip(*(x.unbind(1) for x in (q, k, v, decay, beta)), strict=True):
+        a_t, beta_t = a_t[..., None, None], beta_t[..., None, None]  # [B, H, 1, 1]; q_t, k_t, v_t [B, H, K | V]
+        k_state = (k_t[..., None] * state).sum(-2)  # k_tᵀ S_{t−1}, [B, H, V]
+        erased = state - beta_t * k_t[..., None] * k_state[..., None, :]  # (I − β_t k_t k_tᵀ) S_{t−1}
+        state = a_t * erased + beta_t * k_t[..., None] * v_t[..., None, :]
+        outputs.append((q_t[..., None] * state).sum(-2))  # S_tᵀ q̃_t, [B, H, V]
+    o = torch.stack(outputs, dim=1).to(out_dtype)  # [B, T, H, V]
+    return o, state if output_final_state else None
+
+
+def _per_sequence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor | None,
+    *,
+    scale: float,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """`recurrent_delta_rule` on each packed sequence on its own; a zero-length sequence outputs nothing and
+    keeps its initial state (zeros if none)."""
+    heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[-1]
+    dtype = accumulation_dtype(q, k, v, beta, *([] if log_decay is None else [log_decay]))
+    outputs, states = [], []
+    bounds = cu_seqlens.tolist()
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        state = None if initial_state is None else initial_state[n : n + 1].to(dtype)
+        if start < end:
+            seq = slice(start, end)
+            o, state = recurrent_delta_rule(
+                q[:, seq], k[:, seq], v[:, seq], beta[:, seq], None if log_decay is None else log_decay[:, seq],
+                scale=scale, initial_state=state, output_final_state=True,
+            )
+            outputs.append(o)
+        elif state is None:
+            state = q.new_zeros(1, heads, key_dim, value_dim, dtype=dtype)
+        states.append(state)
+    return torch.cat(outputs, dim=1), torch.cat(states) if output_final_state else None
+
+
+DELTA_RULE_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
+    "recurrent": recurrent_delta_rule,
+    "torch": chunk_delta_rule,
+}
+
+
+def _check_per_token(name: str, x: Tensor, shape: tuple[int, int, int]) -> None:
+    if tuple(x.shape) != shape or not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor of shape {shape} ([B, T, H]), "
+                         f"got shape {tuple(x.shape)} and dtype {x.dtype}")
+
+
+def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
+    if batch != 1:
+        raise ValueError(f"cu_seqlens requires packed inputs with batch size 1, got batch size {batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
+        raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence boundaries, "
+                         f"got shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != length:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got {bounds}")
+    if any(end < start for start, end in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+
+
+def delta_rule_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Causal delta-rule linear attention (DeltaNet; Gated DeltaNet with log_decay), with carried state and
+    packed sequences.
+
+    Per batch row and head, with a_t = exp(log_decay_t):
+
+        S_t = a_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ        o_t = S_tᵀ (scale · q_t)
+
+    Args:
+        q: [B, T, H, K]. k: [B, T, H, K], L2-normalised by the caller (e.g. k / ‖k‖ over K): the op does not
+            normalise them. A key norm above 1 makes I − β k kᵀ expand the state, so norms above 1 + 1e-2 are
+            an error (checked for CPU tensors; on an accelerator the check would cost a host sync per call).
+            Norms below 1, as from an eps in the normalisation, are allowed.
+        v: [B, T, H, V].
+        beta: [B, T, H], the write strength, in [0, 1] (typically a sigmoid, which may round to exactly 0 or 1
+            in low precision: both are well defined; checked for CPU tensors).
+        log_decay: None (no decay, DeltaNet) or [B, T, H] (Gated DeltaNet), all ≤ 0 (checked for CPU tensors);
+            −inf is allowed and resets the state (a_t = 0).
+        scale: multiplies q; None means K ** -0.5 (as transformers' Qwen3-Next reference).
+        initial_state: None or the state to start from, [B, H, K, V] (with cu_seqlens, N instead of B).
+        output_final_state: also return the state after the last token.
+        cu_seqlens: None or int [N + 1] boundaries (0, ..., T) of N sequences packed into a batch of 1; the
+            state restarts at each boundary (from initial_state[n] if given).
+        backend: "recurrent" (token loop, the oracle), "torch" (chunked) or "auto" (the fastest available:
+            "torch").
+
+    Returns:
+        o: [B, T, H, V] in the dtype of v; the final state [B, H, K, V] (N with cu_seqlens) in float32
+        (float64 for float64 inputs), or None unless output_final_state. Computation is in the same float32 /
+        float64, whatever the input dtype.
+    """
+    if backend != "auto" and backend not in DELTA_RULE_BACKENDS:
+        raise ValueError(f"backend must be one of {['auto', *DELTA_RULE_BACKENDS]}, got {backend!r}")
+    name = "torch" if backend == "auto" else backend
+    for arg, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]")):
+        if x.dim() != 4 or not x.is_floating_point():
+            raise ValueError(f"{arg} must be a 4-D {dims} floating-point tensor, "
+                             f"got shape {tuple(x.shape)} and dtype {x.dtype}")
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q, [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+    if length == 0:
+        raise ValueError("q, k, v must hold at least one token, got T = 0")
+    if 0 in (batch, heads, key_dim, value_dim):
+        raise ValueError(f"q, k, v must have non-zero B, H, K, V, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None (K ** -0.5), got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    _check_per_token("beta", beta, (batch, length, heads))
+    if log_decay is not None:
+        _check_per_token("log_decay", log_decay, (batch, length, heads))
+    # Value checks read the data: only for CPU tensors, where they cost no device synchronisation.
+    if beta.device.type == "cpu" and not ((beta >= 0) & (beta <= 1)).all():
+        raise ValueError(f"beta must lie in [0, 1] (e.g. a sigmoid), got values in "
+                         f"[{beta.min().item():g}, {beta.max().item():g}]")
+    if log_decay is not None and log_decay.device.type == "cpu" and not (log_decay <= 0).all():
+        raise ValueError(f"log_decay must be ≤ 0 (the log of a decay in [0, 1]; −inf resets), got max "
+                         f"{log_decay.max().item():g}")
+    if k.device.type == "cpu":
+        largest = k.float().square().sum(-1).max().sqrt().item()
+        if not largest <= 1 + KEY_NORM_TOLERANCE:
+            raise ValueError(f"k must be L2-normalised over its last dim (norm ≤ 1), got a key of norm {largest:g}: "
+                             "normalise the keys before the call, e.g. k / k.norm(dim=-1, keepdim=True)")
+    states = batch
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, batch, length)
+        states = len(cu_seqlens) - 1
+    if initial_state is not None:
+        expected = (states, heads, key_dim, value_dim)
+        if tuple(initial_state.shape) != expected or not initial_state.is_floating_point():
+            raise ValueError(
+                f"initial_state must be a floating-point tensor of shape {expected} ([N, H, K, V], N = "
+                f"{'sequences' if cu_seqlens is not None else 'batch'}), got shape {tuple(initial_state.shape)} "
+                f"and dtype {initial_state.dtype}"
+            )
+    return DELTA_RULE_BACKENDS[name](
+        q, k, v, beta, log_decay,
+        scale=key_dim**-0.5 if scale is None else float(scale),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )

@@ -1,0 +1,158 @@
+"""Chunked (gated) delta rule in plain PyTorch: the WY / UT-transform form, differentiable by autograd.
+
+Per batch row and head, with a_t = exp(log_decay_t) and q̃_t = scale · q_t:
+
+    S_t = a_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ        o_t = S_tᵀ q̃_t
+
+How the chunked form follows. Write the update as a decay plus one rank-one write,
+
+    S_t = a_t S_{t−1} + k_t u_tᵀ        u_t = β_t (v_t − a_t S_{t−1}ᵀ k_t)
+
+u_t is the "pseudo-value": the part of v_t the decayed state does not already predict, scaled by β_t. Inside a
+chunk of C tokens starting from the state S_0, let D(i, t) = Σ_{i<s≤t} log_decay_s (the log decay from just
+after token i to token t; i = −1 is the chunk start) and Γ_t = exp(D(−1, t)). Unrolling the first line:
+
+    S_t = Γ_t S_0 + Σ_{i≤t} exp(D(i, t)) k_i u_iᵀ
+
+Putting S_{t−1} back into u_t, every u_t depends linearly on the earlier u_i of the chunk and on S_0:
+
+    u_t + Σ_{i<t} β_t exp(D(i, t)) (k_t·k_i) u_i = β_t v_t − β_t Γ_t S_0ᵀ k_t
+
+which for the whole chunk is (I + A) U = diag(β) V − diag(β Γ) K S_0, with A strictly lower triangular,
+A[t, i] = β_t exp(D(i, t)) k_t·k_i. One unit-lower-triangular solve per chunk (the "UT transform") gives
+
+    W_v = (I + A)⁻¹ (β ⊙ V)        W_k = (I + A)⁻¹ (β Γ ⊙ K)        U = W_v − W_k S_0
+
+where W_v and W_k depend only on the chunk, so they are computed for all chunks at once; only U needs S_0.
+Then the outputs and the state after the chunk are
+
+    O   = (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃ Kᵀ) U        M[t, i] = exp(D(i, t)) for i ≤ t, else 0
+    S_C = Γ_{C−1} S_0 + (exp(D(i, C−1)) ⊙ K)ᵀ U
+
+Across a chunk S_C = P S_0 + R is affine in S_0, with P = Γ_{C−1} I − K_Cᵀ W_k (K x K) and R = K_Cᵀ W_v,
+K_C = exp(D(i, C−1)) ⊙ K. P and R are batched products over all chunks, so the only sequential part is a loop
+of one K x K by K x V product per chunk, which yields the state entering every chunk; U and O then are batched
+products again. Without decay (log_decay = 0) this is DeltaNet; with it, Gated DeltaNet.
+
+D is not a difference of prefix sums: each D(i, ·) is its own cumulative sum over tokens s > i, so a decay of
+exp(−inf) = 0 (a full reset) gives D = −inf past it and never −inf − (−inf); exp(D) and its gradient stay finite,
+and in float32 the decays carry no cancellation error.
+
+Packed sequences (cu_seqlens) are laid out in one stream of chunks, each sequence padded with zero tokens
+(k = v = β = log_decay = 0, which leave the state as it is) to a whole number of chunks, so every sequence starts
+at a chunk boundary and the loop restarts the state there. Work O(T·(C + K)·(K + V)), memory O(T·C + T/C·K·(K + V))
+per head, no T x T tensor. Arguments, shapes and dtypes are those of `ops_delta_rule.recurrent_delta_rule`.
+"""
+
+import torch
+from torch import Tensor
+
+from .ops_reference import accumulation_dtype
+
+CHUNK_SIZE = 64
+
+
+def _chunk_layout(length: int, bounds: list[int], device: torch.device) -> tuple[Tensor, Tensor, list[range]]:
+    """Where each token goes in the chunk stream of the sequences bounds[n]:bounds[n + 1] of a length-T axis.
+
+    Returns (source, real, chunks): source [T'] maps each stream position to its token, or to T (a zero pad
+    token) where the stream pads a sequence to a multiple of CHUNK_SIZE; real [T] holds the stream position of
+    each token (to gather the outputs back); chunks[n] is the range of chunk indices of sequence n (empty for a
+    zero-length sequence).
+    """
+    source, real, chunks = [], [], []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        count = -(-(end - start) // CHUNK_SIZE)
+        real += range(len(source), len(source) + end - start)
+        chunks.append(range(len(source) // CHUNK_SIZE, len(source) // CHUNK_SIZE + count))
+        source += [*range(start, end), *[length] * (count * CHUNK_SIZE - (end - start))]
+    # Built on the host from Python ints: no device synchronisation.
+    source, real = torch.tensor(source, device=device), torch.tensor(real, device=device)
+    return source, real, chunks
+
+
+def chunk_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor | None,
+    *,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The delta rule chunk by chunk (see the module docstring for the derivation).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; beta, log_decay (None = no decay): [B, T, H]. initial_state: None or
+    [N, H, K, V] with N = B, or the number of sequences with cu_seqlens ([N + 1] boundaries, B == 1).
+    Returns o [B, T, H, V] in v's dtype and the final state [N, H, K, V] (None unless output_final_state), in
+    float32 (float64 for float64 inputs).
+    """
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    tensors = [q, k, v, beta] + ([] if log_decay is None else [log_decay])
+    dtype = accumulation_dtype(*tensors)
+    if log_decay is None:
+        log_decay = q.new_zeros(batch, length, heads, dtype=dtype)
+    bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
+    source, real, chunks = _chunk_layout(length, bounds, q.device)
+    num_chunks = len(source) // CHUNK_SIZE
+
+    def to_chunks(x: Tensor) -> Tensor:
+        """[B, T, H, ...] → [B, H, num_chunks, C, ...] in the accumulation dtype, pad tokens zero."""
+        x = torch.cat([x.to(dtype), x.new_zeros((batch, 1, *x.shape[2:]), dtype=dtype)], dim=1)
+        x = x.index_select(1, source).movedim(1, 2)  # [B, H, T', ...]
+        return x.reshape(batch, heads, num_chunks, CHUNK_SIZE, *x.shape[3:])
+
+    out_dtype = v.dtype
+    q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
+    q = q * scale  # Q̃
+
+    # D[..., 1 + i, t] = Σ_{i<s≤t} g_s for i = −1 .. C−1 (row 0 is the chunk start), a cumulative sum per row.
+    token = torch.arange(CHUNK_SIZE, device=q.device)
+    after = token[None, :] > torch.arange(-1, CHUNK_SIZE, device=q.device)[:, None]  # [C + 1, C]: s > i
+    decay_sums = torch.where(after, g[..., None, :], 0.0).cumsum(-1)  # [B, H, N, C + 1, C]
+    gamma = decay_sums[..., 0, :].exp()  # Γ_t, [B, H, N, C]
+    causal = token[:, None] >= token[None, :]  # [C, C]: i ≤ t
+    # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
+    pair_decay = torch.where(causal, decay_sums[..., 1:, :].transpose(-1, -2), -torch.inf).exp()  # [.., C, C]
+
+    # The UT transform: (I + A) [W_v, W_k] = [β ⊙ V, β Γ ⊙ K] (the solver takes A's unit diagonal as given).
+    strictly_lower = token[:, None] > token[None, :]
+    ut_system = torch.where(strictly_lower, beta[..., None] * pair_decay * (k @ k.transpose(-1, -2)), 0.0)
+    rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
+    w = torch.linalg.solve_triangular(ut_system, rhs, upper=False, unitriangular=True)
+    w_v, w_k = w[..., :value_dim], w[..., value_dim:]
+
+    # Across a chunk S_C = P S_0 + R: the transition P and the update R for all chunks at once.
+    k_to_end = pair_decay[..., -1, :, None] * k  # K_C, [B, H, N, C, K]
+    eye = torch.eye(key_dim, dtype=dtype, device=q.device)
+    transition = gamma[..., -1, None, None] * eye - k_to_end.transpose(-1, -2) @ w_k  # P, [B, H, N, K, K]
+    update = k_to_end.transpose(-1, -2) @ w_v  # R, [B, H, N, K, V]
+
+    # unbind once: indexing the [B, H, N, ...] tensors inside the loop would give each step a backward that
+    # writes a full-size gradient, O(N²) work in all
+    steps = list(zip(transition.unbind(2), update.unbind(2), strict=True))
+    entering, finals = [], []  # the state entering each chunk; the final state of each sequence
+    for n, sequence_chunks in enumerate(chunks):
+        # [B, H, K, V] for the batch, or [1, H, K, V] for packed sequence n
+        sequence = slice(None) if cu_seqlens is None else slice(n, n + 1)
+        if initial_state is None:
+            state = q.new_zeros(1 if cu_seqlens is not None else batch, heads, key_dim, value_dim)
+        else:
+            state = initial_state[sequence].to(dtype)
+        for c in sequence_chunks:
+            entering.append(state)
+            transition_c, update_c = steps[c]
+            state = transition_c @ state + update_c
+        finals.append(state)
+    s0 = torch.stack(entering, dim=2)  # [B, H, N, K, V]
+
+    u = w_v - w_k @ s0  # pseudo-values U, [B, H, N, C, V]
+    scores = (q @ k.transpose(-1, -2)) * pair_decay  # M ⊙ Q̃Kᵀ, [B, H, N, C, C]
+    o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
+    o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
+    o = o.index_select(2, real).transpose(1, 2)  # [B, T, H, V]
+    return o.to(out_dtype), torch.cat(finals) if output_final_state else None
