@@ -16,7 +16,7 @@ from .modeling_linear_attention import (
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
 )
-from .ops import linear_attention, window_attention
+from .ops import delta_rule_attention, linear_attention, window_attention
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "LinearAttentionModel",
     "LinearAttentionPreTrainedModel",
     "convert_to_linear_attention",
+    "delta_rule_attention",
     "linear_attention",
     "window_attention",
 ]

@@ -1,4 +1,5 @@
-"""Public entry points of the attention math: `linear_attention` and `window_attention`.
+"""Public entry points of the attention math: `linear_attention` and `window_attention` (defined here), and
+`delta_rule_attention` (the delta rule, re-exported from `ops_delta_rule`, which has its own backends).
 
 Both validate every input before any work, pick the backend and dispatch to it, so callers (the model layers)
 pass `backend="auto"` or a user's choice and never need to know which one ran. Shapes follow `[B, T, H, D]`:
@@ -20,7 +21,7 @@ the chunked ones get zero queries in front, whose outputs are dropped.
 Validation: shapes, dtypes and argument types are always checked. Checks that read tensor values (log_decay
 ≤ 0 and not nan, cu_seqlens boundaries, the triton window's contiguous padding) would force a host-device sync
 in every layer call on a GPU, so they run for CPU tensors only, or for every tensor when the environment
-variable HF_LINEAR_ATTN_CHECK_VALUES=1 is set (debugging). The backends stay finite without them: any
+variable HF_LINEAR_ATTN_CHECK_VALUES=1 is set (debugging), and never while torch.compile / torch.export trace. The backends stay finite without them: any
 log_decay in [−inf, 0] (−inf: a full reset) gives what the token loop gives.
 
 State layout of `linear_attention` (the decode cache depends on it): float32 (float64 for float64
@@ -29,7 +30,6 @@ inputs) [B, H, K, V]; with normalize=True [B, H, K, V + 1], whose last column is
 
 import math
 import numbers
-import os
 from collections.abc import Callable
 
 import torch
@@ -38,13 +38,14 @@ from torch import Tensor
 
 from . import ops_triton
 from .ops_chunked import chunk_linear_attention, chunk_window_attention
+from .ops_common import check_cu_seqlens, checks_values
+from .ops_delta_rule import delta_rule_attention
 from .ops_reference import parallel_linear_attention, recurrent_linear_attention, reference_window_attention
 from .ops_triton import triton_linear_attention, triton_window_attention
 
-__all__ = ["BACKENDS", "linear_attention", "window_attention"]
+__all__ = ["BACKENDS", "delta_rule_attention", "linear_attention", "window_attention"]
 
 BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
-CHECK_VALUES_ENV = "HF_LINEAR_ATTN_CHECK_VALUES"
 
 LINEAR_FORMS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "recurrent": recurrent_linear_attention,
@@ -82,14 +83,6 @@ def pick_backend(
     return backend
 
 
-def _checks_values(x: Tensor) -> bool:
-    """Whether to run the checks that read x's values: on CPU (free), or anywhere under the debug switch; never
-    while torch.compile / torch.export trace (a value read is a data-dependent branch there)."""
-    if torch.compiler.is_compiling():
-        return False
-    return x.device.type == "cpu" or os.environ.get(CHECK_VALUES_ENV) == "1"
-
-
 def _check_4d_floating(name: str, x: Tensor, dims: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {dims}, got {type(x).__name__}")
@@ -118,26 +111,6 @@ def _checked_scale(scale: float | None, default: float) -> float:
     return float(scale)
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
-    if batch != 1:
-        raise ValueError(f"cu_seqlens requires packed inputs with batch size 1, got batch size {batch}")
-    if (
-        not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1
-        or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2
-    ):
-        raise ValueError(
-            "cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence boundaries, "
-            f"got {getattr(cu_seqlens, 'shape', cu_seqlens)!r} of type {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}"
-        )
-    if not _checks_values(cu_seqlens):
-        return
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != length:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got {bounds}")
-    if any(end < start for start, end in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-
-
 def _check_log_decay(log_decay: Tensor, batch: int, length: int, heads: int, key_dim: int) -> None:
     allowed = [(batch, length, heads), (batch, length, heads, key_dim)]
     if not isinstance(log_decay, Tensor) or tuple(log_decay.shape) not in allowed:
@@ -147,7 +120,7 @@ def _check_log_decay(log_decay: Tensor, batch: int, length: int, heads: int, key
         )
     if not log_decay.is_floating_point():
         raise ValueError(f"log_decay must have a floating-point dtype, got {log_decay.dtype}")
-    if not _checks_values(log_decay):
+    if not checks_values(log_decay):
         return
     if log_decay.isnan().any():
         raise ValueError("log_decay must not contain nan (allowed: values in [−inf, 0]; −inf is a full reset)")
@@ -214,7 +187,7 @@ def linear_attention(
             log_decay = log_decay[..., None]  # one decay shared by all K rows of the state
     states = batch
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, batch, length)
+        check_cu_seqlens(cu_seqlens, batch, length)
         states = len(cu_seqlens) - 1
     if initial_state is not None:
         expected = (states, heads, key_dim, value_dim + int(normalize))

@@ -1,13 +1,16 @@
-"""Helpers shared by the attention backends (`ops_reference`, `ops_chunked`, `ops_triton`).
+"""Helpers shared by the attention ops (`ops`, `ops_delta_rule`) and their backends (`ops_reference`,
+`ops_chunked`, `ops_triton`, `ops_delta_rule_chunked`).
 
 What lives here is plumbing every backend needs the same way: the accumulation dtype, the per-sequence runner
 for packed inputs (cu_seqlens), the token masks and the delayed keys of the window hybrid, the divisions that
-produce outputs, and the chunk length. The math of each form stays in its own module, so that an oracle and a
-fast path never share a line of the computation they are compared on.
+produce outputs, the chunk length, and the input checks that read values (CPU only unless switched on). The
+math of each form stays in its own module, so that an oracle and a fast path never share a line of the
+computation they are compared on.
 """
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from functools import reduce
 
@@ -17,6 +20,8 @@ from torch import Tensor
 
 NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
 CHUNK_SIZE = 64  # tokens per chunk of the chunked backends (torch and Triton)
+# Set to "1" to run the input checks that read tensor values (one host sync each) on every device, not just CPU.
+CHECK_VALUES_ENV = "HF_LINEAR_ATTN_CHECK_VALUES"
 
 
 def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
@@ -124,3 +129,32 @@ def window_linear_inputs(
         return F.pad(x, (0, 0, 0, 0, delay, 0))[:, :length]
 
     return delayed(k_feat * (real & ~sink)[..., None, None]), delayed(v_ones)
+
+
+def checks_values(x: Tensor) -> bool:
+    """Whether to run the checks that read x's values: on CPU (free), or anywhere under the debug switch; never
+    while torch.compile / torch.export trace (a value read is a data-dependent branch there)."""
+    if torch.compiler.is_compiling():
+        return False
+    return x.device.type == "cpu" or os.environ.get(CHECK_VALUES_ENV) == "1"
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
+    """cu_seqlens [N + 1] of N sequences packed into a batch of one: shape and dtype always, values when checked."""
+    if batch != 1:
+        raise ValueError(f"cu_seqlens requires packed inputs with batch size 1, got batch size {batch}")
+    if (
+        not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2
+    ):
+        raise ValueError(
+            "cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence boundaries, "
+            f"got {getattr(cu_seqlens, 'shape', cu_seqlens)!r} of type {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}"
+        )
+    if not checks_values(cu_seqlens):
+        return
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != length:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got {bounds}")
+    if any(end < start for start, end in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .ops_common import accumulation_dtype, check_cu_seqlens, checks_values
 from .ops_delta_rule_chunked import chunk_delta_rule
-from .ops_reference import accumulation_dtype
 
 __all__ = ["delta_rule_attention"]
 
@@ -120,19 +120,6 @@ def _check_per_token(name: str, x: Tensor, shape: tuple[int, int, int]) -> None:
                          f"got shape {tuple(x.shape)} and dtype {x.dtype}")
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
-    if batch != 1:
-        raise ValueError(f"cu_seqlens requires packed inputs with batch size 1, got batch size {batch}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
-        raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence boundaries, "
-                         f"got shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != length:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got {bounds}")
-    if any(end < start for start, end in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-
-
 def delta_rule_attention(
     q: Tensor,
     k: Tensor,
@@ -201,20 +188,20 @@ def delta_rule_attention(
     if log_decay is not None:
         _check_per_token("log_decay", log_decay, (batch, length, heads))
     # Value checks read the data: only for CPU tensors, where they cost no device synchronisation.
-    if beta.device.type == "cpu" and not ((beta >= 0) & (beta <= 1)).all():
+    if checks_values(beta) and not ((beta >= 0) & (beta <= 1)).all():
         raise ValueError(f"beta must lie in [0, 1] (e.g. a sigmoid), got values in "
                          f"[{beta.min().item():g}, {beta.max().item():g}]")
-    if log_decay is not None and log_decay.device.type == "cpu" and not (log_decay <= 0).all():
+    if log_decay is not None and checks_values(log_decay) and not (log_decay <= 0).all():
         raise ValueError(f"log_decay must be ≤ 0 (the log of a decay in [0, 1]; −inf resets), got max "
                          f"{log_decay.max().item():g}")
-    if k.device.type == "cpu":
+    if checks_values(k):
         largest = k.float().square().sum(-1).max().sqrt().item()
         if not largest <= 1 + KEY_NORM_TOLERANCE:
             raise ValueError(f"k must be L2-normalised over its last dim (norm ≤ 1), got a key of norm {largest:g}: "
                              "normalise the keys before the call, e.g. k / k.norm(dim=-1, keepdim=True)")
     states = batch
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, batch, length)
+        check_cu_seqlens(cu_seqlens, batch, length)
         states = len(cu_seqlens) - 1
     if initial_state is not None:
         expected = (states, heads, key_dim, value_dim)

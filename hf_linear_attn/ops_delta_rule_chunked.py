@@ -47,7 +47,7 @@ per head, no T x T tensor. Arguments, shapes and dtypes are those of `ops_delta_
 import torch
 from torch import Tensor
 
-from .ops_reference import accumulation_dtype
+from .ops_common import accumulation_dtype
 
 CHUNK_SIZE = 64
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import assert_all_close, make_inputs, with_resets
 
-from hf_linear_attn import configuration_linear_attention, ops, ops_chunked
+from hf_linear_attn import configuration_linear_attention, ops, ops_chunked, ops_common
 from hf_linear_attn.ops import linear_attention
 from hf_linear_attn.ops_common import CHUNK_SIZE
 
@@ -243,7 +243,7 @@ def test_value_checks_read_no_values_off_the_cpu(monkeypatch):
     meta = {name: x.to("meta") for name, x in _args().items()}
     o, _ = linear_attention(**meta, backend="recurrent")
     assert o.device.type == "meta" and o.shape == (1, 6, 2, 3)
-    monkeypatch.setenv(ops.CHECK_VALUES_ENV, "1")
+    monkeypatch.setenv(ops_common.CHECK_VALUES_ENV, "1")
     with pytest.raises(RuntimeError, match="meta"):  # the checks now try to read the values
         linear_attention(**meta, backend="recurrent")
 

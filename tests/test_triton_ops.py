@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from helpers import ROOT, assert_all_close, make_inputs, make_window_inputs, window_initial_state, with_resets  # noqa: E402,I001
 
-from hf_linear_attn import ops, ops_triton  # noqa: E402
+from hf_linear_attn import ops, ops_common, ops_triton  # noqa: E402
 from hf_linear_attn.ops import linear_attention, window_attention  # noqa: E402
 from hf_linear_attn.ops_common import CHUNK_SIZE  # noqa: E402
 
@@ -283,7 +283,7 @@ def window_args(**changes) -> dict:
     ],
 )
 def test_invalid_inputs_raise_before_any_launch(no_launch, monkeypatch, attention, kwargs, match):
-    monkeypatch.setenv(ops.CHECK_VALUES_ENV, "1")  # on a GPU, the checks that read values run only when asked
+    monkeypatch.setenv(ops_common.CHECK_VALUES_ENV, "1")  # on a GPU, the checks that read values run only when asked
     with pytest.raises(ValueError, match=match):
         attention(**kwargs)
 

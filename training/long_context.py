@@ -35,7 +35,6 @@ training-free baseline). Each is run on one row at a time, without padding, so l
 chunked path.
 """
 
-# ruff: noqa: E402 - the imports follow the sys.path set-up for running as a script
 from __future__ import annotations
 
 import inspect
@@ -53,18 +52,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as a script: make the `training` package importable
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the cache measurements are the decode benchmark's
-
 import torch
 import torch.nn.functional as F
-from bench_decode import cache_bytes, new_cache, prefill
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, HfArgumentParser, PreTrainedModel
 
 from hf_linear_attn.conversion import load_teacher
-from training.evaluate import FILLER, document_mask
+from training.evaluation import FILLER, document_mask
+from training.measure import cache_bytes, new_cache, prefill
 
 DEFAULT_DATA_DIR = "outputs/long_context_data"
 PREPARE_COMMAND = "python -m training.long_context prepare"
