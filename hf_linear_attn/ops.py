@@ -21,8 +21,9 @@ the chunked ones get zero queries in front, whose outputs are dropped.
 Validation: shapes, dtypes and argument types are always checked. Checks that read tensor values (log_decay
 ≤ 0 and not nan, cu_seqlens boundaries, the triton window's contiguous padding) would force a host-device sync
 in every layer call on a GPU, so they run for CPU tensors only, or for every tensor when the environment
-variable HF_LINEAR_ATTN_CHECK_VALUES=1 is set (debugging), and never while torch.compile / torch.export trace. The backends stay finite without them: any
-log_decay in [−inf, 0] (−inf: a full reset) gives what the token loop gives.
+variable HF_LINEAR_ATTN_CHECK_VALUES=1 is set (debugging), and never while torch.compile / torch.export
+trace. The backends stay finite without them: any log_decay in [−inf, 0] (−inf: a full reset) gives what
+the token loop gives.
 
 State layout of `linear_attention` (the decode cache depends on it): float32 (float64 for float64
 inputs) [B, H, K, V]; with normalize=True [B, H, K, V + 1], whose last column is the normaliser z.
