@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo tour lm-eval test test-oldest bench lint clean
+.PHONY: install transformers-tests demo tour lm-eval test test-oldest bench lint clean
 
 install: $(VENV)/.installed
 
@@ -38,8 +38,24 @@ lm-eval: install
 		--batch_size 4 --tasks jargon_cloze,jargon_perplexity --include_path configs/lm_eval \
 		--output_path outputs/lm_eval
 
-test: install
+test: install transformers-tests
 	$(PY) -m pytest -q tests
+
+# transformers' own common model tests (test_modeling_common.py, test_configuration_common.py) ship in the source
+# distribution of each release on PyPI, not in its wheel: fetched here, at install time, for the installed release
+# into build/ (git-ignored), where tests/test_transformers_common.py runs them offline. The sub-folders those files
+# import from and the sdist leaves out are stood in for by tests/transformers_stubs (see its README).
+TRANSFORMERS_TESTS := build/transformers_tests
+transformers-tests: $(TRANSFORMERS_TESTS)/.fetched
+$(TRANSFORMERS_TESTS)/.fetched: $(VENV)/.installed tests/transformers_stubs/README.md
+	rm -rf $(TRANSFORMERS_TESTS) && mkdir -p $(TRANSFORMERS_TESTS)/sdist
+	version=$$($(PY) -c "import transformers; print(transformers.__version__)") && \
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: "transformers==$$version" -d $(TRANSFORMERS_TESTS)/sdist && \
+	tar -xzf $(TRANSFORMERS_TESTS)/sdist/transformers-$$version.tar.gz -C $(TRANSFORMERS_TESTS) transformers-$$version/tests && \
+	mv $(TRANSFORMERS_TESTS)/transformers-$$version/tests $(TRANSFORMERS_TESTS)/transformers_tests && \
+	rm -rf $(TRANSFORMERS_TESTS)/transformers-$$version $(TRANSFORMERS_TESTS)/sdist
+	cp -r tests/transformers_stubs/. $(TRANSFORMERS_TESTS)/transformers_tests/
+	touch $@
 
 # The oldest transformers release pyproject.toml admits, in its own venv (CI runs both): the tests of
 # everything that touches transformers' APIs (config, model, cache, generate, remote code, conversion).

@@ -9,8 +9,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
-from training_utils import WORDS, single_thread  # noqa: F401 - fixture
+from helpers import WORDS, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from training import long_context as lc

@@ -1,9 +1,12 @@
-"""transformers' own common model tests (ModelTesterMixin, GenerationTesterMixin) on LinearAttentionForCausalLM.
+"""transformers' own common model tests (ModelTesterMixin, ConfigTester) on LinearAttentionForCausalLM.
 
-The tests ship in transformers' source tree (the tagged release), not in its wheel. The install-time step
-`make transformers-tests` copies the `tests/` folder of the installed release into
-build/transformers_tests/transformers_tests (git-ignored; renamed so that it cannot clash with this folder);
-TRANSFORMERS_TESTS_DIR points elsewhere. Without that folder this module is skipped.
+The tests ship in the source distribution of each transformers release on PyPI, not in its wheel. The
+install-time step `make transformers-tests` (a prerequisite of `make test`) unpacks the `tests/` folder of the
+installed release into build/transformers_tests/transformers_tests (git-ignored; renamed so that it cannot
+clash with this folder); TRANSFORMERS_TESTS_DIR points elsewhere. Without that folder this module is skipped.
+The source distribution leaves out tests/generation, tests/exporters and tests/utils, which the common files
+import from: tests/transformers_stubs stands in for the three names they import (see its README), so
+transformers' GenerationTesterMixin tests do not run here; this project's generate tests do.
 
 Every skip below is one transformers applies itself to recurrent-state models: the reason names the tester
 (Mamba2ModelTest in tests/models/mamba2/test_modeling_mamba2.py) and what it does.

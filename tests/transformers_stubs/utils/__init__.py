@@ -1,0 +1,1 @@
+"""Package marker: see tests/transformers_stubs/README.md."""
