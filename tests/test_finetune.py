@@ -171,6 +171,14 @@ def test_packing_marks_documents_and_rows():
     assert packed["labels"] == [[-100, 6, 7, -100], [-100, -100, 11, 12]]
 
 
+def test_packing_can_run_documents_on_within_a_row():
+    """separate_documents=False: long rows of short documents, as pretraining packs them; only rows restart."""
+    packed = pack_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]], block_size=4, separate_documents=False)
+    assert packed["input_ids"] == [[5, 6, 7, 8], [9, 10, 11, 12]]
+    assert packed["position_ids"] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert packed["labels"] == [[-100, 6, 7, 8], [-100, 10, 11, 12]]
+
+
 def test_packed_rows_keep_documents_apart():
     """The loss over packed rows equals the loss of every document piece run alone: no state or
     attention crosses a boundary (LoLCATs window + Hedgehog and decayed variants)."""

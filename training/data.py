@@ -66,6 +66,13 @@ class DataArguments:
         metadata={"help": f"What one document of a .txt file is: one of {TEXT_SAMPLING}."},
     )
     block_size: int = field(default=512, metadata={"help": "Tokens per packed row."})
+    separate_documents: bool = field(
+        default=True,
+        metadata={"help": "Keep the documents of a row apart (position_ids restart at each document, so attention "
+                          "and linear states reset there). False: documents run on within a row (position_ids "
+                          "restart only at row starts; EOS separates documents), as in pretraining, so that rows "
+                          "longer than the documents still train attention over the whole row."},
+    )
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "Percent of the documents held out when there is no validation split."}
     )
@@ -181,16 +188,19 @@ def _tokenize(batch: dict[str, list], args: DataArguments, tokenizer: PreTrained
     return {"input_ids": [doc if eos is None or (doc and doc[-1] == eos) else [*doc, eos] for doc in ids]}
 
 
-def pack_documents(documents: list[list[int]], block_size: int) -> dict[str, list[list[int]]]:
+def pack_documents(
+    documents: list[list[int]], block_size: int, separate_documents: bool = True
+) -> dict[str, list[list[int]]]:
     """Cut the concatenated documents into rows of `block_size` tokens (the tail that does not fill a
-    row is dropped). `position_ids` restart at 0 at each document start and at each row start;
-    `labels` are the tokens with -100 at those restarts."""
+    row is dropped). `position_ids` restart at 0 at each row start and, with `separate_documents`, at each
+    document start; `labels` are the tokens with -100 at those restarts."""
     lengths = [len(doc) for doc in documents if doc]
     if not lengths:
         return {"input_ids": [], "labels": [], "position_ids": []}
     tokens = np.fromiter((t for doc in documents for t in doc), dtype=np.int64, count=sum(lengths))
     starts = np.zeros(len(tokens), dtype=bool)
-    starts[np.cumsum([0, *lengths[:-1]])] = True
+    if separate_documents:
+        starts[np.cumsum([0, *lengths[:-1]])] = True
     rows = len(tokens) // block_size
     tokens = tokens[: rows * block_size].reshape(rows, block_size)
     starts = starts[: rows * block_size].reshape(rows, block_size)
@@ -201,8 +211,8 @@ def pack_documents(documents: list[list[int]], block_size: int) -> dict[str, lis
     return {"input_ids": tokens.tolist(), "labels": labels.tolist(), "position_ids": positions.tolist()}
 
 
-def _pack(batch: dict[str, list], block_size: int) -> dict[str, list[list[int]]]:
-    return pack_documents(batch["input_ids"], block_size)
+def _pack(batch: dict[str, list], block_size: int, separate_documents: bool) -> dict[str, list[list[int]]]:
+    return pack_documents(batch["input_ids"], block_size, separate_documents)
 
 
 def build_datasets(
@@ -226,7 +236,8 @@ def build_datasets(
             num_proc=args.preprocessing_num_workers, desc="Tokenising",
         )
         packed = tokenized.map(
-            _pack, batched=True, remove_columns=["input_ids"], fn_kwargs={"block_size": args.block_size},
+            _pack, batched=True, remove_columns=["input_ids"],
+            fn_kwargs={"block_size": args.block_size, "separate_documents": args.separate_documents},
             num_proc=args.preprocessing_num_workers,
             desc=f"Packing into rows of {args.block_size}",
         )
