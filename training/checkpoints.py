@@ -265,7 +265,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     numpy_state = (kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached)
     torch_state = torch.tensor(state["torch"], dtype=torch.uint8)
     devices = _device_rng_modules()
-    for name, states in state["devices"].items():
+    for name in state["devices"]:
         if name not in devices:
             raise ValueError(f"the run used {name} devices, which this machine lacks")
     random.setstate(python_state)
@@ -397,16 +397,17 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, resume: str | None
 
 class PreviousRun:
     """An earlier run's checkpoints and log, moved aside (`OUTPUT_DIR/.previous-run-*`) on the main process
-    when a new run replaces it (`move`; without it nothing happens): `discard()` deletes them (once the new run has a checkpoint or has finished),
-    `restore()` puts them back (the new run failed before that). The finished model files are not moved:
-    the new run's export replaces them."""
+    when a new run replaces it (`move`; without it nothing happens): `discard()` deletes them (once the new
+    run has a checkpoint or has finished), `restore()` puts them back (the new run failed before that). The
+    finished model files are not moved: the new run's export replaces them."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | Path, move: bool = True) -> None:
         self.output_dir, self.aside = Path(output_dir), None
         if move and accelerator.is_main_process and earlier_run(self.output_dir):
             self.aside = Path(tempfile.mkdtemp(prefix=PREVIOUS_RUN_PREFIX, dir=self.output_dir))
             for path in self.output_dir.iterdir():
-                if path.name.startswith((CHECKPOINT_PREFIX, TEMPORARY_PREFIX, REPLACED_PREFIX)) or path.name in RUN_FILES:
+                prefixes = (CHECKPOINT_PREFIX, TEMPORARY_PREFIX, REPLACED_PREFIX)
+                if path.name.startswith(prefixes) or path.name in RUN_FILES:
                     path.rename(self.aside / path.name)
         accelerator.wait_for_everyone()
 

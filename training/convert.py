@@ -8,10 +8,10 @@ attention option (`AttentionOptions`: feature map, decay, window, ...) is a flag
 defaults of `DEFAULT_ATTENTION_OPTIONS`; a YAML recipe gives defaults that the command line
 overrides. The output folder is written atomically (a temporary sibling renamed at the end), so
 a failed conversion leaves nothing behind, and `--overwrite_output_dir` replaces an existing folder by
-renames (the old one is deleted only once the new one is in place). The output may not be, lie inside or
-contain the source folder. It holds safetensors weights, the model code (loads with
-`trust_remote_code=True` without this package) and the source's tokenizer, whose `model_max_length` is the source's (its tokenizer's, else its
-`max_position_embeddings`).
+renames (the old one is deleted only once the new one is in place). The output may not be, lie inside
+or contain the source folder. It holds safetensors weights, the model code (loads with
+`trust_remote_code=True` without this package) and the source's tokenizer, whose `model_max_length`
+is the source's (its tokenizer's, else its `max_position_embeddings`).
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def check_arguments(args: ConversionArguments) -> None:
         source = source.resolve()
         if output == source or source in output.parents or output in source.parents:
             relation = "is" if output == source else "is inside" if source in output.parents else "contains"
-            raise ValueError(f"--output_dir {args.output_dir} {relation} --model_name_or_path {args.model_name_or_path}: "
-                             "writing the conversion there would replace its source; choose another folder.")
+            raise ValueError(f"--output_dir {args.output_dir} {relation} --model_name_or_path "
+                             f"{args.model_name_or_path}: writing the conversion there would replace its source; "
+                             "choose another folder.")
     if output.exists() and any(output.iterdir()) and not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
 

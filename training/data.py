@@ -62,8 +62,9 @@ class DataArguments:
                           "tokenizer's chat template."},
     )
     sample_by: str = field(
-        default="paragraph",
-        metadata={"help": f"What one document of a .txt file is: one of {TEXT_SAMPLING}."},
+        default="line",
+        metadata={"help": f"What one document of a .txt file is: one of {TEXT_SAMPLING} (line: run_clm's default; "
+                          "paragraph: text between blank lines; document: the whole file)."},
     )
     block_size: int = field(default=512, metadata={"help": "Tokens per packed row."})
     validation_split_percentage: float = field(
@@ -94,6 +95,8 @@ def check_data_arguments(args: DataArguments) -> None:
             raise FileNotFoundError(f"--{name} {path}: no such file.")
         if Path(path).suffix not in FILE_BUILDERS:
             raise ValueError(f"--{name} {path}: unsupported file type; use one of {sorted(FILE_BUILDERS)}.")
+        if Path(path).stat().st_size == 0:
+            raise ValueError(f"--{name} {path} is empty.")
     if args.train_file and args.validation_file and Path(args.train_file).suffix != Path(args.validation_file).suffix:
         raise ValueError("--train_file and --validation_file must have the same file type.")
     if args.sample_by not in TEXT_SAMPLING:
@@ -149,7 +152,12 @@ def load_documents(args: DataArguments) -> DatasetDict:
             files["validation"] = args.validation_file
         builder = FILE_BUILDERS[Path(files["train"]).suffix]
         options = {"sample_by": args.sample_by} if builder == "text" else {}
-        raw = load_dataset(builder, data_files=files, cache_dir=args.cache_dir, **options)
+        try:
+            raw = load_dataset(builder, data_files=files, cache_dir=args.cache_dir, **options)
+        except Exception as error:  # datasets wraps the parser's error (malformed JSON, CSV, ...)
+            cause = error.__cause__ or error
+            raise ValueError(f"{_describe_source(args)} cannot be read as {builder} records: "
+                             f"{type(cause).__name__}: {cause}") from None
     if "train" not in raw:
         raise ValueError(f"{_describe_source(args)} has no 'train' split (splits: {list(raw)}).")
     columns = raw["train"].column_names
@@ -159,6 +167,13 @@ def load_documents(args: DataArguments) -> DatasetDict:
             f"{columns}."
         )
     if "validation" not in raw:
+        documents = raw["train"].num_rows
+        if documents < 2:
+            raise ValueError(
+                f"{_describe_source(args)} holds {documents} document(s): a held-out share needs at least "
+                "2; give --validation_file, more documents"
+                + (", or --sample_by line (one document per line)" if args.sample_by != "line" else "") + "."
+            )
         split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100,
                                               seed=args.validation_split_seed)
         raw = DatasetDict(train=split["train"], validation=split["test"])
@@ -166,9 +181,14 @@ def load_documents(args: DataArguments) -> DatasetDict:
 
 
 def _document_texts(batch: dict[str, list], args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The documents of a batch of records; empty ones (null, blank text, no messages) are skipped."""
     column = batch[args.text_column]
+    for value in column:
+        if value and not isinstance(value, list if args.chat_template else str):
+            raise ValueError(f"--text_column {args.text_column!r} holds a {type(value).__name__} ({str(value)[:60]!r})"
+                             f"; expected {'a list of messages' if args.chat_template else 'text'}.")
     if not args.chat_template:
-        return [text for text in column if isinstance(text, str) and text.strip()]
+        return [text for text in column if text and text.strip()]
     return [tokenizer.apply_chat_template(messages, tokenize=False) for messages in column if messages]
 
 

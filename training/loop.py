@@ -84,8 +84,8 @@ class TrainArguments:
     output_dir: str = field(default="outputs/finetune", metadata={"help": "Checkpoints and the final model."})
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Replace the earlier run in output_dir (its checkpoints and log are deleted once this run has "
-                          "its first checkpoint)."},
+        metadata={"help": "Replace the earlier run in output_dir (its checkpoints and log are deleted once this run "
+                          "has its first checkpoint)."},
     )
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the training rows."})
@@ -425,8 +425,8 @@ def train(
                 if accelerator.is_main_process:
                     progress.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
             if args.save_steps > 0 and global_step % args.save_steps == 0:
-                save_checkpoint(accelerator, output_dir, {"global_step": global_step, "tokens_seen": tokens_seen,
-                                                          "geometry": geometry}, scheduler, keep_last=args.save_total_limit)
+                trainer_state = {"global_step": global_step, "tokens_seen": tokens_seen, "geometry": geometry}
+                save_checkpoint(accelerator, output_dir, trainer_state, scheduler, keep_last=args.save_total_limit)
                 previous.discard()
     except BaseException:
         previous.restore()
