@@ -4,9 +4,11 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -428,3 +430,95 @@ def test_train_api_with_a_custom_loss_and_selected_parameters(tmp_path):
     assert set(result.eval_metrics) == {"eval_loss"}
     losses = [r["loss"] for r in result.log_history if "loss" in r]
     assert losses[-1] < losses[0]
+
+
+# Resuming: exact with dropout, damaged checkpoints named, nothing that runs code ---------------------------------
+
+
+def _lora_dropout_args(base, *extra):
+    return ["--config_name", "", "--model_name_or_path", str(base), "--use_lora", "--lora_dropout", "0.3",
+            "--learning_rate", "0.01", "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3", *extra]
+
+
+def test_resume_with_dropout_follows_the_uninterrupted_run(trained, tmp_path, dataset_cache):
+    """LoRA dropout draws from the RNGs every step: a run resumed from checkpoint-2 (in a process whose RNGs
+    have moved on) logs exactly the losses of the uninterrupted run and ends with the same weights."""
+    base, _ = trained
+    uninterrupted = tmp_path / "uninterrupted"
+    run(*tiny_args(uninterrupted, dataset_cache, *_lora_dropout_args(base)))
+    resumed = tmp_path / "resumed"
+    run(*tiny_args(resumed, dataset_cache, *_lora_dropout_args(base)))
+    for step in (4, 6):
+        shutil.rmtree(resumed / f"checkpoint-{step}")
+    torch.rand(1000)  # the resumed process's generators are elsewhere
+    run(*tiny_args(resumed, dataset_cache, *_lora_dropout_args(base, "--resume_from_checkpoint", "latest")))
+    assert read_log(resumed) == read_log(uninterrupted)
+    for name, tensor in weights(uninterrupted).items():
+        assert torch.equal(weights(resumed)[name], tensor), name
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path, dataset_cache):
+    """A finished 6-step run with checkpoints at steps 2, 4 and 6, and the flags that resume it."""
+    out = tmp_path / "out"
+    common = tiny_args(out, dataset_cache, "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3")
+    run(*common)
+    return out, common
+
+
+def test_a_damaged_checkpoint_is_named_and_latest_falls_back(three_checkpoints, caplog):
+    out, common = three_checkpoints
+    optimizer = out / "checkpoint-6" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # truncated, as by a full disk
+    with pytest.raises(ValueError, match=r"checkpoint-6 is not a complete checkpoint: optimizer.bin is truncated"):
+        run(*common, "--resume_from_checkpoint", str(out / "checkpoint-6"))
+    with caplog.at_level("WARNING"):
+        result = run(*common, "--resume_from_checkpoint", "latest")
+    assert "skipping checkpoint-6: optimizer.bin is truncated" in caplog.text
+    assert "resuming from checkpoint-4" in caplog.text
+    assert result.global_step == 6 and [r["step"] for r in read_log(out) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+    # A truncated RNG state is never skipped silently: named, and `latest` falls back past it.
+    rng = out / "checkpoint-4" / "rng_state_0.json"
+    rng.write_text(rng.read_text()[:50])
+    with pytest.raises(ValueError, match="rng_state_0.json is truncated"):
+        run(*common, "--resume_from_checkpoint", str(out / "checkpoint-4"))
+    # Damaged but of the listed size: loading it fails, naming the file.
+    text = (out / "checkpoint-6" / "rng_state_0.json").read_text()
+    (out / "checkpoint-6" / "rng_state_0.json").write_text("{" + " " * (len(text) - 2) + "}")
+    with pytest.raises(ValueError, match="rng_state_0.json is missing or damaged"):
+        run(*common, "--resume_from_checkpoint", str(out / "checkpoint-6"))
+
+
+PAYLOAD = textwrap.dedent(
+    """
+    import os, pickle, sys, torch
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {sys.argv[2]}",))
+
+    torch.save({"state": Payload()}, sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("target", ["custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl"])
+def test_resuming_never_runs_code_from_a_checkpoint(three_checkpoints, tmp_path, target):
+    """A crafted pickle in a checkpoint (a scheduler state as accelerate would pickle it, the optimizer state, the
+    RNG state), even with the file list updated to match, is refused with a clear error; its code never runs."""
+    out, common = three_checkpoints
+    checkpoint, marker = out / "checkpoint-6", tmp_path / "code-ran"
+    subprocess.run([sys.executable, "-c", PAYLOAD, str(checkpoint / target), str(marker)], check=True)
+    state = checkpoints.read_trainer_state(checkpoint)
+    state["files"][target] = (checkpoint / target).stat().st_size
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=rf"{target} is not a plain-data pickle .*posix.system.*could run code"):
+        run(*common, "--max_steps", "8", "--resume_from_checkpoint", str(checkpoint))
+    assert not marker.exists()
+    # The checkpoint as an older version wrote it (no file list, the scheduler pickled): refused, not loaded.
+    del state["files"]
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="could run code"):
+        run(*common, "--max_steps", "8", "--resume_from_checkpoint", str(checkpoint))
+    assert not marker.exists()
