@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionForCausalLM
-from training import checkpoints, finetune
+from training import checkpoints, finetune, loop
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows, pack_documents
 from training.loop import EpochShuffleSampler, TrainArguments, make_accelerator, train
 from training.losses import causal_lm_loss, logit_distillation_loss, packed_forward
@@ -522,3 +522,96 @@ def test_resuming_never_runs_code_from_a_checkpoint(three_checkpoints, tmp_path,
     with pytest.raises(ValueError, match="could run code"):
         run(*common, "--max_steps", "8", "--resume_from_checkpoint", str(checkpoint))
     assert not marker.exists()
+
+
+# The output folder: an earlier run is never lost by accident ----------------------------------------------------
+
+
+def test_an_earlier_run_is_refused_kept_on_bad_input_and_replaced_only_once_the_new_run_has_a_checkpoint(
+        tmp_path, dataset_cache, monkeypatch):
+    out = tmp_path / "out"
+    first = tiny_args(out, dataset_cache, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3")
+    run(*first)
+    before = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
+    finished = tmp_path / "finished"  # a run without checkpoints: its final model and summary
+    run(*tiny_args(finished, dataset_cache, "--max_steps", "1"))
+    with pytest.raises(ValueError, match=r"already holds a finished run \(config.json, log.jsonl, training_summary"):
+        run(*tiny_args(finished, dataset_cache, "--max_steps", "1"))
+
+    # Bad input found only once the model is loaded: the earlier run is untouched.
+    with pytest.raises(ValueError, match="match no module"):
+        run(*first, "--overwrite_output_dir", "--use_lora", "--lora_target_modules", "qkv")
+    # A new run that fails before its first checkpoint: the earlier run is put back.
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(loop, "_optimizer_step", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run(*first, "--overwrite_output_dir")
+    monkeypatch.undo()
+    assert {path.name: path.stat().st_mtime_ns for path in out.iterdir()} == before
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+
+    # Replaced: the new run's checkpoints and log only, nothing set aside left behind.
+    run(*tiny_args(out, dataset_cache, "--max_steps", "3", "--save_steps", "3", "--overwrite_output_dir"))
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-3"]
+    assert [r["step"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def _drop_weight(folder, name: str, extra: bool = False) -> None:
+    state = weights(folder)
+    if extra:
+        state["model.layers.0.self_attn.extra_proj.weight"] = torch.zeros(2, 2)
+    else:
+        del state[name]
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_training_refuses_a_checkpoint_with_missing_or_unexpected_weights(trained, tmp_path, dataset_cache):
+    base, _ = trained
+    for case, extra in (("missing", False), ("unexpected", True)):
+        broken = tmp_path / case
+        shutil.copytree(base, broken, ignore=shutil.ignore_patterns("checkpoint-*", "runs"))
+        _drop_weight(broken, "model.norm.weight", extra=extra)
+        expected = r"is missing weights \['model.norm.weight'\]" if case == "missing" else (
+            r"has unexpected weights \['model.layers.0.self_attn.extra_proj.weight'\]")
+        with pytest.raises(ValueError, match=expected):
+            run(*tiny_args(tmp_path / f"out-{case}", dataset_cache, "--config_name", "", "--model_name_or_path",
+                           str(broken), "--max_steps", "1"))
+        assert not (tmp_path / f"out-{case}" / "log.jsonl").exists()
+
+
+# Data sources that are empty, unreadable or too small -----------------------------------------------------------
+
+
+def test_text_files_are_one_document_per_line_and_bad_sources_are_clear_errors(tmp_path, dataset_cache):
+    tokenizer = byte_level_tokenizer()
+    lines = tmp_path / "lines.txt"  # no blank line: one document per line, as run_clm reads it
+    lines.write_text("".join(f"Line {i}: " + "linear state " * 12 + "\n" for i in range(40)))
+    rows = build_datasets(DataArguments(train_file=str(lines), block_size=32, cache_dir=str(dataset_cache)), tokenizer)
+    assert len(rows["validation"]) > 0
+    assert sum(row.count(0) for row in rows["train"]["position_ids"]) > len(rows["train"])
+
+    def fails(name: str, content: str, **options) -> str:
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(ValueError) as caught:
+            build_datasets(DataArguments(train_file=str(path), block_size=32, cache_dir=str(dataset_cache),
+                                         **options), tokenizer)
+        return str(caught.value)
+
+    assert "is empty" in fails("empty.txt", "")
+    assert "is empty" in fails("empty.jsonl", "")
+    assert "holds 1 document(s): a held-out share needs at least 2" in fails("one.txt", "Only one line.\n")
+    assert "--sample_by line" in fails("book.txt", "No blank line.\nSo one paragraph.\n", sample_by="paragraph")
+    assert "cannot be read as json records" in fails("broken.jsonl", '{"text": "fine"}\n{"text": broken\n')
+    assert "holds a int ('7'); expected text" in fails("numbers.jsonl", '{"text": 7}\n{"text": 8}\n')
+    # Blank records (null, empty or whitespace text) are skipped; the rest trains.
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("".join(json.dumps({"text": text}) + "\n"
+                             for text in [None, "", "  ", *("linear state " * 10 for _ in range(30))]))
+    rows = build_datasets(DataArguments(train_file=str(blank), block_size=32, cache_dir=str(dataset_cache)), tokenizer)
+    assert len(rows["train"]) > 0

@@ -95,8 +95,6 @@ def check_data_arguments(args: DataArguments) -> None:
             raise FileNotFoundError(f"--{name} {path}: no such file.")
         if Path(path).suffix not in FILE_BUILDERS:
             raise ValueError(f"--{name} {path}: unsupported file type; use one of {sorted(FILE_BUILDERS)}.")
-        if Path(path).stat().st_size == 0:
-            raise ValueError(f"--{name} {path} is empty.")
     if args.train_file and args.validation_file and Path(args.train_file).suffix != Path(args.validation_file).suffix:
         raise ValueError("--train_file and --validation_file must have the same file type.")
     if args.sample_by not in TEXT_SAMPLING:
@@ -150,6 +148,9 @@ def load_documents(args: DataArguments) -> DatasetDict:
         files = {"train": args.train_file or str(EMBEDDED_CORPUS)}
         if args.validation_file:
             files["validation"] = args.validation_file
+        for split, path in files.items():
+            if Path(path).stat().st_size == 0:
+                raise ValueError(f"--{split}_file {path} is empty.")
         builder = FILE_BUILDERS[Path(files["train"]).suffix]
         options = {"sample_by": args.sample_by} if builder == "text" else {}
         try:
