@@ -21,7 +21,10 @@ recipe sets). Flag names follow transformers' run_clm.py.
   card go to `OUTPUT_DIR`, and `--push_to_hub --hub_model_id USER/NAME` uploads them.
 
 Every bad input (a missing file, an unknown recipe key or column, a checkpoint that is not a
-linear-attention model, LoRA targets that match nothing, nothing to resume) is reported before training.
+linear-attention model or has missing or unexpected weights, LoRA targets that match nothing, nothing to
+resume, an earlier run in the output folder without `--resume_from_checkpoint` or
+`--overwrite_output_dir`) is reported before training; an earlier run that `--overwrite_output_dir`
+replaces is deleted only once the new run has its first checkpoint (`training.checkpoints`).
 """
 
 from __future__ import annotations
