@@ -86,17 +86,32 @@ def linear_attention_config(source_config, **attention_options: Any) -> LinearAt
 
 
 def load_teacher(model_name_or_path: str, **from_pretrained_kwargs: Any) -> PreTrainedModel:
-    """Load a source checkpoint, refusing one whose weights are incomplete (transformers would silently
-    initialise the missing ones at random)."""
+    """Load a causal-LM checkpoint (a conversion's source, a distillation teacher or a model to train) with
+    `AutoModelForCausalLM`, refusing one whose weights do not match the model: transformers would silently
+    initialise missing weights at random and drop unexpected ones. Raises ValueError naming them."""
     model, info = AutoModelForCausalLM.from_pretrained(
         model_name_or_path, output_loading_info=True, **from_pretrained_kwargs
     )
-    if info["missing_keys"]:
-        raise ValueError(
-            f"{model_name_or_path} is missing weights {sorted(info['missing_keys'])[:8]}"
-            f"{' ...' if len(info['missing_keys']) > 8 else ''}: cannot convert an incomplete checkpoint."
-        )
+    problems = []
+    for key, what in (("missing_keys", "is missing weights"), ("unexpected_keys", "has unexpected weights"),
+                      ("mismatched_keys", "has weights of the wrong shape")):
+        names = sorted(str(name[0] if isinstance(name, tuple) else name) for name in info.get(key) or [])
+        if names:
+            problems.append(f"{what} {names[:8]}{' ...' if len(names) > 8 else ''}")
+    if problems:
+        raise ValueError(f"{model_name_or_path} {'; '.join(problems)}: an incomplete or mismatched checkpoint is "
+                         "refused (its weights would be initialised at random or dropped).")
     return model
+
+
+def tokenizer_max_length(tokenizer: Any, max_position_embeddings: int | None) -> int | None:
+    """The `model_max_length` a converted or trained checkpoint's tokenizer should carry: the tokenizer's own
+    when it sets one, else the model's `max_position_embeddings` (a tokenizer saved without a maximum
+    reports transformers' placeholder of 1e30)."""
+    own = getattr(tokenizer, "model_max_length", None)
+    if isinstance(own, int) and 0 < own < 10**12:
+        return own
+    return max_position_embeddings
 
 
 def convert_to_linear_attention(
@@ -142,4 +157,7 @@ def convert_to_linear_attention(
     return student.eval()
 
 
-__all__ = ["convert_to_linear_attention", "linear_attention_config", "load_teacher", "DEFAULT_ATTENTION_OPTIONS"]
+__all__ = [
+    "convert_to_linear_attention", "linear_attention_config", "load_teacher", "tokenizer_max_length",
+    "DEFAULT_ATTENTION_OPTIONS",
+]

@@ -1,8 +1,11 @@
 """Conversion of Llama / Mistral / Qwen2 / Qwen3 checkpoints: copied weights, exactness at window >= T."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from helpers import SOURCES, save_with_tokenizer, teacher
+from helpers import SOURCES, save_with_tokenizer, script_env, teacher
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
@@ -152,3 +155,58 @@ def test_convert_cli_fails_before_writing_anything(tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     assert "not empty" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out))
+
+
+LOAD_TOKENIZER = """
+import sys
+sys.modules["hf_linear_attn"] = None  # as on a machine without `pip install hf-linear-attn`
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+documented = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)  # as the model card says
+plain = PreTrainedTokenizerFast.from_pretrained(sys.argv[1])
+print(documented.model_max_length, plain.model_max_length, documented("w1 w2")["input_ids"])
+"""
+
+
+def test_converted_tokenizer_loads_without_a_prompt_and_keeps_the_maximum_length(tmp_path):
+    save_with_tokenizer(teacher("llama"), tmp_path / "src")
+    assert run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(tmp_path / "out"),
+                       "--window_size", "8", "--feature_dim", "8") == 0
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    env = {key: value for key, value in script_env().items() if key != "PYTHONPATH"}
+    loaded = subprocess.run([sys.executable, "-c", LOAD_TOKENIZER, str(tmp_path / "out")], cwd=empty, env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert "Do you wish to run the custom code" not in loaded.stdout + loaded.stderr
+    # The source's maximum: its tokenizer sets none, so its max_position_embeddings (256).
+    assert loaded.stdout.split()[:2] == ["256", "256"]
+
+
+def test_convert_never_replaces_its_source_and_replaces_an_output_atomically(tmp_path, capsys):
+    source = tmp_path / "src"
+    save_with_tokenizer(teacher("llama"), source)
+    before = {path.name: path.read_bytes() for path in source.iterdir()}
+    for output in (source, source / "converted", tmp_path):
+        with pytest.raises(SystemExit):
+            run_convert("--model_name_or_path", str(source), "--output_dir", str(output), "--overwrite_output_dir")
+        assert "would replace its source" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in source.iterdir()} == before
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an earlier conversion")
+    assert run_convert("--model_name_or_path", str(source), "--output_dir", str(out), "--overwrite_output_dir",
+                       "--window_size", "8") == 0
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # nothing set aside is left
+
+
+def test_conversion_refuses_a_source_with_unexpected_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    teacher("llama").save_pretrained(tmp_path / "src")
+    state = load_file(str(tmp_path / "src" / "model.safetensors"))
+    state["model.layers.0.self_attn.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"has unexpected weights \['model.layers.0.self_attn.extra_proj.weight'\]"):
+        convert_to_linear_attention(str(tmp_path / "src"), window_size=8)

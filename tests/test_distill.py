@@ -59,3 +59,17 @@ def test_distill_refuses_a_softmax_checkpoint(tmp_path):
         distill(DistillArguments(model_name_or_path=str(tmp_path / "softmax")), DataArguments(block_size=32),
                 TrainArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none"))
     assert not (tmp_path / "out").exists()
+
+
+def test_distill_refuses_a_checkpoint_with_a_missing_weight(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4)
+    save_with_tokenizer(student, tmp_path / "converted")
+    state = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    del state["model.layers.1.self_attn.feature_map_q.weight"]
+    save_file(state, str(tmp_path / "converted" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"is missing weights \['model.layers.1.self_attn.feature_map_q.weight'\]"):
+        distill(DistillArguments(model_name_or_path=str(tmp_path / "converted")), DataArguments(block_size=32),
+                TrainArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none"))
+    assert not (tmp_path / "out").exists()

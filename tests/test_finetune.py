@@ -4,9 +4,11 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -28,7 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionForCausalLM
-from training import checkpoints, finetune
+from training import checkpoints, finetune, loop
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows, pack_documents
 from training.loop import EpochShuffleSampler, TrainArguments, make_accelerator, train
 from training.losses import causal_lm_loss, logit_distillation_loss, packed_forward
@@ -436,3 +438,188 @@ def test_train_api_with_a_custom_loss_and_selected_parameters(tmp_path):
     assert set(result.eval_metrics) == {"eval_loss"}
     losses = [r["loss"] for r in result.log_history if "loss" in r]
     assert losses[-1] < losses[0]
+
+
+# Resuming: exact with dropout, damaged checkpoints named, nothing that runs code ---------------------------------
+
+
+def _lora_dropout_args(base, *extra):
+    return ["--config_name", "", "--model_name_or_path", str(base), "--use_lora", "--lora_dropout", "0.3",
+            "--learning_rate", "0.01", "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3", *extra]
+
+
+def test_resume_with_dropout_follows_the_uninterrupted_run(trained, tmp_path, dataset_cache):
+    """LoRA dropout draws from the RNGs every step: a run resumed from checkpoint-2 (in a process whose RNGs
+    have moved on) logs exactly the losses of the uninterrupted run and ends with the same weights."""
+    base, _ = trained
+    uninterrupted = tmp_path / "uninterrupted"
+    run(*tiny_args(uninterrupted, dataset_cache, *_lora_dropout_args(base)))
+    resumed = tmp_path / "resumed"
+    run(*tiny_args(resumed, dataset_cache, *_lora_dropout_args(base)))
+    for step in (4, 6):
+        shutil.rmtree(resumed / f"checkpoint-{step}")
+    torch.rand(1000)  # the resumed process's generators are elsewhere
+    run(*tiny_args(resumed, dataset_cache, *_lora_dropout_args(base, "--resume_from_checkpoint", "latest")))
+    assert read_log(resumed) == read_log(uninterrupted)
+    for name, tensor in weights(uninterrupted).items():
+        assert torch.equal(weights(resumed)[name], tensor), name
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path, dataset_cache):
+    """A finished 6-step run with checkpoints at steps 2, 4 and 6, and the flags that resume it."""
+    out = tmp_path / "out"
+    common = tiny_args(out, dataset_cache, "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "3")
+    run(*common)
+    return out, common
+
+
+def test_a_damaged_checkpoint_is_named_and_latest_falls_back(three_checkpoints, caplog):
+    out, common = three_checkpoints
+    optimizer = out / "checkpoint-6" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # truncated, as by a full disk
+    with pytest.raises(ValueError, match=r"checkpoint-6 is not a complete checkpoint: optimizer.bin is truncated"):
+        run(*common, "--resume_from_checkpoint", str(out / "checkpoint-6"))
+    with caplog.at_level("WARNING"):
+        result = run(*common, "--resume_from_checkpoint", "latest")
+    assert "skipping checkpoint-6: optimizer.bin is truncated" in caplog.text
+    assert "resuming from checkpoint-4" in caplog.text
+    assert result.global_step == 6 and [r["step"] for r in read_log(out) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+    # A truncated RNG state is never skipped silently: named, and `latest` falls back past it.
+    rng = out / "checkpoint-4" / "rng_state_0.json"
+    rng.write_text(rng.read_text()[:50])
+    with pytest.raises(ValueError, match="rng_state_0.json is truncated"):
+        run(*common, "--resume_from_checkpoint", str(out / "checkpoint-4"))
+    # Damaged but of the listed size: loading it fails, naming the file.
+    text = (out / "checkpoint-6" / "rng_state_0.json").read_text()
+    (out / "checkpoint-6" / "rng_state_0.json").write_text("{" + " " * (len(text) - 2) + "}")
+    with pytest.raises(ValueError, match="rng_state_0.json is missing or damaged"):
+        run(*common, "--resume_from_checkpoint", str(out / "checkpoint-6"))
+
+
+PAYLOAD = textwrap.dedent(
+    """
+    import os, pickle, sys, torch
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {sys.argv[2]}",))
+
+    torch.save({"state": Payload()}, sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("target", ["custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl"])
+def test_resuming_never_runs_code_from_a_checkpoint(three_checkpoints, tmp_path, target):
+    """A crafted pickle in a checkpoint (a scheduler state as accelerate would pickle it, the optimizer state, the
+    RNG state), even with the file list updated to match, is refused with a clear error; its code never runs."""
+    out, common = three_checkpoints
+    checkpoint, marker = out / "checkpoint-6", tmp_path / "code-ran"
+    subprocess.run([sys.executable, "-c", PAYLOAD, str(checkpoint / target), str(marker)], check=True)
+    state = checkpoints.read_trainer_state(checkpoint)
+    state["files"][target] = (checkpoint / target).stat().st_size
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=rf"{target} is not a plain-data pickle .*posix.system.*could run code"):
+        run(*common, "--max_steps", "8", "--resume_from_checkpoint", str(checkpoint))
+    assert not marker.exists()
+    # The checkpoint as an older version wrote it (no file list, the scheduler pickled): refused, not loaded.
+    del state["files"]
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="could run code"):
+        run(*common, "--max_steps", "8", "--resume_from_checkpoint", str(checkpoint))
+    assert not marker.exists()
+
+
+# The output folder: an earlier run is never lost by accident ----------------------------------------------------
+
+
+def test_an_earlier_run_is_refused_kept_on_bad_input_and_replaced_only_once_the_new_run_has_a_checkpoint(
+        tmp_path, dataset_cache, monkeypatch):
+    out = tmp_path / "out"
+    first = tiny_args(out, dataset_cache, "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3")
+    run(*first)
+    before = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
+    finished = tmp_path / "finished"  # a run without checkpoints: its final model and summary
+    run(*tiny_args(finished, dataset_cache, "--max_steps", "1"))
+    with pytest.raises(ValueError, match=r"already holds a finished run \(config.json, log.jsonl, training_summary"):
+        run(*tiny_args(finished, dataset_cache, "--max_steps", "1"))
+
+    # Bad input found only once the model is loaded: the earlier run is untouched.
+    with pytest.raises(ValueError, match="match no module"):
+        run(*first, "--overwrite_output_dir", "--use_lora", "--lora_target_modules", "qkv")
+    # A new run that fails before its first checkpoint: the earlier run is put back.
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(loop, "_optimizer_step", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run(*first, "--overwrite_output_dir")
+    monkeypatch.undo()
+    assert {path.name: path.stat().st_mtime_ns for path in out.iterdir()} == before
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+
+    # Replaced: the new run's checkpoints and log only, nothing set aside left behind.
+    run(*tiny_args(out, dataset_cache, "--max_steps", "3", "--save_steps", "3", "--overwrite_output_dir"))
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-3"]
+    assert [r["step"] for r in read_log(out) if "loss" in r] == [1, 2, 3]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def _drop_weight(folder, name: str, extra: bool = False) -> None:
+    state = weights(folder)
+    if extra:
+        state["model.layers.0.self_attn.extra_proj.weight"] = torch.zeros(2, 2)
+    else:
+        del state[name]
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_training_refuses_a_checkpoint_with_missing_or_unexpected_weights(trained, tmp_path, dataset_cache):
+    base, _ = trained
+    for case, extra in (("missing", False), ("unexpected", True)):
+        broken = tmp_path / case
+        shutil.copytree(base, broken, ignore=shutil.ignore_patterns("checkpoint-*", "runs"))
+        _drop_weight(broken, "model.norm.weight", extra=extra)
+        expected = r"is missing weights \['model.norm.weight'\]" if case == "missing" else (
+            r"has unexpected weights \['model.layers.0.self_attn.extra_proj.weight'\]")
+        with pytest.raises(ValueError, match=expected):
+            run(*tiny_args(tmp_path / f"out-{case}", dataset_cache, "--config_name", "", "--model_name_or_path",
+                           str(broken), "--max_steps", "1"))
+        assert not (tmp_path / f"out-{case}" / "log.jsonl").exists()
+
+
+# Data sources that are empty, unreadable or too small -----------------------------------------------------------
+
+
+def test_text_files_are_one_document_per_line_and_bad_sources_are_clear_errors(tmp_path, dataset_cache):
+    tokenizer = byte_level_tokenizer()
+    lines = tmp_path / "lines.txt"  # no blank line: one document per line, as run_clm reads it
+    lines.write_text("".join(f"Line {i}: " + "linear state " * 12 + "\n" for i in range(40)))
+    rows = build_datasets(DataArguments(train_file=str(lines), block_size=32, cache_dir=str(dataset_cache)), tokenizer)
+    assert len(rows["validation"]) > 0
+    assert sum(row.count(0) for row in rows["train"]["position_ids"]) > len(rows["train"])
+
+    def fails(name: str, content: str, **options) -> str:
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(ValueError) as caught:
+            build_datasets(DataArguments(train_file=str(path), block_size=32, cache_dir=str(dataset_cache),
+                                         **options), tokenizer)
+        return str(caught.value)
+
+    assert "is empty" in fails("empty.txt", "")
+    assert "is empty" in fails("empty.jsonl", "")
+    assert "holds 1 document(s): a held-out share needs at least 2" in fails("one.txt", "Only one line.\n")
+    assert "--sample_by line" in fails("book.txt", "No blank line.\nSo one paragraph.\n", sample_by="paragraph")
+    assert "cannot be read as json records" in fails("broken.jsonl", '{"text": "fine"}\n{"text": broken\n')
+    assert "holds a int ('7'); expected text" in fails("numbers.jsonl", '{"text": 7}\n{"text": 8}\n')
+    # Blank records (null, empty or whitespace text) are skipped; the rest trains.
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("".join(json.dumps({"text": text}) + "\n"
+                             for text in [None, "", "  ", *("linear state " * 10 for _ in range(30))]))
+    rows = build_datasets(DataArguments(train_file=str(blank), block_size=32, cache_dir=str(dataset_cache)), tokenizer)
+    assert len(rows["train"]) > 0

@@ -60,7 +60,7 @@ def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, 
                                "--license", "my-own-licence"], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
     assert rejected.returncode != 0 and "my-own-licence" in rejected.stderr
-    assert hub.repos["someone/rejected"].files == {}  # the card is validated before any file is sent
+    assert "someone/rejected" not in hub.repos  # the card is validated before the repository is created
 
     files = set(hub.repos["someone/tiny-linear"].files)
     assert {"config.json", "model.safetensors", "modeling_linear_attention.py", "configuration_linear_attention.py",
@@ -113,3 +113,30 @@ def test_card_of_a_converted_checkpoint_inherits_the_source_licence(tmp_path):
     assert card.data.base_model is None  # a local path is no Hub id
     assert "full-softmax layers | 1 |" in card.text and "only the full-softmax layers (1)" in card.text
     assert render_model_card(tmp_path / "converted", license="mit").data.license == "mit"
+
+
+def test_a_failed_push_leaves_the_folder_and_the_hub_as_they_were(hub, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi, constants
+
+    from training.hub import push_to_hub
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    folder = tmp_path / "model"
+    tiny_model().save_pretrained(folder)
+    (folder / "README.md").write_text("my own notes\n")
+    with pytest.raises(ValueError, match="my-own-licence"):
+        push_to_hub(folder, "someone/refused", license="my-own-licence")
+    assert hub.repos == {} and hub.validations  # refused by the Hub's check, before any repository exists
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("the network went away")
+
+    monkeypatch.setattr(HfApi, "upload_folder", offline)
+    with pytest.raises(ConnectionError):
+        push_to_hub(folder, "someone/unreachable", license="mit")
+    assert (folder / "README.md").read_text() == "my own notes\n"
+    (folder / "README.md").unlink()
+    with pytest.raises(ConnectionError):
+        push_to_hub(folder, "someone/unreachable", license="mit")
+    assert not (folder / "README.md").exists()

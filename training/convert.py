@@ -7,8 +7,11 @@ SRC is a local folder or a Hub id (`--gguf_file` for a GGUF checkpoint in that f
 attention option (`AttentionOptions`: feature map, decay, window, ...) is a flag, with the LoLCATs
 defaults of `DEFAULT_ATTENTION_OPTIONS`; a YAML recipe gives defaults that the command line
 overrides. The output folder is written atomically (a temporary sibling renamed at the end), so
-a failed conversion leaves nothing behind; it holds safetensors weights, the model code (loads with
-`trust_remote_code=True` without this package) and the source's tokenizer.
+a failed conversion leaves nothing behind, and `--overwrite_output_dir` replaces an existing folder by
+renames (the old one is deleted only once the new one is in place). The output may not be, lie inside
+or contain the source folder. It holds safetensors weights, the model code (loads with
+`trust_remote_code=True` without this package) and the source's tokenizer, whose `model_max_length`
+is the source's (its tokenizer's, else its `max_position_embeddings`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from hf_linear_attn.conversion import (
     convert_to_linear_attention,
     linear_attention_config,
     load_teacher,
+    tokenizer_max_length,
 )
 from training.recipes import attention_arguments, attention_options, exit_on_bad_input, parse_recipe_args
 
@@ -56,9 +60,36 @@ def check_arguments(args: ConversionArguments) -> None:
             raise ValueError(f"--{name} is required (on the command line or in the recipe)")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r}: choose one of {list(DTYPES)}")
-    output = Path(args.output_dir)
+    output = Path(args.output_dir).resolve()
+    source = Path(args.model_name_or_path)
+    if source.exists():
+        source = source.resolve()
+        if output == source or source in output.parents or output in source.parents:
+            relation = "is" if output == source else "is inside" if source in output.parents else "contains"
+            raise ValueError(f"--output_dir {args.output_dir} {relation} --model_name_or_path "
+                             f"{args.model_name_or_path}: writing the conversion there would replace its source; "
+                             "choose another folder.")
     if output.exists() and any(output.iterdir()) and not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Put the folder `new` at `target` (a sibling path), replacing what is there by renames only: the old
+    folder is moved aside, the new one renamed in, and only then is the old one deleted. Interrupted at any
+    point, `target` is either the old folder or the new one (the old one may remain beside it as
+    `.NAME.replaced-*`)."""
+    if not target.exists():
+        new.rename(target)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.replaced-", dir=target.parent))
+    aside.rmdir()
+    target.rename(aside)
+    try:
+        new.rename(target)
+    except BaseException:
+        aside.rename(target)
+        raise
+    shutil.rmtree(aside)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,13 +126,12 @@ def convert(args: ConversionArguments) -> int:
     student.config.base_model_name_or_path = args.model_name_or_path
 
     output.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.model_max_length = tokenizer_max_length(tokenizer, source_config.max_position_embeddings)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
+        replace_folder(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     params = sum(p.numel() for p in student.parameters())

@@ -62,8 +62,9 @@ class DataArguments:
                           "tokenizer's chat template."},
     )
     sample_by: str = field(
-        default="paragraph",
-        metadata={"help": f"What one document of a .txt file is: one of {TEXT_SAMPLING}."},
+        default="line",
+        metadata={"help": f"What one document of a .txt file is: one of {TEXT_SAMPLING} (line: run_clm's default; "
+                          "paragraph: text between blank lines; document: the whole file)."},
     )
     block_size: int = field(default=512, metadata={"help": "Tokens per packed row."})
     separate_documents: bool = field(
@@ -154,9 +155,17 @@ def load_documents(args: DataArguments) -> DatasetDict:
         files = {"train": args.train_file or str(EMBEDDED_CORPUS)}
         if args.validation_file:
             files["validation"] = args.validation_file
+        for split, path in files.items():
+            if Path(path).stat().st_size == 0:
+                raise ValueError(f"--{split}_file {path} is empty.")
         builder = FILE_BUILDERS[Path(files["train"]).suffix]
         options = {"sample_by": args.sample_by} if builder == "text" else {}
-        raw = load_dataset(builder, data_files=files, cache_dir=args.cache_dir, **options)
+        try:
+            raw = load_dataset(builder, data_files=files, cache_dir=args.cache_dir, **options)
+        except Exception as error:  # datasets wraps the parser's error (malformed JSON, CSV, ...)
+            cause = error.__cause__ or error
+            raise ValueError(f"{_describe_source(args)} cannot be read as {builder} records: "
+                             f"{type(cause).__name__}: {cause}") from None
     if "train" not in raw:
         raise ValueError(f"{_describe_source(args)} has no 'train' split (splits: {list(raw)}).")
     columns = raw["train"].column_names
@@ -166,6 +175,13 @@ def load_documents(args: DataArguments) -> DatasetDict:
             f"{columns}."
         )
     if "validation" not in raw:
+        documents = raw["train"].num_rows
+        if documents < 2:
+            raise ValueError(
+                f"{_describe_source(args)} holds {documents} document(s): a held-out share needs at least "
+                "2; give --validation_file, more documents"
+                + (", or --sample_by line (one document per line)" if args.sample_by != "line" else "") + "."
+            )
         split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100,
                                               seed=args.validation_split_seed)
         raw = DatasetDict(train=split["train"], validation=split["test"])
@@ -173,9 +189,14 @@ def load_documents(args: DataArguments) -> DatasetDict:
 
 
 def _document_texts(batch: dict[str, list], args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The documents of a batch of records; empty ones (null, blank text, no messages) are skipped."""
     column = batch[args.text_column]
+    for value in column:
+        if value and not isinstance(value, list if args.chat_template else str):
+            raise ValueError(f"--text_column {args.text_column!r} holds a {type(value).__name__} ({str(value)[:60]!r})"
+                             f"; expected {'a list of messages' if args.chat_template else 'text'}.")
     if not args.chat_template:
-        return [text for text in column if isinstance(text, str) and text.strip()]
+        return [text for text in column if text and text.strip()]
     return [tokenizer.apply_chat_template(messages, tokenize=False) for messages in column if messages]
 
 

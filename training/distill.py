@@ -23,9 +23,10 @@ import sys
 from dataclasses import dataclass, field
 
 from accelerate.utils import set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import hf_linear_attn
+from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 from training.attention_transfer import AttentionTransfer, attention_transfer_loss, transfer_layers
 from training.checkpoints import export_model
 from training.data import DataArguments, build_datasets, check_data_arguments
@@ -51,13 +52,14 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
         raise ValueError("--model_name_or_path (a converted checkpoint, see training/convert.py) is required.")
     check_data_arguments(data_args)
     check_train_arguments(train_args)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    model = load_teacher(args.model_name_or_path)  # refuses missing or unexpected weights
     if not isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
         raise ValueError(f"{args.model_name_or_path} holds a {type(model).__name__}, not a linear-attention model; "
                          "convert it first with training/convert.py.")
     if not transfer_layers(model):
         raise ValueError(f"{args.model_name_or_path} has no linear-attention layer to distill (all softmax_layers).")
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer.model_max_length = tokenizer_max_length(tokenizer, model.config.max_position_embeddings)
     accelerator = make_accelerator(train_args)
     set_seed(train_args.seed)
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())

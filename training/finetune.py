@@ -21,15 +21,16 @@ recipe sets). Flag names follow transformers' run_clm.py.
   card go to `OUTPUT_DIR`, and `--push_to_hub --hub_model_id USER/NAME` uploads them.
 
 Every bad input (a missing file, an unknown recipe key or column, a checkpoint that is not a
-linear-attention model, LoRA targets that match nothing, nothing to resume) is reported before training.
+linear-attention model or has missing or unexpected weights, LoRA targets that match nothing, nothing to
+resume, an earlier run in the output folder without `--resume_from_checkpoint` or
+`--overwrite_output_dir`) is reported before training; an earlier run that `--overwrite_output_dir`
+replaces is deleted only once the new run has its first checkpoint (`training.checkpoints`).
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -44,12 +45,11 @@ from transformers import (
 )
 
 import hf_linear_attn
-from hf_linear_attn.conversion import load_teacher
-from training.checkpoints import complete_checkpoints, export_model, resolve_resume_checkpoint
+from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
+from training.checkpoints import export_model
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, check_data_arguments
 from training.hub import HubArguments, push_to_hub
 from training.loop import (
-    LOG_FILE,
     TrainArguments,
     TrainResult,
     check_train_arguments,
@@ -155,25 +155,7 @@ def check_arguments(model_args: ModelArguments, data_args: DataArguments, train_
         if model_args.use_lora and not model_args.merge_lora:
             raise ValueError("--push_to_hub uploads a full model: keep --merge_lora true.")
     check_data_arguments(data_args)
-    check_train_arguments(train_args)
-    output_dir = Path(train_args.output_dir)
-    if train_args.resume_from_checkpoint:
-        train_args.resume_from_checkpoint = str(
-            resolve_resume_checkpoint(output_dir, train_args.resume_from_checkpoint)
-        )
-    elif complete_checkpoints(output_dir) and not train_args.overwrite_output_dir:
-        raise ValueError(f"{output_dir} already holds checkpoints of an earlier run: continue it with "
-                         "--resume_from_checkpoint latest, or start over with --overwrite_output_dir.")
-
-
-def _clear_output_dir(accelerator: Accelerator, train_args: TrainArguments) -> None:
-    """--overwrite_output_dir without resuming: drop the earlier run's checkpoints and log."""
-    output_dir = Path(train_args.output_dir)
-    if accelerator.is_main_process and train_args.overwrite_output_dir and not train_args.resume_from_checkpoint:
-        for path in [*complete_checkpoints(output_dir), output_dir / "runs"]:
-            shutil.rmtree(path, ignore_errors=True)
-        (output_dir / LOG_FILE).unlink(missing_ok=True)
-    accelerator.wait_for_everyone()
+    check_train_arguments(train_args)  # also the output folder: an earlier run is resumed or explicitly replaced
 
 
 def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
@@ -208,7 +190,8 @@ def load_config(model_args: ModelArguments) -> PretrainedConfig:
 
 def fit_to_tokenizer(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, from_scratch: bool) -> None:
     """From scratch, vocabulary size and special tokens come from the tokenizer; a checkpoint's
-    embeddings must cover the tokenizer."""
+    embeddings must cover the tokenizer. A tokenizer without a maximum length gets the model's."""
+    tokenizer.model_max_length = tokenizer_max_length(tokenizer, config.max_position_embeddings)
     if from_scratch:
         config.vocab_size = len(tokenizer)
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -219,11 +202,12 @@ def fit_to_tokenizer(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBas
 
 
 def build_model(model_args: ModelArguments, config: PretrainedConfig) -> PreTrainedModel:
-    """Load the checkpoint or initialise from the config (seeded by the caller), in `model_args.dtype`."""
+    """Load the checkpoint (refusing one with missing or unexpected weights) or initialise from the config
+    (seeded by the caller), in `model_args.dtype`."""
     dtype = getattr(torch, model_args.dtype)
     if model_args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=config, dtype=dtype,
-                                                    trust_remote_code=model_args.trust_remote_code)
+        return load_teacher(model_args.model_name_or_path, config=config, dtype=dtype,
+                            trust_remote_code=model_args.trust_remote_code)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
 
 
@@ -277,7 +261,6 @@ def run(args: Arguments) -> TrainResult:
     if model_args.use_lora and model_args.merge_lora and _shards_parameters(accelerator):
         raise ValueError("Merging LoRA needs the full weights on one process; under FSDP / ZeRO-3 train with "
                          "--merge_lora false and merge the saved adapter afterwards.")
-    _clear_output_dir(accelerator, train_args)
     set_seed(train_args.seed)
     config = load_config(model_args)
     tokenizer = load_tokenizer(model_args)

@@ -1,10 +1,11 @@
 """Publishing a saved linear-attention checkpoint on the Hub with its generated model card.
 
-`push_to_hub(folder, repo_id)` renders the model card into `folder/README.md` (`training.model_card`)
-and, once the Hub has validated its metadata, uploads everything but training leftovers (intermediate
-checkpoints, tensorboard runs, the metrics log) in one commit. `training/finetune.py --push_to_hub`
-and `training/push_to_hub.py` call it. The Hub address and token come from the usual `HF_ENDPOINT` /
-`HF_TOKEN` (or `hf auth login`).
+`push_to_hub(folder, repo_id)` renders the model card (`training.model_card`), has the Hub validate its
+metadata (licence id, tags, model-index) before the repository is created, then writes it as
+`folder/README.md` and uploads everything but training leftovers (intermediate checkpoints, tensorboard
+runs, the metrics log) in one commit. A failed push leaves the folder's previous README.md as it was.
+`training/finetune.py --push_to_hub` and `training/push_to_hub.py` call it. The Hub address and token come
+from the usual `HF_ENDPOINT` / `HF_TOKEN` (or `hf auth login`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
-from training.checkpoints import CHECKPOINT_PREFIX, REPLACED_PREFIX, TEMPORARY_PREFIX
-from training.loop import LOG_FILE
-from training.model_card import write_model_card
+from training.checkpoints import (
+    CHECKPOINT_PREFIX,
+    LOG_FILE,
+    PREVIOUS_RUN_PREFIX,
+    REPLACED_PREFIX,
+    TEMPORARY_PREFIX,
+)
+from training.model_card import render_model_card
 
 # Training leftovers in an output folder that do not belong in a model repository.
-IGNORE_PATTERNS = [f"{CHECKPOINT_PREFIX}*", f"{TEMPORARY_PREFIX}*", f"{REPLACED_PREFIX}*", "runs/*", LOG_FILE]
+IGNORE_PATTERNS = [f"{CHECKPOINT_PREFIX}*", f"{TEMPORARY_PREFIX}*", f"{REPLACED_PREFIX}*", f"{PREVIOUS_RUN_PREFIX}*",
+                   "runs/*", LOG_FILE]
 
 
 @dataclass
@@ -42,14 +49,30 @@ def push_to_hub(
     license: str | None = None,
     commit_message: str = "Upload linear-attention model",
 ) -> str:
-    """Render the model card, create the repository if needed and upload `folder` in one commit.
+    """Render the model card, have the Hub validate it, create the repository if needed and upload `folder`
+    with the card as README.md in one commit. Returns the URL of the commit.
 
-    `upload_folder` has the Hub validate the card's metadata before any file is sent (an invalid card
-    raises ValueError and uploads nothing). Returns the URL of the commit."""
+    An invalid card (e.g. a licence id the Hub does not know) raises ValueError before the repository is
+    created; if the upload fails, `folder/README.md` is restored to what it was."""
     folder = Path(folder)
-    write_model_card(folder, repo_id=repo_id, license=license)
-    api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    commit = api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message,
-                               ignore_patterns=IGNORE_PATTERNS)
+    card = render_model_card(folder, repo_id=repo_id, license=license)
+    try:
+        card.validate(repo_type="model")
+    except ValueError as error:
+        raise ValueError(f"The Hub refuses the model card's metadata (--license {card.data.license!r}?): "
+                         f"{error}") from None
+    readme = folder / "README.md"
+    previous = readme.read_bytes() if readme.is_file() else None
+    card.save(readme)
+    try:
+        api = HfApi()
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        commit = api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message,
+                                   ignore_patterns=IGNORE_PATTERNS)
+    except BaseException:
+        if previous is None:
+            readme.unlink(missing_ok=True)
+        else:
+            readme.write_bytes(previous)
+        raise
     return commit.commit_url

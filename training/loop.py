@@ -62,12 +62,18 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from training.checkpoints import load_checkpoint, resolve_resume_checkpoint, save_checkpoint
+from training.checkpoints import (
+    LOG_FILE,
+    PreviousRun,
+    check_output_dir,
+    load_checkpoint,
+    resolve_resume_checkpoint,
+    save_checkpoint,
+)
 from training.data import collate_rows
 from training.losses import LossFn, causal_lm_loss, weighted_mean
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
-LOG_FILE = "log.jsonl"
 logger = get_logger(__name__)
 
 
@@ -77,7 +83,9 @@ class TrainArguments:
 
     output_dir: str = field(default="outputs/finetune", metadata={"help": "Checkpoints and the final model."})
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Delete the checkpoints and log already in output_dir and start over."}
+        default=False,
+        metadata={"help": "Replace the earlier run in output_dir (its checkpoints and log are deleted once this run "
+                          "has its first checkpoint)."},
     )
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the training rows."})
@@ -113,7 +121,9 @@ class TrainArguments:
 
 
 def check_train_arguments(args: TrainArguments) -> None:
-    """Raise a clear error for values the loop cannot run with, before anything is loaded."""
+    """Raise a clear error for values the loop cannot run with, before anything is loaded; also checks the
+    output folder (an earlier run there needs --resume_from_checkpoint or --overwrite_output_dir) and
+    resolves `resume_from_checkpoint` to the checkpoint folder."""
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
         raise ValueError("Set --max_steps > 0 or --num_train_epochs > 0.")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
@@ -125,6 +135,8 @@ def check_train_arguments(args: TrainArguments) -> None:
         raise ValueError(f"--mixed_precision {args.mixed_precision!r}: use no, fp16 or bf16.")
     if args.save_total_limit is not None and args.save_total_limit < 1:
         raise ValueError(f"--save_total_limit must be >= 1, got {args.save_total_limit}.")
+    args.resume_from_checkpoint = check_output_dir(args.output_dir, args.overwrite_output_dir,
+                                                   args.resume_from_checkpoint)
 
 
 def make_accelerator(args: TrainArguments) -> Accelerator:
@@ -331,11 +343,15 @@ def train(
     output_dir = Path(args.output_dir)
     optimizer = _optimizer(model, args)
     sampler = EpochShuffleSampler(len(train_dataset), args.seed)
+    # Loaders with their own generator: starting to iterate one draws a seed from it, and from the global torch
+    # RNG otherwise, which would shift dropout masks between a resumed run and the uninterrupted one (the
+    # resumed run starts iterating mid-epoch).
     train_loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                              collate_fn=collate_fn)
+                              collate_fn=collate_fn, generator=torch.Generator().manual_seed(args.seed))
     eval_loader = None
     if eval_dataset is not None:
-        eval_loader = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn)
+        eval_loader = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn,
+                                 generator=torch.Generator().manual_seed(args.seed))
         eval_loader = accelerator.prepare(eval_loader)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     accumulation = args.gradient_accumulation_steps
@@ -349,62 +365,72 @@ def train(
     # The schedule counts optimizer steps; stepped by hand (a prepared scheduler steps once per process).
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
-    accelerator.register_for_checkpointing(scheduler)
     geometry = {"num_processes": accelerator.num_processes, "per_device_train_batch_size":
                 args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation}
 
     global_step, tokens_seen = 0, 0
     if args.resume_from_checkpoint:
-        state = load_checkpoint(accelerator, resolve_resume_checkpoint(output_dir, args.resume_from_checkpoint))
+        state = load_checkpoint(accelerator, resolve_resume_checkpoint(output_dir, args.resume_from_checkpoint),
+                                scheduler)
         global_step, tokens_seen = state["global_step"], state["tokens_seen"]
         if state["geometry"] != geometry:
             logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: the data order differs "
                            "from the interrupted run.", main_process_only=True)
-    if accelerator.is_main_process:
-        JsonLinesTracker.keep_records(output_dir / LOG_FILE, global_step if args.resume_from_checkpoint else None)
-    accelerator.init_trackers(run_name, config=_tracker_config(tracker_config or asdict(args)))
+    # An earlier run that this one replaces (--overwrite_output_dir) is moved aside only now, with every input
+    # checked and loaded, and deleted once this run has a checkpoint of its own or has finished.
+    replaces = args.overwrite_output_dir and not args.resume_from_checkpoint
+    previous = PreviousRun(accelerator, output_dir, move=replaces)
+    try:
+        if accelerator.is_main_process:
+            JsonLinesTracker.keep_records(output_dir / LOG_FILE, global_step if args.resume_from_checkpoint else None)
+        accelerator.init_trackers(run_name, config=_tracker_config(tracker_config or asdict(args)))
 
-    def micro_batches(start: int) -> Iterator[dict[str, torch.Tensor]]:
-        epoch, skip = divmod(start, batches_per_epoch)
-        while True:
-            sampler.epoch = epoch
-            yield from accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-            epoch, skip = epoch + 1, 0
+        def micro_batches(start: int) -> Iterator[dict[str, torch.Tensor]]:
+            epoch, skip = divmod(start, batches_per_epoch)
+            while True:
+                sampler.epoch = epoch
+                yield from accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+                epoch, skip = epoch + 1, 0
 
-    stream = micro_batches(global_step * accumulation)
-    progress = tqdm(total=total_steps, initial=global_step, desc=run_name, disable=not accelerator.is_main_process,
-                    dynamic_ncols=True)
-    eval_metrics: dict[str, float] = {}
-    window_loss, window_steps, window_tokens, window_seconds = 0.0, 0, 0, 0.0  # since the last log line
-    model.train()
-    while global_step < total_steps:
-        started = time.perf_counter()
-        step_loss, step_tokens = _optimizer_step(model, stream, loss_fn, optimizer, accelerator, args)
-        if not accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        global_step += 1
-        tokens_seen += step_tokens
-        window_loss, window_steps = window_loss + step_loss, window_steps + 1
-        window_tokens, window_seconds = window_tokens + step_tokens, window_seconds + time.perf_counter() - started
-        tokens_per_second = window_tokens / max(window_seconds, 1e-9)  # training time only (no eval, no saving)
-        progress.update(1)
-        progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_per_second:,.0f}",
-                             lr=f"{scheduler.get_last_lr()[0]:.2e}")
-        if global_step % args.logging_steps == 0 or global_step == total_steps:
-            record = {"loss": window_loss / window_steps,
-                      "learning_rate": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
-                      "tokens_per_second": tokens_per_second}
-            accelerator.log(record, step=global_step)
-            window_loss, window_steps, window_tokens, window_seconds = 0.0, 0, 0, 0.0
-        if eval_loader is not None and (
-            global_step == total_steps or (args.eval_steps > 0 and global_step % args.eval_steps == 0)
-        ):
-            eval_metrics = evaluate(model, eval_loader, eval_loss_fn or loss_fn, accelerator, perplexity)
-            accelerator.log(eval_metrics, step=global_step)
-            if accelerator.is_main_process:
-                progress.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-        if args.save_steps > 0 and global_step % args.save_steps == 0:
-            save_checkpoint(accelerator, output_dir, {"global_step": global_step, "tokens_seen": tokens_seen,
-                                                      "geometry": geometry}, keep_last=args.save_total_limit)
+        stream = micro_batches(global_step * accumulation)
+        progress = tqdm(total=total_steps, initial=global_step, desc=run_name, disable=not accelerator.is_main_process,
+                        dynamic_ncols=True)
+        eval_metrics: dict[str, float] = {}
+        window_loss, window_steps, window_tokens, window_seconds = 0.0, 0, 0, 0.0  # since the last log line
+        model.train()
+        while global_step < total_steps:
+            started = time.perf_counter()
+            step_loss, step_tokens = _optimizer_step(model, stream, loss_fn, optimizer, accelerator, args)
+            if not accelerator.optimizer_step_was_skipped:
+                scheduler.step()
+            global_step += 1
+            tokens_seen += step_tokens
+            window_loss, window_steps = window_loss + step_loss, window_steps + 1
+            window_tokens, window_seconds = window_tokens + step_tokens, window_seconds + time.perf_counter() - started
+            tokens_per_second = window_tokens / max(window_seconds, 1e-9)  # training time only (no eval, no saving)
+            progress.update(1)
+            progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_per_second:,.0f}",
+                                 lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            if global_step % args.logging_steps == 0 or global_step == total_steps:
+                record = {"loss": window_loss / window_steps,
+                          "learning_rate": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
+                          "tokens_per_second": tokens_per_second}
+                accelerator.log(record, step=global_step)
+                window_loss, window_steps, window_tokens, window_seconds = 0.0, 0, 0, 0.0
+            if eval_loader is not None and (
+                global_step == total_steps or (args.eval_steps > 0 and global_step % args.eval_steps == 0)
+            ):
+                eval_metrics = evaluate(model, eval_loader, eval_loss_fn or loss_fn, accelerator, perplexity)
+                accelerator.log(eval_metrics, step=global_step)
+                if accelerator.is_main_process:
+                    progress.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+            if args.save_steps > 0 and global_step % args.save_steps == 0:
+                trainer_state = {"global_step": global_step, "tokens_seen": tokens_seen, "geometry": geometry}
+                save_checkpoint(accelerator, output_dir, trainer_state, scheduler, keep_last=args.save_total_limit)
+                previous.discard()
+    except BaseException:
+        previous.restore()
+        raise
+    previous.discard()
     progress.close()
     return TrainResult(model, global_step, tokens_seen, eval_metrics, _logged_history(accelerator))
