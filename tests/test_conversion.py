@@ -143,7 +143,7 @@ def test_convert_cli_fails_before_writing_anything(tmp_path, capsys):
                                                       str(out), "--decay", "scalar")
     assert "error: invalid `window_size`=-1" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir",
                                                       str(out), "--window_size", "-1")
-    assert "error: invalid `softmax_layers`=[2]" in fails(  # the source has 2 layers
+    assert "layer 2 does not exist" in fails(  # the source has 2 layers
         "--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--softmax_layers", "2")
     assert "invalid choice: 'cos'" in fails(  # not a choice: argparse's usage error
         "--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "cos")
@@ -210,3 +210,39 @@ def test_conversion_refuses_a_source_with_unexpected_weights(tmp_path):
     save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"has unexpected weights \['model.layers.0.self_attn.extra_proj.weight'\]"):
         convert_to_linear_attention(str(tmp_path / "src"), window_size=8)
+
+
+def test_convert_cli_selects_softmax_layers_on_a_stage1_model(tmp_path, capsys, dataset_cache):
+    """`--softmax_layers auto:K --ranking_model STAGE1`: STAGE1 with the K layers that matter most restored to
+    softmax, the ranking beside it; bad selections stop with one error line before anything is written."""
+    import json
+
+    from training import distill
+
+    save_with_tokenizer(teacher("llama"), tmp_path / "src")
+    common = ["--model_name_or_path", str(tmp_path / "src"), "--feature_dim", "8", "--window_size", "4",
+              "--num_sink_tokens", "1"]
+    data = ["--block_size", "32", "--cache_dir", str(dataset_cache)]
+    assert run_convert(*common, "--output_dir", str(tmp_path / "converted")) == 0
+    assert distill.main(["--model_name_or_path", str(tmp_path / "converted"), "--output_dir", str(tmp_path / "stage1"),
+                         "--max_steps", "2", *data, "--report_to", "none"]) == 0
+    for bad, message in (
+        (["--softmax_layers", "auto:2", "--ranking_model", str(tmp_path / "stage1")], "softmax_layers"),  # = teacher
+        (["--softmax_layers", "auto:1"], "needs a ranking_model"),
+        (["--softmax_layers", "1", "--ranking_model", str(tmp_path / "stage1")], "only used with"),
+        (["--softmax_layers", "auto:1", "--ranking_model", str(tmp_path / "stage1"), "--feature_dim", "16"],
+         "feature_dim"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            run_convert(*common, *bad, *data, "--output_dir", str(tmp_path / "bad"))
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+    assert run_convert(*common, "--softmax_layers", "auto:1", "--ranking_model", str(tmp_path / "stage1"),
+                       "--ranking_rows", "2", *data, "--output_dir", str(tmp_path / "hybrid")) == 0
+    ranking = json.loads((tmp_path / "hybrid" / "softmax_layer_ranking.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hybrid")
+    assert model.config.softmax_layers == ranking["selected"] == [ranking["ranking"][0]["layer"]]
+    stage1 = AutoModelForCausalLM.from_pretrained(tmp_path / "stage1").state_dict()
+    kept = model.state_dict()
+    assert kept and all(torch.equal(value, stage1[name]) for name, value in kept.items())  # stage-1 weights kept

@@ -12,6 +12,14 @@ renames (the old one is deleted only once the new one is in place). The output m
 or contain the source folder. It holds safetensors weights, the model code (loads with
 `trust_remote_code=True` without this package) and the source's tokenizer, whose `model_max_length`
 is the source's (its tokenizer's, else its `max_position_embeddings`).
+
+Softmax-layer selection: `--softmax_layers auto:K --ranking_model STAGE1` keeps as full softmax the K layers
+whose restoration alone brings the model closest to the teacher (KL of next-token distributions on
+`--ranking_rows` held-out rows of `--block_size` tokens of the data pipeline), measured on STAGE1, a stage-1
+checkpoint (training/distill.py) of this same conversion: the output is STAGE1 with those K layers restored
+(`hf_linear_attn.layer_selection`), and the ranking is written to `softmax_layer_ranking.json` beside it.
+Attention transfer trains each layer on its teacher's exact inputs, so the stage-1 weights of the remaining
+layers are what stage 1 of the hybrid itself would have trained.
 """
 
 from __future__ import annotations
@@ -32,9 +40,19 @@ from hf_linear_attn.conversion import (
     load_teacher,
     tokenizer_max_length,
 )
+from hf_linear_attn.layer_selection import (
+    check_layer_selection,
+    check_same_conversion,
+    parse_softmax_layers,
+    restore_softmax_layers,
+    select_softmax_layers,
+    write_ranking,
+)
+from training.data import DataArguments, build_datasets, check_data_arguments
 from training.recipes import attention_arguments, attention_options, exit_on_bad_input, parse_recipe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANKING_FILE = "softmax_layer_ranking.json"
 
 
 @dataclass
@@ -46,11 +64,19 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace an existing output_dir."})
     dtype: str = field(default="float32", metadata={"help": f"Weights dtype of the output, one of {list(DTYPES)}."})
+    softmax_layers: list[str] = field(default_factory=list, metadata={
+        "help": "Layers kept as full softmax attention: indices (`1 5 7` or `1,5,7`), or `auto:K`, the K layers "
+                "whose restoration alone lowers the KL to the teacher most on held-out rows of --ranking_model."})
+    ranking_model: str | None = field(default=None, metadata={
+        "help": f"With --softmax_layers auto:K: a stage-1 checkpoint (training/distill.py) of this same conversion; "
+                f"the output is that checkpoint with the K chosen layers restored, the ranking in {RANKING_FILE}."})
+    ranking_rows: int = field(default=4, metadata={"help": "Held-out rows of --block_size tokens the ranking scores."})
 
 
-def parse_args(argv: list[str] | None = None) -> ConversionArguments:
-    """Command-line flags over an optional YAML recipe (`--config FILE`)."""
-    return parse_recipe_args(ConversionArguments, argv)
+def parse_args(argv: list[str] | None = None) -> tuple[ConversionArguments, DataArguments]:
+    """Command-line flags over an optional YAML recipe (`--config FILE`); the data flags say which held-out rows
+    rank the layers for `--softmax_layers auto:K`."""
+    return parse_recipe_args((ConversionArguments, DataArguments), argv)
 
 
 def check_arguments(args: ConversionArguments) -> None:
@@ -93,24 +119,37 @@ def replace_folder(new: Path, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, data_args = parse_args(argv)
     with exit_on_bad_input():
-        return convert(args)
+        return convert(args, data_args)
 
 
-def convert(args: ConversionArguments) -> int:
+def convert(args: ConversionArguments, data_args: DataArguments | None = None) -> int:
     """Check `args`, then write the converted checkpoint (see the module docstring)."""
     check_arguments(args)
+    data_args = data_args or DataArguments()
     output = Path(args.output_dir)
     options = attention_options(args)
     load_kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
 
     # Everything that can fail cheaply fails before the weights are read or anything is written.
     source_config = AutoConfig.from_pretrained(args.model_name_or_path, **load_kwargs)
+    selection = parse_softmax_layers(args.softmax_layers, source_config.num_hidden_layers)
+    check_layer_selection(selection, teacher=args.model_name_or_path, ranking_model=args.ranking_model)
+    options["softmax_layers"] = list(selection.layers)
     try:
-        linear_attention_config(source_config, **options)
+        conversion_config = linear_attention_config(source_config, **options)
     except TypeError as error:  # an option of the wrong type is bad input like any other
         raise ValueError(str(error)) from None
+    if selection.auto_k is not None:
+        check_data_arguments(data_args)
+        if args.ranking_rows < 1:
+            raise ValueError(f"--ranking_rows {args.ranking_rows}: rank on at least one held-out row.")
+        try:
+            ranking_config = AutoConfig.from_pretrained(args.ranking_model)
+        except OSError as error:
+            raise ValueError(f"--ranking_model {args.ranking_model}: {error}") from None
+        check_same_conversion(ranking_config, conversion_config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as error:
@@ -122,7 +161,16 @@ def convert(args: ConversionArguments) -> int:
                          f"{len(tokenizer)} tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
-    student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], **options)
+    ranking = None
+    if selection.auto_k is None:
+        student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], **options)
+    else:
+        rows = torch.tensor(build_datasets(data_args, tokenizer)["validation"]["input_ids"][: args.ranking_rows])
+        student = load_teacher(args.ranking_model)  # refuses a checkpoint with missing or unexpected weights
+        layers, ranking = select_softmax_layers(student, teacher.eval(), rows, selection.auto_k)
+        student = restore_softmax_layers(student, layers, inplace=True).to(DTYPES[args.dtype])
+        print(f"Softmax layers {student.config.softmax_layers}: chosen on {len(rows)} held-out rows of "
+              f"{rows.shape[1]} tokens (ranking in {RANKING_FILE})")
     student.config.base_model_name_or_path = args.model_name_or_path
 
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -131,13 +179,16 @@ def convert(args: ConversionArguments) -> int:
     try:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if ranking is not None:
+            write_ranking(staging / RANKING_FILE, ranking, selected=student.config.softmax_layers,
+                          ranking_model=args.ranking_model, rows=len(rows), row_tokens=int(rows.shape[1]))
         replace_folder(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     params = sum(p.numel() for p in student.parameters())
     new = sum(p.numel() for n, p in student.named_parameters() if "feature_map" in n or "window_gate" in n)
     print(f"Converted {args.model_name_or_path} ({source_config.model_type}) -> {output}: {params:,} parameters, "
-          f"{new:,} new (feature maps, window gates); attention {options}")
+          f"{new:,} new (feature maps, window gates); attention {attention_options(student.config)}")
     return 0
 
 
