@@ -147,6 +147,15 @@ class AttentionOptions:
         _check_int("decay_low_rank_dim", self.decay_low_rank_dim, 1)
         _check_int("window_size", self.window_size, 0)
         _check_int("num_sink_tokens", self.num_sink_tokens, 0)
+        _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)
+        _check_choice("update_rule", self.update_rule, UPDATE_RULES)
+        _check_int("conv_size", self.conv_size, 0)
+        if self.conv_size == 1:
+            _fail("conv_size", self.conv_size, "0 (off) or a width >= 2: a width-1 convolution only rescales "
+                  "channels, which the projections already do")
+        _check_bool("output_gate", self.output_gate)
+        if self.update_rule == "delta":  # before the window checks: their advice would not apply
+            self._check_delta_rule()
         if self.num_sink_tokens > 0 and self.window_size == 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "sink tokens need the window hybrid (window_size > 0)")
         if self.window_size > 0 and not self.normalize:
@@ -161,25 +170,16 @@ class AttentionOptions:
         if any(i < 0 for i in layers):
             _fail("softmax_layers", self.softmax_layers, allowed)
         self.softmax_layers = sorted(set(layers))
-        _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)
-        _check_choice("update_rule", self.update_rule, UPDATE_RULES)
-        _check_int("conv_size", self.conv_size, 0)
-        if self.conv_size == 1:
-            _fail("conv_size", self.conv_size, "0 (off) or a width >= 2: a width-1 convolution only rescales "
-                  "channels, which the projections already do")
-        _check_bool("output_gate", self.output_gate)
-        if self.update_rule == "delta":
-            self._check_delta_rule()
 
     def _check_delta_rule(self) -> None:
         """The combinations update_rule='delta' supports (see DELTA_FEATURE_MAPS and the help of update_rule)."""
-        if self.normalize:
-            _fail("normalize", self.normalize, "update_rule='delta' has no normaliser (its keys are L2-normalised "
-                  "and the state stores values, not sums): pass normalize=False")
         if self.window_size > 0:
             _fail("window_size", self.window_size, "the window hybrid's linear part is additive (keys leaving the "
                   "window are added to its state with a shared softmax normaliser): update_rule='delta' needs "
                   "window_size=0")
+        if self.normalize:
+            _fail("normalize", self.normalize, "update_rule='delta' has no normaliser (its keys are L2-normalised "
+                  "and the state stores values, not sums): pass normalize=False")
         if self.feature_map not in DELTA_FEATURE_MAPS:
             _fail("feature_map", self.feature_map, f"update_rule='delta' L2-normalises φ(q), φ(k); allowed: "
                   f"{', '.join(DELTA_FEATURE_MAPS)} (taylor's features approximate exp(q·k), which normalising "

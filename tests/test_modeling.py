@@ -425,3 +425,16 @@ def test_delta_pad_steps_leave_the_state_unchanged():
     for a, b in zip(plain.layers, padded.layers, strict=True):
         torch.testing.assert_close(a.state, b.state, atol=1e-6, rtol=1e-5)
         assert a.state.abs().sum() > 0
+
+
+@pytest.mark.parametrize("feature_map, decay", [("relu", "fixed"), ("t2r", "none"), ("hedgehog", "scalar")])
+def test_delta_rule_with_each_allowed_feature_map_and_decay_matches_the_oracle(feature_map, decay):
+    learned = {"feature_dim": 8} if feature_map in ("t2r", "hedgehog") else {}
+    model = tiny_model(update_rule="delta", normalize=False, feature_map=feature_map, decay=decay, **learned)
+    ids = torch.randint(3, 128, (2, 70))
+    with torch.no_grad():
+        fast = model(ids).logits
+        model.config.linear_attention_backend = "recurrent"
+        slow = model(ids).logits
+    assert torch.isfinite(fast).all()
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)
