@@ -3,7 +3,9 @@
 Per layer it holds what the next token needs and nothing that grows with the context:
 
 - linear layers: the recurrent state S (and z as its last column when normalised),
-  fp32 `[B, H, K, V (+1)]`;
+  fp32 `[B, H, K, V (+1)]`; with `update_rule="delta"` the delta-rule state S, fp32 `[B, H, K, V]`;
+- layers with a short convolution (`conv_size` = W > 0): also its last W − 1 inputs (the q/k/v
+  projections, pads zeroed) `[B, W − 1, C]` in the model dtype, C = (H + 2 H_kv) · D;
 - window-hybrid layers: the same state for every token folded into the linear part, plus the raw
   keys/values of the sinks and of the last `window_size` positions, `[B, R, H_kv, D]` with
   R = num_sink_tokens + window_size, right-aligned, and a bool mask `[B, R]` of which slots are
@@ -40,11 +42,12 @@ class LinearStateLayer(CacheLayerMixin):
         self.window_keys: torch.Tensor | None = None
         self.window_values: torch.Tensor | None = None
         self.window_mask: torch.Tensor | None = None
+        self.conv_inputs: torch.Tensor | None = None
         self.seen_tokens = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors this layer holds, by attribute name (only those that exist yet)."""
-        names = ("state", "window_keys", "window_values", "window_mask")
+        names = ("state", "window_keys", "window_values", "window_mask", "conv_inputs")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, fn) -> None:
@@ -65,6 +68,10 @@ class LinearStateLayer(CacheLayerMixin):
         self.state = state
         self.seen_tokens += num_new_tokens
         self.is_initialized = True
+
+    def update_conv(self, inputs: torch.Tensor) -> None:
+        """Store the short convolution's last W − 1 inputs `[B, W − 1, C]` (the next call's left context)."""
+        self.conv_inputs = inputs
 
     def update_window(
         self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, window_size: int, num_sink_tokens: int
@@ -105,7 +112,7 @@ class LinearStateLayer(CacheLayerMixin):
         return self.seen_tokens + query_length, 0
 
     def reset(self) -> None:
-        self.state = self.window_keys = self.window_values = self.window_mask = None
+        self.state = self.window_keys = self.window_values = self.window_mask = self.conv_inputs = None
         self.seen_tokens = 0
         self.is_initialized = False
 
@@ -130,11 +137,13 @@ class LinearStateLayer(CacheLayerMixin):
 
 
 # The config fields that decide what a cache holds and how the model reads it: the layer kinds, the state's
-# layout (heads, head and feature sizes, normaliser column) and its meaning (feature map, decay, window, sinks).
-# A cache built for a config that differs in any of them would be read as garbage, so the model refuses it.
+# layout (heads, head and feature sizes, normaliser column, convolution inputs) and its meaning (feature map,
+# decay, update rule, window, sinks). A cache built for a config that differs in any of them would be read as
+# garbage, so the model refuses it. (output_norm and output_gate act on the output only: not listed.)
 FINGERPRINT_FIELDS = (
     "num_hidden_layers", "softmax_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "feature_map", "feature_dim", "decay", "normalize", "window_size", "num_sink_tokens",
+    "feature_map", "feature_dim", "decay", "normalize", "window_size", "num_sink_tokens", "update_rule",
+    "conv_size",
 )
 
 

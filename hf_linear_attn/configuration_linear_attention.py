@@ -25,6 +25,14 @@ from .feature_maps import FEATURE_MAP_CLASSES, LEARNED_FEATURE_MAPS, feature_out
 FEATURE_MAPS = tuple(FEATURE_MAP_CLASSES)
 DECAYS = ("none", "fixed", "scalar", "vector")
 BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
+UPDATE_RULES = ("additive", "delta")
+# What the delta rule accepts. Its keys are L2-normalised after φ: the maps whose output is a direction worth
+# normalising qualify; taylor does not (its 1 + D + D² features approximate exp(q·k), which normalising breaks,
+# and its state would be (1 + D + D²) × D). Its decay is a per-head scalar (the op takes log a [B, T, H]).
+# Its backends are those of `delta_rule_attention`.
+DELTA_FEATURE_MAPS = ("identity", "elu", "relu", "t2r", "hedgehog")
+DELTA_DECAYS = ("none", "fixed", "scalar")
+DELTA_BACKENDS = ("auto", "torch", "recurrent")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
@@ -112,8 +120,19 @@ class AttentionOptions:
     num_sink_tokens: int = _option(0, "First tokens always attended with softmax (window hybrid only).")
     softmax_layers: list[int] = _option([], "Indices of the layers that keep full softmax attention.")
     linear_attention_backend: str = _option(
-        "auto", "Backend of hf_linear_attn.linear_attention used by the layers (auto picks the fastest "
-        "available).", choices=BACKENDS)
+        "auto", "Backend of hf_linear_attn.linear_attention (or delta_rule_attention) used by the layers (auto "
+        "picks the fastest available).", choices=BACKENDS)
+    update_rule: str = _option(
+        "additive", "How a token enters the state: additive (S += φ(k)vᵀ, the Linear Transformer) or delta "
+        "(S = a(I - βkkᵀ)S + βkvᵀ, DeltaNet / Gated DeltaNet: q and k are L2-normalised after φ, a learned "
+        "β = sigmoid(xW) per head; needs normalize=False, window_size=0, a decay of none/fixed/scalar and a "
+        f"feature_map of {'/'.join(DELTA_FEATURE_MAPS)}).", choices=UPDATE_RULES)
+    conv_size: int = _option(
+        0, "0 disables; otherwise a causal depthwise convolution of that width over time on the q/k/v projections, "
+        "before RoPE and φ (Gated DeltaNet uses 4). Its last conv_size - 1 inputs live in the cache.")
+    output_gate: bool = _option(
+        False, "Multiply the attention output (after output_norm) by silu(x W_g) per channel (Gated DeltaNet: with "
+        "output_norm=True, o = RMSNorm(o) * silu(g_proj(x))).")
 
     def __post_init__(self) -> None:
         _check_choice("feature_map", self.feature_map, FEATURE_MAPS)
@@ -128,6 +147,15 @@ class AttentionOptions:
         _check_int("decay_low_rank_dim", self.decay_low_rank_dim, 1)
         _check_int("window_size", self.window_size, 0)
         _check_int("num_sink_tokens", self.num_sink_tokens, 0)
+        _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)
+        _check_choice("update_rule", self.update_rule, UPDATE_RULES)
+        _check_int("conv_size", self.conv_size, 0)
+        if self.conv_size == 1:
+            _fail("conv_size", self.conv_size, "0 (off) or a width >= 2: a width-1 convolution only rescales "
+                  "channels, which the projections already do")
+        _check_bool("output_gate", self.output_gate)
+        if self.update_rule == "delta":  # before the window checks: their advice would not apply
+            self._check_delta_rule()
         if self.num_sink_tokens > 0 and self.window_size == 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "sink tokens need the window hybrid (window_size > 0)")
         if self.window_size > 0 and not self.normalize:
@@ -142,7 +170,26 @@ class AttentionOptions:
         if any(i < 0 for i in layers):
             _fail("softmax_layers", self.softmax_layers, allowed)
         self.softmax_layers = sorted(set(layers))
-        _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)
+
+    def _check_delta_rule(self) -> None:
+        """The combinations update_rule='delta' supports (see DELTA_FEATURE_MAPS and the help of update_rule)."""
+        if self.window_size > 0:
+            _fail("window_size", self.window_size, "the window hybrid's linear part is additive (keys leaving the "
+                  "window are added to its state with a shared softmax normaliser): update_rule='delta' needs "
+                  "window_size=0")
+        if self.normalize:
+            _fail("normalize", self.normalize, "update_rule='delta' has no normaliser (its keys are L2-normalised "
+                  "and the state stores values, not sums): pass normalize=False")
+        if self.feature_map not in DELTA_FEATURE_MAPS:
+            _fail("feature_map", self.feature_map, f"update_rule='delta' L2-normalises φ(q), φ(k); allowed: "
+                  f"{', '.join(DELTA_FEATURE_MAPS)} (taylor's features approximate exp(q·k), which normalising "
+                  "breaks)")
+        if self.decay not in DELTA_DECAYS:
+            _fail("decay", self.decay, f"update_rule='delta' takes one decay per head and token; allowed: "
+                  f"{', '.join(DELTA_DECAYS)}")
+        if self.linear_attention_backend not in DELTA_BACKENDS:
+            _fail("linear_attention_backend", self.linear_attention_backend, "update_rule='delta' runs on "
+                  f"delta_rule_attention, whose backends are {', '.join(DELTA_BACKENDS)}")
 
 
 ATTENTION_OPTIONS = tuple(f.name for f in fields(AttentionOptions))

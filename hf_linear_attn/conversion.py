@@ -4,7 +4,14 @@ Supported sources: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
 `Qwen3ForCausalLM`. The decoder is carried over exactly (embeddings, norms, MLPs, q/k/v/o with
 their biases, Qwen3's q/k norms, RoPE settings, tied embeddings); only attention changes. The new
 parameters (learned feature maps, the window mixing γ, decay gates, output norms) start from their
-documented initialisation (`LinearAttentionPreTrainedModel._init_weights`).
+documented initialisation (`LinearAttentionPreTrainedModel._init_weights`), except the short convolution
+(`conv_size`), which starts as the exact identity: the converted layer first sees the teacher's own q/k/v.
+
+Delta-rule conversions (`update_rule="delta"`, e.g. `**GATED_DELTANET_OPTIONS`) keep the teacher's q/k/v
+projections and RoPE; what is new starts as follows, and attention transfer (`training/distill.py`) trains it:
+the β projection at N(0, initializer_range), so β = sigmoid(x W_β) starts near 0.5 (every token writes, at
+half strength); the convolution at the identity; the output gate's projection at N(0, initializer_range), so
+silu(x W_g) starts small and the converted layer adds little to the residual stream until it has learned.
 
 With `window_size` ≥ the sequence length the hybrid layer *is* softmax attention, so a freshly
 converted model reproduces its teacher's logits exactly there: the conversion tests rely on it.
@@ -31,6 +38,12 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # attention option at its `AttentionOptions` default.
 DEFAULT_ATTENTION_OPTIONS: dict[str, Any] = asdict(AttentionOptions(feature_map="hedgehog", window_size=64,
                                                                     num_sink_tokens=4))
+
+# Gated DeltaNet (Yang et al. 2024) as a conversion target: the delta rule with a per-head data-dependent decay,
+# a width-4 short convolution, and the output norm and gate; φ is the identity (q, k are L2-normalised).
+GATED_DELTANET_OPTIONS: dict[str, Any] = dict(update_rule="delta", feature_map="identity", normalize=False,
+                                              window_size=0, num_sink_tokens=0, decay="scalar", conv_size=4,
+                                              output_norm=True, output_gate=True)
 
 
 def linear_attention_config(source_config, **attention_options: Any) -> LinearAttentionConfig:
@@ -146,7 +159,7 @@ def convert_to_linear_attention(
             f"{config.base_model_type} checkpoint?"
         )
     incompatible = student.load_state_dict({k: v for k, v in source.items() if k in target}, strict=False)
-    new_parameters = ("feature_map_", "window_gate", "decay_proj", "o_norm")
+    new_parameters = ("feature_map_", "window_gate", "decay_proj", "o_norm", "beta_proj", "qkv_conv", "g_proj")
     not_copied = [k for k in incompatible.missing_keys if not any(p in k for p in new_parameters)]
     if config.tie_word_embeddings:
         not_copied = [k for k in not_copied if k != "lm_head.weight"]
@@ -154,10 +167,15 @@ def convert_to_linear_attention(
         raise ValueError(f"The source checkpoint lacks weights the converted model needs: {not_copied[:8]}")
     if config.tie_word_embeddings:
         student.tie_weights()
+    with torch.no_grad():
+        for name, conv in student.named_modules():
+            if name.endswith("qkv_conv"):  # the identity: y_t = x_t (the last tap sees the current token)
+                conv.weight.zero_()
+                conv.weight[:, :, -1] = 1.0
     return student.eval()
 
 
 __all__ = [
     "convert_to_linear_attention", "linear_attention_config", "load_teacher", "tokenizer_max_length",
-    "DEFAULT_ATTENTION_OPTIONS",
+    "DEFAULT_ATTENTION_OPTIONS", "GATED_DELTANET_OPTIONS",
 ]

@@ -39,6 +39,8 @@ from .ops import linear_attention, window_attention
 # follow imports transitively), so the modules that `ops.py` builds on are named here as well.
 from .ops_chunked import chunk_linear_attention  # noqa: F401
 from .ops_common import CHUNK_SIZE, NORM_EPS  # noqa: F401
+from .ops_delta_rule import delta_rule_attention
+from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
 from .ops_triton import HAS_TRITON  # noqa: F401
 
@@ -161,15 +163,21 @@ class AttentionProjections(nn.Module):
             self.q_norm = LinearAttentionRMSNorm(d, eps=config.rms_norm_eps)
             self.k_norm = LinearAttentionRMSNorm(d, eps=config.rms_norm_eps)
 
-    def project(
-        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_unrotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k, v [B, T, H_kv, D] before RoPE (after the q/k norms)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def project(
+        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as the softmax teacher computes them: `project_unrotated`, then RoPE on q and k."""
+        q, k, v = self.project_unrotated(x)
         cos, sin = position_embeddings
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -179,8 +187,34 @@ class AttentionProjections(nn.Module):
         return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
 
 
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over time: y_t = Σ_j weight[:, 0, j] · x_{t − W + 1 + j}, per channel.
+
+    x [B, T, C]; weight [C, 1, W]; past None (zeros: the sequence starts here) or the W − 1 inputs before x,
+    [B, W − 1, C]. Returns y [B, T, C] and the last W − 1 inputs [B, W − 1, C] (what a cache carries on).
+    """
+    width = weight.shape[-1]
+    if past is None:
+        past = x.new_zeros(x.shape[0], width - 1, x.shape[2])
+    inputs = torch.cat([past.to(x.dtype), x], dim=1)  # [B, W − 1 + T, C]
+    y = F.conv1d(inputs.transpose(1, 2), weight, groups=x.shape[2]).transpose(1, 2)
+    return y, inputs[:, inputs.shape[1] - (width - 1) :]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ‖x‖ over the last dimension, computed in fp32 (a zero vector stays zero)."""
+    return F.normalize(x.float(), dim=-1, eps=eps).to(x.dtype)
+
+
 class LinearAttention(AttentionProjections):
-    """Linear attention (optionally decayed) or the sliding-window softmax + linear hybrid."""
+    """Linear attention (optionally decayed, additive or delta rule) or the sliding-window softmax + linear hybrid.
+
+    Per layer: q/k/v projections (+ q/k norms), the optional short convolution (`conv_size`), RoPE, then one of
+    `linear_forward` (additive), `delta_forward` (delta rule) or `window_forward` (hybrid), the optional output
+    norm and output gate, and o_proj.
+    """
 
     def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
         super().__init__(config)
@@ -202,6 +236,14 @@ class LinearAttention(AttentionProjections):
             self.window_gate = nn.Parameter(torch.zeros(heads))
         if config.output_norm:
             self.o_norm = LinearAttentionRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        if config.update_rule == "delta":
+            self.beta_proj = nn.Linear(h, heads, bias=False)  # β_t = sigmoid(x W_β), the write strength per head
+        if config.conv_size > 0:
+            # One depthwise causal convolution over the concatenated q, k, v channels (H + 2 H_kv heads of D).
+            channels = (heads + 2 * self.num_kv_heads) * config.head_dim
+            self.qkv_conv = nn.Conv1d(channels, channels, config.conv_size, groups=channels, bias=False)
+        if config.output_gate:
+            self.g_proj = nn.Linear(h, heads * config.head_dim, bias=False)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """log a_t ≤ 0: None, [B, T, H] (fixed, scalar) or [B, T, H, K] (vector), in fp32."""
@@ -235,18 +277,96 @@ class LinearAttention(AttentionProjections):
         """
         b, t, _ = hidden_states.shape
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
-        q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D], [B, T, H_kv, D] x 2
+        q, k, v = self.project_unrotated(hidden_states)  # [B, T, H, D], [B, T, H_kv, D] x 2
+        if hasattr(self, "qkv_conv"):
+            q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.config.window_size > 0 and cu_seqlens is not None:  # one document at a time
             bounds = cu_seqlens.tolist()
             o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j], None, None)
                            for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
         elif self.config.window_size > 0:
             o = self.window_forward(q, k, v, new_mask, cache_layer)
+        elif self.config.update_rule == "delta":
+            o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         else:
             o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         if hasattr(self, "o_norm"):
             o = self.o_norm(o)
+        if hasattr(self, "g_proj"):  # Gated DeltaNet's output gate, per channel
+            o = o * F.silu(self.g_proj(hidden_states)).view_as(o)
         return self.o_proj(o.reshape(b, t, -1))
+
+    def short_conv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The causal depthwise convolution over time on q [B, T, H, D] and k, v [B, T, H_kv, D] (same shapes out).
+
+        Pads enter as zeros, so they leak nothing into the tokens after them: a left-padded row convolves
+        exactly as the row alone (whose start is zero-padded too). Like the window, the convolution counts
+        positions, pads included: a hole inside a prompt is a zero input. With a cache, the last conv_size − 1
+        inputs continue from the previous call; packed documents (cu_seqlens) convolve one at a time.
+        """
+        b, t = q.shape[:2]
+        x = torch.cat([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], dim=-1)  # [B, T, C]
+        if new_mask is not None:
+            x = x * new_mask[..., None].to(x.dtype)
+        weight = self.qkv_conv.weight
+        if cu_seqlens is not None:
+            bounds = cu_seqlens.tolist()
+            y = torch.cat([causal_conv1d(x[:, i:j], weight)[0]
+                           for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
+        else:
+            y, last_inputs = causal_conv1d(x, weight, None if cache_layer is None else cache_layer.conv_inputs)
+            if cache_layer is not None:
+                cache_layer.update_conv(last_inputs)
+        sizes = [q.shape[2] * self.head_dim, k.shape[2] * self.head_dim, v.shape[2] * self.head_dim]
+        return tuple(part.reshape(b, t, -1, self.head_dim) for part in y.split(sizes, dim=-1))
+
+    def delta_forward(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The delta rule from the cached state (or per packed document): o [B, T, H, V].
+
+        φ is applied to q and k (after RoPE, as in `linear_forward`), then both are L2-normalised: the op needs
+        unit keys, and unit queries keep the read-out bounded. Pads set β = 0 and log a = 0, so a pad step is
+        S ← 1 · (I − 0) S + 0 = S: the state is exactly unchanged.
+        """
+        q = l2_normalize(self.feature_map_q(q))  # [B, T, H, K]
+        k = l2_normalize(self.feature_map_k(self.repeat_kv(k)))  # [B, T, H, K]
+        v = self.repeat_kv(v)
+        beta = torch.sigmoid(self.beta_proj(hidden_states).float())  # [B, T, H]
+        log_decay = self.log_decay(hidden_states)  # None or [B, T, H]
+        if new_mask is not None:
+            keep = new_mask[:, :, None].to(beta.dtype)
+            beta = beta * keep
+            if log_decay is not None:
+                log_decay = log_decay * keep
+        o, state = delta_rule_attention(
+            q, k, v, beta, log_decay,
+            scale=self.key_dim**-0.5,
+            initial_state=None if cache_layer is None else cache_layer.state,
+            output_final_state=cache_layer is not None,
+            cu_seqlens=cu_seqlens,
+            backend=self.config.linear_attention_backend,
+        )
+        if cache_layer is not None:
+            cache_layer.update_state(state, q.shape[1])
+        return o
 
     def linear_forward(
         self,
@@ -418,6 +538,13 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, LinearAttention) and hasattr(module, "window_gate"):
             init.zeros_(module.window_gate)  # γ = 0.5
+        if isinstance(module, LinearAttention) and hasattr(module, "qkv_conv"):
+            # The short convolution starts near the identity (last tap 1, the others N(0, initializer_range)):
+            # each token first sees its own q/k/v. Conversion sets the exact identity (`conversion.py`).
+            weight = module.qkv_conv.weight
+            start = torch.randn(weight.shape, device=weight.device) * self.config.initializer_range
+            start[:, :, -1] += 1.0
+            init.copy_(weight, start.to(weight.dtype))
 
     # A recurrent state cannot be rolled back: generate() then refuses assisted decoding with a clear error.
     _is_stateful = True

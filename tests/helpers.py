@@ -48,6 +48,9 @@ VARIANTS = {
                               "num_sink_tokens": 2},
     "qwen3-like-hybrid": {"use_qk_norm": True, "attention_bias": True, "softmax_layers": [0],
                           "tie_word_embeddings": True},
+    "delta": {"update_rule": "delta", "feature_map": "identity", "normalize": False},
+    "gated-delta-conv": {"update_rule": "delta", "feature_map": "elu", "normalize": False, "decay": "scalar",
+                         "conv_size": 4, "output_norm": True, "output_gate": True},
 }
 
 

@@ -13,7 +13,8 @@ def returned_cache(output):
     """The cache an output carries (`cache` since transformers 5.24, `past_key_values` before)."""
     return getattr(output, OUTPUT_CACHE_FIELD)
 
-CACHED_VARIANTS = ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid"]
+CACHED_VARIANTS = ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
+                   "delta", "gated-delta-conv"]
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 
 
@@ -64,7 +65,7 @@ def test_greedy_generate_with_cache_equals_without(name):
     torch.testing.assert_close(with_cache, without)
 
 
-@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks"])
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks", "gated-delta-conv"])
 def test_sampled_generate_with_cache_equals_without(name):
     model = tiny_model(**VARIANTS[name])
     ids = prompts([6, 6], seed=1)
@@ -88,7 +89,7 @@ def test_left_padded_batch_generate_equals_each_prompt_alone(name):
         torch.testing.assert_close(batched[row, -8:], alone[0, -8:])
 
 
-@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid", "gated-delta-conv"])
 def test_beam_search_with_cache_equals_without(name):
     model = tiny_model(**VARIANTS[name])
     seqs = prompts([7, 4], seed=3)
@@ -103,7 +104,8 @@ def test_beam_search_with_cache_equals_without(name):
 
 
 @pytest.mark.parametrize("spelling", ["cache", "past_key_values"])
-@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
+                                  "gated-delta-conv"])
 def test_reusing_a_returned_cache_equals_a_fresh_run(name, spelling):
     model = tiny_model(**VARIANTS[name])
     prompt = prompts([9], seed=4)[0][None]
@@ -126,7 +128,7 @@ def test_generate_chunked_prefill_equals_one_shot(name):
     torch.testing.assert_close(chunked, one_shot)
 
 
-@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks"])
+@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "gated-delta-conv"])
 def test_cache_bytes_are_the_same_after_1k_and_64k_tokens(name):
     model = tiny_model(**VARIANTS[name], num_hidden_layers=1, max_position_embeddings=70_000)
     sizes = {}
@@ -207,7 +209,7 @@ def test_holed_prompt_decodes_with_a_cache_as_without(name):
     torch.testing.assert_close(chunked, without)
 
 
-@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid", "gated-delta-conv"])
 def test_right_padded_prompt_continues_with_a_cache(name):
     """Right padding is a hole before the next token: a cache continues from it as the no-cache forward does."""
     model = tiny_model(**VARIANTS[name])
@@ -234,13 +236,16 @@ def test_right_padded_batch_generates_with_a_cache_as_without():
 
 WINDOW = {"feature_map": "hedgehog", "feature_dim": 16, "window_size": 5, "num_sink_tokens": 2}
 LINEAR = {"feature_map": "elu", "decay": "none"}
+PLAIN = {"feature_map": "identity", "normalize": False}
+DELTA = {"update_rule": "delta", "feature_map": "identity", "normalize": False, "conv_size": 4}
 
 
 @pytest.mark.parametrize(
     "base, field, value",
     [(LINEAR, "feature_map", "relu"), (LINEAR, "decay", "scalar"), (LINEAR, "normalize", False),
      (WINDOW, "feature_dim", 8), (WINDOW, "window_size", 4), (WINDOW, "num_sink_tokens", 1),
-     (LINEAR, "num_key_value_heads", 4), (LINEAR, "softmax_layers", [1])],
+     (LINEAR, "num_key_value_heads", 4), (LINEAR, "softmax_layers", [1]), (PLAIN, "update_rule", "delta"),
+     (DELTA, "conv_size", 0), (DELTA, "conv_size", 3), (DELTA, "decay", "scalar")],
 )
 def test_cache_built_for_another_config_is_refused(base, field, value):
     model = tiny_model(**base)
@@ -275,3 +280,22 @@ def test_cache_survives_training_mode_switch_and_rejects_checkpointing():
     assert returned_cache(model(ids)) is None  # training defaults to no cache
     with pytest.raises(ValueError, match="gradient checkpointing"):
         model(ids, use_cache=True)
+
+
+def test_delta_cache_holds_the_state_and_the_last_conv_inputs():
+    """Per layer: the delta state fp32 [B, H, K, V] and the convolution's last conv_size - 1 inputs [B, 3, C]
+    (C = (H + 2 H_kv) D), pads entering as zeros; the same after 5 tokens as after 50."""
+    model = tiny_model(**VARIANTS["gated-delta-conv"])
+    ids, mask = left_pad(prompts([50, 2], seed=9))
+    with torch.no_grad():
+        cache = returned_cache(model(ids, attention_mask=mask, use_cache=True))
+        short = returned_cache(model(ids[:, -5:], use_cache=True))
+    layer = cache.layers[0]
+    assert layer.state.shape == (2, 4, 16, 16) and layer.state.dtype == torch.float32
+    assert layer.conv_inputs.shape == (2, 3, (4 + 2 * 2) * 16) and layer.conv_inputs.dtype == torch.float32
+    assert cache.nbytes() == short.nbytes() == 2 * 2 * (4 * 16 * 16 * 4 + 3 * 128 * 4)  # 2 layers, fp32
+    # Row 1 holds two real tokens after 48 pads: of its last three inputs the first is a (zeroed) pad.
+    assert torch.equal(layer.conv_inputs[1, 0], torch.zeros_like(layer.conv_inputs[1, 0]))
+    assert layer.conv_inputs[1, 1:].abs().sum() > 0
+    layer.reset()
+    assert layer.conv_inputs is None and layer.state is None

@@ -66,6 +66,7 @@ def test_configs_saved_by_earlier_versions_load(tmp_path, saved):
             config.softmax_layers) == ("hedgehog", 8, 16, 2, [1])
     assert config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert (config.decay_low_rank_dim, config.output_norm, config.linear_attention_backend) == (16, False, "auto")
+    assert (config.update_rule, config.conv_size, config.output_gate) == ("additive", 0, False)
 
 
 def test_rope_parameters_keep_scaling_type():
@@ -215,3 +216,42 @@ def test_dynamic_rope_changes_the_model_only_beyond_max_position_embeddings():
     with torch.no_grad():
         torch.testing.assert_close(dynamic(ids[:, :32]).logits, plain(ids[:, :32]).logits, rtol=0, atol=0)
         assert not torch.allclose(dynamic(ids).logits, plain(ids).logits, atol=1e-4)
+
+
+DELTA = {"update_rule": "delta", "feature_map": "identity", "normalize": False}
+
+
+@pytest.mark.parametrize(
+    "overrides, field, reason",
+    [
+        ({**DELTA, "normalize": True}, "normalize", "no normaliser"),
+        ({**DELTA, "window_size": 8}, "window_size", "linear part is additive"),
+        ({**DELTA, "feature_map": "taylor"}, "feature_map", "taylor"),
+        ({**DELTA, "decay": "vector"}, "decay", "one decay per head"),
+        ({**DELTA, "linear_attention_backend": "parallel"}, "linear_attention_backend", "delta_rule_attention"),
+        ({**DELTA, "linear_attention_backend": "triton"}, "linear_attention_backend", "delta_rule_attention"),
+        ({"update_rule": "gated"}, "update_rule", "allowed: additive, delta"),
+        ({"conv_size": -1}, "conv_size", ">= 0"),
+        ({"conv_size": 1}, "conv_size", "width >= 2"),
+    ],
+)
+def test_delta_rule_combinations_it_does_not_support_raise(overrides, field, reason):
+    with pytest.raises(ValueError, match=f"`{field}`.*{reason}"):
+        tiny_config(**overrides)
+    with pytest.raises(ValueError, match=f"`{field}`"):  # the scripts' flags: the same checks
+        AttentionOptions(**overrides)
+
+
+@pytest.mark.parametrize("field, value", [("conv_size", 4.0), ("output_gate", 1), ("update_rule", None)])
+def test_new_options_of_the_wrong_type_raise(field, value):
+    with pytest.raises(TypeError, match=f"`{field}`"):
+        tiny_config(**{field: value})
+
+
+def test_delta_rule_options_round_trip(tmp_path):
+    config = tiny_config(**{**DELTA, "feature_map": "hedgehog"}, feature_dim=8, decay="fixed", conv_size=4,
+                         output_gate=True)
+    config.save_pretrained(tmp_path)
+    loaded = LinearAttentionConfig.from_pretrained(tmp_path)
+    assert (loaded.update_rule, loaded.conv_size, loaded.output_gate, loaded.decay) == ("delta", 4, True, "fixed")
+    assert tiny_config(conv_size=4, output_gate=True).update_rule == "additive"  # conv and gate need no delta

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
-from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, linear_attention_config
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, GATED_DELTANET_OPTIONS, linear_attention_config
 
 
 @pytest.mark.parametrize("name", SOURCES)
@@ -117,7 +117,7 @@ def test_convert_cli_takes_every_attention_option(tmp_path):
     assert {name: getattr(config, name) for name in ATTENTION_OPTIONS} == {
         "feature_map": "elu", "feature_dim": None, "normalize": False, "output_norm": True, "decay": "vector",
         "decay_low_rank_dim": 4, "window_size": 0, "num_sink_tokens": 0, "softmax_layers": [],
-        "linear_attention_backend": "torch"}
+        "linear_attention_backend": "torch", "update_rule": "additive", "conv_size": 0, "output_gate": False}
 
 
 def test_conversion_defaults_are_the_lolcats_recipe():
@@ -246,3 +246,59 @@ def test_convert_cli_selects_softmax_layers_on_a_stage1_model(tmp_path, capsys, 
     stage1 = AutoModelForCausalLM.from_pretrained(tmp_path / "stage1").state_dict()
     kept = model.state_dict()
     assert kept and all(torch.equal(value, stage1[name]) for name, value in kept.items())  # stage-1 weights kept
+def test_conversion_starts_the_short_convolution_as_the_identity():
+    """With the identity convolution a window covering the sequence still reproduces the teacher exactly."""
+    source = teacher("qwen3")
+    student = convert_to_linear_attention(source, conv_size=4)
+    weight = student.model.layers[0].self_attn.qkv_conv.weight  # [C, 1, 4]
+    assert torch.equal(weight[:, 0, -1], torch.ones(weight.shape[0]))
+    assert torch.equal(weight[:, 0, :-1], torch.zeros(weight.shape[0], 3))
+    ids = torch.randint(0, 96, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids).logits, source(ids).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_delta_conversion_copies_the_teacher_and_adds_beta_conv_and_gate(tmp_path):
+    source = teacher("llama")
+    student = convert_to_linear_attention(source, **GATED_DELTANET_OPTIONS)
+    config = student.config
+    assert (config.update_rule, config.conv_size, config.output_gate, config.decay) == ("delta", 4, True, "scalar")
+    teacher_weights = source.state_dict()
+    new = {name for name in student.state_dict() if name not in teacher_weights}
+    assert {name.split(".")[-2] for name in new} == {"beta_proj", "qkv_conv", "g_proj", "decay_proj", "o_norm"}
+    for name, tensor in student.state_dict().items():
+        if name in teacher_weights:
+            assert torch.equal(tensor, teacher_weights[name]), name
+    student.save_pretrained(tmp_path)
+    ids = torch.randint(0, 96, (1, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, student(ids).logits)
+    with pytest.raises(ValueError, match="`window_size`.*update_rule='delta'"):  # the LoLCATs window stays additive
+        convert_to_linear_attention(source, update_rule="delta")
+
+
+def test_attention_transfer_of_a_delta_conversion_lowers_its_loss():
+    """A few distillation steps (the parameters `training/distill.py` trains by default) on a converted tiny Llama
+    with Gated DeltaNet layers: the transfer loss falls, and only the new attention parameters move."""
+    from training.attention_transfer import AttentionTransfer, attention_transfer_loss
+    from training.distill import DistillArguments
+    from training.loop import select_trainable
+
+    torch.manual_seed(0)
+    student = convert_to_linear_attention(teacher("llama"), **GATED_DELTANET_OPTIONS).train()
+    trained = select_trainable(student, DistillArguments().trainable_parameters)
+    assert {name.split(".")[-2] for name in trained} == {"beta_proj", "qkv_conv", "g_proj"}
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    batch = {"input_ids": torch.randint(0, 96, (4, 48)), "position_ids": torch.arange(48).expand(4, 48)}
+    optimizer = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    with AttentionTransfer(student):
+        for _ in range(25):
+            loss, _ = attention_transfer_loss(student, batch)
+            optimizer.zero_grad()
+            loss.mean().backward()
+            optimizer.step()
+            losses.append(loss.mean().item())
+    assert losses[-1] < 0.5 * losses[0], losses
+    for name, p in student.named_parameters():
+        assert torch.equal(p, before[name]) == (name not in trained), name

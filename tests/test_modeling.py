@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 from helpers import VARIANTS, left_pad, prompts, tiny_model
 
-from hf_linear_attn import LinearAttentionForCausalLM, LinearAttentionModel
-from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention
+from hf_linear_attn import LinearAttentionCache, LinearAttentionForCausalLM, LinearAttentionModel
+from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention, apply_rotary, causal_conv1d
+from hf_linear_attn.ops_delta_rule import recurrent_delta_rule
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -96,7 +97,8 @@ def test_out_of_range_token_id_names_input_ids_and_vocab_size(bad):
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid"])
+@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
+                                  "gated-delta-conv"])
 def test_batch_of_one_left_padded_row_equals_the_row_unpadded(name):
     """A single left-padded row (the default positions give every pad position 0) is no packed document."""
     model = tiny_model(**VARIANTS[name])
@@ -131,7 +133,7 @@ def hole_after(seq, at, pad_id=0):
     return ids, mask
 
 
-@pytest.mark.parametrize("name", ["elu", "identity-fixed-decay", "t2r-vector-decay", "qwen3-like-hybrid"])
+@pytest.mark.parametrize("name", ["elu", "identity-fixed-decay", "t2r-vector-decay", "qwen3-like-hybrid", "delta"])
 def test_a_hole_in_the_mask_equals_the_prompt_without_the_pad(name):
     """Linear layers skip the pad (state unchanged), softmax layers mask it, positions count real tokens."""
     model = tiny_model(**VARIANTS[name])
@@ -178,7 +180,8 @@ def test_config_output_hidden_states_and_return_dict_are_the_defaults():
     assert isinstance(base, tuple) and len(base[-1]) == model.config.num_hidden_layers + 1
 
 
-@pytest.mark.parametrize("name", ["elu", "qwen3-like-hybrid", "hedgehog-window-sinks", "elu-scalar-decay"])
+@pytest.mark.parametrize("name", ["elu", "qwen3-like-hybrid", "hedgehog-window-sinks", "elu-scalar-decay",
+                                  "gated-delta-conv"])
 def test_torch_export_of_the_no_cache_forward_matches_eager(name):
     model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 9))
@@ -195,8 +198,9 @@ def test_torch_export_of_the_no_cache_forward_matches_eager(name):
                                model(other_ids, use_cache=False).logits)
 
 
-def test_labels_give_shifted_cross_entropy_and_gradients_reach_every_parameter():
-    model = tiny_model(**VARIANTS["t2r-vector-decay"]).train()
+@pytest.mark.parametrize("name", ["t2r-vector-decay", "gated-delta-conv"])
+def test_labels_give_shifted_cross_entropy_and_gradients_reach_every_parameter(name):
+    model = tiny_model(**VARIANTS[name]).train()
     ids = torch.randint(3, 128, (2, 33))
     out = model(ids, labels=ids)
     expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
@@ -277,8 +281,9 @@ def test_generate_left_padded_batch_without_cache_equals_each_alone():
         torch.testing.assert_close(out[row, -5:], alone[0, -5:])
 
 
-def test_bf16_forward_is_close_to_fp32():
-    model = tiny_model(**VARIANTS["elu-scalar-decay"])
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "gated-delta-conv"])
+def test_bf16_forward_is_close_to_fp32(name):
+    model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 70))
     with torch.no_grad():
         ref = model(ids).logits
@@ -336,7 +341,7 @@ def test_peft_lora_on_attention_projections():
 
 
 @pytest.mark.parametrize("name", ["elu-scalar-decay", "t2r-vector-decay", "hedgehog-window-sinks",
-                                  "qwen3-like-hybrid"])
+                                  "qwen3-like-hybrid", "gated-delta-conv"])
 def test_packed_documents_equal_each_document_alone(name):
     """DataCollatorWithFlattening's format: one row, position_ids restarting at 0 at each document."""
     model = tiny_model(**VARIANTS[name])
@@ -362,3 +367,74 @@ def test_packed_documents_work_with_the_flattening_collator_and_train():
     assert torch.equal(batch["labels"][0], torch.cat(labels))  # the collator masks each document's first label
     out.loss.backward()
     assert torch.isfinite(out.loss)
+
+
+def test_causal_conv1d_is_the_sum_over_the_last_inputs_and_continues_from_past():
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 9, 5), torch.randn(5, 1, 4)
+    y, last = causal_conv1d(x, weight)
+    padded = torch.cat([torch.zeros(2, 3, 5), x], dim=1)
+    expected = torch.stack([(padded[:, t : t + 4] * weight[:, 0].T).sum(1) for t in range(9)], dim=1)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(last, x[:, -3:])
+    head, tail = causal_conv1d(x[:, :2], weight)  # shorter than the width: the zeros before it are kept
+    assert tail.shape == (2, 3, 5) and torch.equal(tail[:, 0], torch.zeros(2, 5))
+    rest, last_again = causal_conv1d(x[:, 2:], weight, tail)
+    torch.testing.assert_close(torch.cat([head, rest], dim=1), y)
+    torch.testing.assert_close(last_again, last)
+
+
+def test_delta_layer_is_gated_deltanet_from_its_parts():
+    """One delta layer, written out: conv, RoPE, φ then L2 norm, β = sigmoid, the op's recurrent oracle, output
+    norm and gate; it equals the layer's forward. Its new parameters: β projection, conv and gate."""
+    model = tiny_model(**VARIANTS["gated-delta-conv"])
+    attn = model.model.layers[1].self_attn
+    assert attn.beta_proj.weight.shape == (4, 64) and attn.g_proj.weight.shape == (64, 64)
+    assert attn.qkv_conv.weight.shape == (128, 1, 4)  # (4 + 2 * 2) heads of 16 channels, width 4
+    x = torch.randn(2, 11, 64)
+    position_embeddings = model.model.rotary_emb(x, torch.arange(11).expand(2, 11))
+    with torch.no_grad():
+        q, k, v = attn.project_unrotated(x)
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+        weight = attn.qkv_conv.weight[:, 0]  # [C, 4]
+        padded = torch.cat([torch.zeros(2, 3, 128), qkv], dim=1)
+        qkv = torch.stack([(padded[:, t : t + 4] * weight.T).sum(1) for t in range(11)], dim=1)
+        q, k, v = (part.reshape(2, 11, -1, 16) for part in qkv.split([64, 32, 32], dim=-1))
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin).repeat_interleave(2, dim=2)
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        beta = torch.sigmoid(attn.beta_proj(x))
+        log_decay = F.logsigmoid(attn.decay_proj(x)) / 16
+        o, _ = recurrent_delta_rule(q, k, v.repeat_interleave(2, dim=2), beta, log_decay, scale=16**-0.5)
+        o = attn.o_norm(o) * F.silu(attn.g_proj(x)).view(2, 11, 4, 16)
+        expected = attn.o_proj(o.reshape(2, 11, 64))
+        torch.testing.assert_close(attn(x, position_embeddings), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_delta_pad_steps_leave_the_state_unchanged():
+    """β = 0 and log a = 0 at pads: S ← (I − 0) S + 0. Pads after a prompt leave its final state as it was."""
+    model = tiny_model(**VARIANTS["delta"], decay="scalar")
+    seq = prompts([20], seed=3)[0][None]
+    ids = torch.cat([seq, torch.zeros(1, 5, dtype=torch.long)], dim=1)
+    mask = (torch.arange(25) < 20).long()[None]
+    with torch.no_grad():
+        plain, padded = LinearAttentionCache(model.config), LinearAttentionCache(model.config)
+        model(seq, cache=plain)
+        model(ids, attention_mask=mask, cache=padded)
+    for a, b in zip(plain.layers, padded.layers, strict=True):
+        torch.testing.assert_close(a.state, b.state, atol=1e-6, rtol=1e-5)
+        assert a.state.abs().sum() > 0
+
+
+@pytest.mark.parametrize("feature_map, decay", [("relu", "fixed"), ("t2r", "none"), ("hedgehog", "scalar")])
+def test_delta_rule_with_each_allowed_feature_map_and_decay_matches_the_oracle(feature_map, decay):
+    learned = {"feature_dim": 8} if feature_map in ("t2r", "hedgehog") else {}
+    model = tiny_model(update_rule="delta", normalize=False, feature_map=feature_map, decay=decay, **learned)
+    ids = torch.randint(3, 128, (2, 70))
+    with torch.no_grad():
+        fast = model(ids).logits
+        model.config.linear_attention_backend = "recurrent"
+        slow = model(ids).logits
+    assert torch.isfinite(fast).all()
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)

@@ -8,7 +8,8 @@ same frozen q/k/v, both its own output and the softmax output of the teacher it 
 is the MSE between the two per-head outputs (before `o_proj`), summed over layers, and the
 teacher's output is what flows on to the next layer (teacher forcing), so each layer learns from
 exactly the inputs it will see (`training.attention_transfer`, hooks installed for the run only).
-Only the feature maps and the window mixing γ train (`--trainable_parameters`). The loss is
+Only the parameters conversion adds train (`--trainable_parameters`): feature maps, the window mixing γ
+and, for the delta rule, the β projection, the short convolution and the output gate. The loss is
 layer-local: the LM head plays no part.
 
 Runs on the fine-tuning loop (`training.loop`: accelerate, checkpoints every `--save_steps`,
@@ -41,8 +42,9 @@ class DistillArguments:
         default=None, metadata={"help": "A converted LinearAttentionForCausalLM checkpoint (training/convert.py)."}
     )
     trainable_parameters: list[str] = field(
-        default_factory=lambda: ["feature_map", "window_gate"],
-        metadata={"help": "Regexes of the parameter names that train (default: feature maps and window γ)."},
+        default_factory=lambda: [r"feature_map|window_gate|beta_proj|qkv_conv|g_proj"],
+        metadata={"help": "Regexes of the parameter names that train (default: feature maps, window γ and the "
+                          "delta rule's β projection, short convolution and output gate; each regex must match)."},
     )
 
 
