@@ -7,6 +7,7 @@ import pytest
 
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS
+from hf_linear_attn.layer_selection import parse_softmax_layers
 from training.convert import ConversionArguments
 from training.data import DataArguments
 from training.demo import DEFAULT_RECIPE as DEMO_RECIPE
@@ -46,11 +47,12 @@ def test_recipe_with_an_unknown_key_is_refused(tmp_path, capsys):
 def test_scripts_take_every_attention_option_as_declared(arguments):
     declared = {f.name: f for f in fields(AttentionOptions)}
     own = {f.name: f for f in fields(arguments)}
-    for name in ATTENTION_OPTIONS:
+    widened = {"softmax_layers"} if arguments is ConversionArguments else set()  # convert also takes `auto:K`
+    for name in set(ATTENTION_OPTIONS) - widened:
         assert own[name].metadata == declared[name].metadata, name  # same help and choices
     parsed = parse_recipe_args(arguments, ["--decay_low_rank_dim", "8", "--softmax_layers", "1", "0"])
     assert attention_options(parsed)["decay_low_rank_dim"] == 8
-    assert attention_options(parsed)["softmax_layers"] == [1, 0]
+    assert parse_softmax_layers(attention_options(parsed)["softmax_layers"], num_layers=2).layers == (0, 1)
 
 
 def test_script_defaults():
