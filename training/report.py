@@ -62,12 +62,15 @@ def log_log_plot(rows: list[dict], x: str, xlabel: str,
 
 
 def write_report(rows: list[dict], columns: dict[str, str], out_dir: str | Path, name: str,
-                 plot: Callable | None = None, meta: dict | None = None) -> str:
-    """Print and save a markdown table of `rows` (`columns` maps row keys to headers), the rows as JSON, and a
-    PNG drawn by `plot(plt)` when matplotlib is installed. Returns the table."""
+                 plot: Callable | None = None, meta: dict | None = None, sections: dict[str, str] | None = None) -> str:
+    """Print and save a markdown table of `rows` (`columns` maps row keys to headers), the rows as JSON (with
+    `meta`), and a PNG drawn by `plot(plt)` when matplotlib is installed. `sections` ({title: Markdown}) follow
+    the table in the Markdown, each under a `###` heading (the data behind them belongs in `meta`). Returns the
+    Markdown written, without the machine line."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows, columns)
+    table = "\n\n".join([markdown_table(rows, columns),
+                          *(f"### {title}\n\n{text}" for title, text in (sections or {}).items())])
     print(table)
     (out / f"{name}.md").write_text(f"Machine: {machine()}\n\n{table}\n")
     (out / f"{name}.json").write_text(json.dumps({"machine": machine(), **(meta or {}), "rows": rows}, indent=2))
