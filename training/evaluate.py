@@ -1,14 +1,18 @@
 """Evaluate converted linear-attention models against their softmax teacher.
 
+    python -m training.long_context prepare               # once: the held-out long texts (make long-context-data)
     python training/evaluate.py --teacher SRC --models converted=DIR stage1=DIR2 [--gguf_file F] \
-        [--config RECIPE.yaml] [--block_size 512 --max_eval_rows 16 ...]
+        [--config RECIPE.yaml] [--block_size 512 --max_eval_rows 16 ...] \
+        [--long_contexts 256 512 1024 2048 4096 --long_scored_tokens 8192] \
+        [--passkey_lengths 1024 2048 4096 --passkey_trials 20 --passkey_models teacher stage1]
     hf-linear-attn-evaluate ...                           # the same, installed as a command
 
-Reports held-out perplexity, passkey retrieval and decode cache bytes / latency of the teacher, its
-training-free sliding-window baseline and every `label=path` model (`training.evaluation`). Writes
-`evaluation.md`, `evaluation.json` and `evaluation.png` to `--output_dir` and prints the tables.
-Unless `--update_model_cards false`, every linear-attention checkpoint evaluated also gets the numbers in
-its folder (`evaluation.json`) and a model card (`README.md`) that shows them.
+Reports, for the teacher, its training-free sliding-window baseline and every `label=path` model
+(`training.evaluation`): short held-out perplexity, long-context perplexity and cache bytes by context,
+passkey retrieval (natural and filler haystacks, one or several keys), decode cache bytes / latency. Writes
+`evaluation.{md,json,png}` and `decode.{md,json,png}` to `--output_dir` and prints the tables. Unless
+`--update_model_cards false`, every linear-attention checkpoint evaluated also gets the numbers in its folder
+(`evaluation.json`) and a model card (`README.md`) that shows them.
 """
 
 from __future__ import annotations

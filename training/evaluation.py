@@ -1,24 +1,33 @@
 """Evaluate linear-attention models against their softmax teacher (library of `training/evaluate.py`).
 
-`evaluate_models(args, data_args)` measures, for the teacher, the training-free baseline "teacher
-restricted to a sliding window of `baseline_window` tokens + `baseline_sinks` sinks", and every
-`label=path` model of `args.models`:
-- held-out perplexity on the validation rows of the data pipeline (`training.data`; documents kept
+`evaluate_models(args, data_args)` measures, for the teacher, the training-free baseline "teacher restricted to
+a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_context.WindowBaseline`, labelled
+`SWA(64)+4 sinks`), and every `label=path` model of `args.models`:
+- short held-out perplexity on the validation rows of the data pipeline (`training.data`; documents kept
   apart, the same rows for every model);
-- synthetic passkey retrieval: a 5-digit key hidden in filler text at a random depth, at each of
-  `passkey_lengths` tokens, `passkey_trials` trials, greedy decoding;
+- long-context held-out perplexity at each of `long_contexts` tokens, on long public-domain documents that no
+  training stage reads (`training.long_context`; prepared once into `long_context_data` by
+  `python -m training.long_context prepare`), and the bytes of the decoding cache after each of those contexts
+  (softmax layers counted);
+- passkey retrieval at each of `passkey_lengths` tokens: `passkey_trials` trials with the needle's depth spread
+  over the context, for each haystack (natural text, repeated filler) and variant (one key, or several keyed
+  doors with one asked for), greedy decoding; for the models of `passkey_models` (default all), as it is the
+  expensive part;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
   (`training.measure`).
-It returns the rows (`Evaluation`); `write_evaluation` writes them as tables (Markdown, JSON, a plot)
-and, with `update_model_cards`, into every linear-attention checkpoint evaluated (`evaluation.json`)
-with a model card (`README.md`) that shows them.
+It returns the rows (`Evaluation`); `write_evaluation` writes them as tables (Markdown, JSON, plots of
+perplexity and cache bytes against context) and, with `update_model_cards`, into every linear-attention
+checkpoint evaluated (`evaluation.json`) with a model card (`README.md`) that shows them.
+
+Every argument is checked, and the long texts and the passkey prompts built, before any model is loaded; the
+models are then loaded and measured one at a time. The costs grow with `long_scored_tokens` (tokens scored per
+context), the passkey grid (lengths × haystacks × variants × trials × models) and the longest context.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,13 +39,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
+from training import long_context as lc
 from training.data import DataArguments, build_datasets, collate_rows
-from training.losses import LossFn, causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
+from training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
 from training.measure import cache_memory, decode_profile
-from training.model_card import EVALUATION_FILE, write_model_card
+from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
 from training.report import log_log_plot, machine, write_report
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+HAYSTACKS = ("natural", "filler")
+VARIANTS = ("single", "multi")
 
 
 @dataclass
@@ -49,12 +60,28 @@ class EvaluateArguments:
     eval_batch_size: int = 4
     baseline_window: int = field(default=64, metadata={"help": "Window of the sliding-window baseline (0: skip)."})
     baseline_sinks: int = field(default=4, metadata={"help": "Sink tokens of the sliding-window baseline."})
-    passkey_lengths: list[int] = field(default_factory=lambda: [256, 1024], metadata={"help": "Prompt tokens."})
-    passkey_trials: int = 4
+    long_context_data: str = field(default=lc.DEFAULT_DATA_DIR, metadata={
+        "help": f"Folder of the held-out long texts, written by `{lc.PREPARE_COMMAND}`."})
+    long_contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096],
+                                     metadata={"help": "Context lengths of the long-context perplexity."})
+    long_scored_tokens: int = field(default=8192, metadata={
+        "help": "Tokens scored at each long context (the second half of each row)."})
+    document_tokens: int = field(default=8192, metadata={"help": "Tokens per long document (≥ every length)."})
+    documents_per_source: int = field(default=4, metadata={"help": "Long documents taken from each text."})
+    passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096],
+                                       metadata={"help": "Prompt tokens of the passkey trials."})
+    passkey_trials: int = field(default=20, metadata={"help": "Trials per length, haystack and variant (0: skip)."})
+    passkey_haystacks: list[str] = field(default_factory=lambda: list(HAYSTACKS),
+                                         metadata={"help": "natural (long documents) and/or filler."})
+    passkey_variants: list[str] = field(default_factory=lambda: list(VARIANTS),
+                                        metadata={"help": "single (one key) and/or multi (keyed doors)."})
+    passkey_keys: int = field(default=4, metadata={"help": "Doors of the multi-key variant."})
+    passkey_models: list[str] | None = field(default=None, metadata={
+        "help": "Labels that get the passkey trials (teacher, SWA(W)+S sinks, model labels); default: all."})
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
     decode_tokens: int = field(default=8, metadata={"help": "Decode steps timed after each context."})
     prefill_chunk: int = 1024
-    seed: int = field(default=0, metadata={"help": "Seed of the passkey trials (keys, depths)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the passkey trials (keys, haystack offsets)."})
     output_dir: str = "outputs/evaluate"
     update_model_cards: bool = field(
         default=True, metadata={"help": "Write the results and a model card into each linear-attention checkpoint."}
@@ -63,13 +90,15 @@ class EvaluateArguments:
 
 @dataclass
 class Evaluation:
-    """What `evaluate_models` measured."""
+    """What `evaluate_models` measured: rows of dicts, each with its `model` label."""
 
-    quality: list[dict[str, Any]]  # per model (and baseline): perplexity, vs_teacher, passkey@N
+    quality: list[dict[str, Any]]  # per model (and baseline): short perplexity, vs_teacher
+    long_context: list[dict[str, Any]]  # per model and context: perplexity, vs_teacher, scored_tokens, cache_bytes
+    passkey: list[dict[str, Any]]  # per model, length, haystack and variant: trials, accuracy
     decode: list[dict[str, Any]]  # per model and context: cache_bytes, ms_per_token
     models: dict[str, str]  # label -> path of the models given
     linear: list[str]  # the labels of the linear-attention checkpoints among them
-    eval_rows: int  # held-out rows scored
+    eval_rows: int  # short held-out rows scored
 
 
 def parse_models(entries: list[str]) -> dict[str, str]:
@@ -77,138 +106,184 @@ def parse_models(entries: list[str]) -> dict[str, str]:
     models: dict[str, str] = {}
     for entry in entries:
         label, sep, path = entry.partition("=")
-        if not sep or not path:
+        if not sep or not label or not path:
             raise ValueError(f"--models entries are label=path, got {entry!r}")
+        if label in models:
+            raise ValueError(f"--models: label {label!r} given twice")
         models[label] = path
     return models
 
 
-def document_mask(position_ids: torch.Tensor, window: int = 0, sinks: int = 0) -> torch.Tensor:
-    """bool [rows, 1, L, L] for packed rows: causal, within each document (position_ids restart at 0), and with
-    `window` > 0 only the last `window` positions of the document plus its first `sinks`."""
-    length = position_ids.shape[1]
-    document = (position_ids == 0).cumsum(-1)  # [rows, L]
-    index = torch.arange(length, device=position_ids.device)
-    allowed = (index[None, :, None] >= index[None, None, :]) & (document[:, :, None] == document[:, None, :])
-    if window > 0:
-        distance = position_ids[:, :, None] - position_ids[:, None, :]
-        allowed &= (distance < window) | (position_ids[:, None, :] < sinks)
-    return allowed[:, None]
+def baseline_label(args: EvaluateArguments) -> str:
+    return f"SWA({args.baseline_window})+{args.baseline_sinks} sinks"
 
 
-def masked_lm_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor], window: int = 0, sinks: int = 0):
-    """Per-row (summed next-token loss, tokens) of a softmax model on packed rows, documents kept apart by an
-    explicit mask (`document_mask`), optionally restricted to a sliding window with sinks."""
-    mask = document_mask(batch["position_ids"], window, sinks)
-    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"]).logits
+def packed_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (summed next-token loss, tokens) on packed rows, documents kept apart: a linear-attention model
+    restarts its state where `position_ids` restart; a softmax model gets an explicit mask (`document_mask`), a
+    `WindowBaseline` its window mask."""
+    if isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
+        return causal_lm_loss(model, batch)
+    positions = batch["position_ids"]
+    if isinstance(model, lc.WindowBaseline):
+        model, mask = model.model, model.mask(positions)
+    else:
+        mask = lc.document_mask(positions)
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits
     return token_cross_entropy(logits, batch["labels"]).sum(dim=1), predicted_tokens(batch["labels"]).sum(dim=1)
 
 
 @torch.no_grad()
-def perplexity(model: PreTrainedModel, loss_fn: LossFn, rows: list[dict], batch_size: int) -> float:
-    """exp of the token-weighted mean `loss_fn` over `rows`, in batches of `batch_size`."""
+def perplexity(model, rows: list[dict], batch_size: int) -> float:
+    """exp of the token-weighted mean `packed_loss` over `rows`, in batches of `batch_size`."""
     batches = (collate_rows(rows[start:start + batch_size]) for start in range(0, len(rows), batch_size))
-    return math.exp(weighted_mean(loss_fn(model, batch) for batch in batches))
+    return math.exp(weighted_mean(packed_loss(model, batch) for batch in batches))
 
 
-def passkey_prompt(tokenizer, length: int, key: int, rng: random.Random) -> torch.Tensor:
-    """Token ids of about `length` tokens: filler with the key sentence at a random depth, then the question."""
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    question = " What is the pass key? The pass key is"
-    budget = length - len(tokenizer(needle + question).input_ids)
-    filler_ids = tokenizer(FILLER * (budget // 8 + 2)).input_ids[:max(budget, 0)]
-    depth = rng.randint(0, len(filler_ids))
-    text = tokenizer.decode(filler_ids[:depth]) + needle + tokenizer.decode(filler_ids[depth:]) + question
-    return tokenizer(text, return_tensors="pt").input_ids
-
-
-@torch.no_grad()
-def passkey_accuracy(model: PreTrainedModel, tokenizer, length: int, trials: int, seed: int) -> float:
-    rng = random.Random(seed + length)
-    hits = 0
-    for _ in range(trials):
-        key = rng.randint(10000, 99999)
-        ids = passkey_prompt(tokenizer, length, key, rng)
-        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        hits += str(key) in tokenizer.decode(out[0, ids.shape[1]:])
-    return hits / trials
-
-
-def evaluate_models(args: EvaluateArguments, data_args: DataArguments) -> Evaluation:
-    """Measure the teacher, its sliding-window baseline and every model of `args.models` (see the module
-    docstring); prints progress. Raises ValueError for bad arguments before loading anything."""
+def check_arguments(args: EvaluateArguments, labels: list[str]) -> None:
+    """ValueError naming the first bad argument; `labels` are those of every model measured."""
     if not args.teacher and not args.models:
         raise ValueError("give --teacher and/or --models label=path ...")
+    for name in ("max_eval_rows", "eval_batch_size", "document_tokens", "documents_per_source",
+                 "long_scored_tokens", "decode_tokens", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
+    if args.baseline_window < 0 or args.baseline_sinks < 0 or args.passkey_trials < 0:
+        raise ValueError("baseline_window, baseline_sinks and passkey_trials must be ≥ 0, got "
+                         f"{args.baseline_window}, {args.baseline_sinks} and {args.passkey_trials}")
+    if any(c < 2 for c in args.long_contexts):
+        raise ValueError(f"long_contexts must be ≥ 2 tokens each, got {args.long_contexts}")
+    if any(n < 1 for n in [*args.passkey_lengths, *args.decode_contexts]):
+        raise ValueError(f"passkey_lengths and decode_contexts must be ≥ 1 each, got {args.passkey_lengths} and "
+                         f"{args.decode_contexts}")
+    longest = max([*args.long_contexts, *args.passkey_lengths], default=0)
+    if longest > args.document_tokens:
+        raise ValueError(f"long_contexts / passkey_lengths go up to {longest} tokens, more than document_tokens="
+                         f"{args.document_tokens}: raise document_tokens")
+    for name, given, allowed in (("passkey_haystacks", args.passkey_haystacks, HAYSTACKS),
+                                 ("passkey_variants", args.passkey_variants, VARIANTS)):
+        if not given or any(value not in allowed for value in given):
+            raise ValueError(f"{name} must be a non-empty list of {list(allowed)}, got {given}")
+    if "multi" in args.passkey_variants and not 2 <= args.passkey_keys <= len(lc.DOORS):
+        raise ValueError(f"passkey_keys must be in [2, {len(lc.DOORS)}] for the multi variant, got {args.passkey_keys}")
+    unknown = sorted(set(args.passkey_models or []) - set(labels))
+    if unknown:
+        raise ValueError(f"passkey_models {unknown} are not evaluated; the labels are {labels}")
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"--models labels must differ from each other, from 'teacher' and from the baseline's "
+                         f"({baseline_label(args)!r}); the labels are {labels}")
+
+
+def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
+                    log: Callable[[str], None] = lambda line: print(line, flush=True)) -> Evaluation:
+    """Measure the teacher, its sliding-window baseline and every model of `args.models` (see the module
+    docstring), printing progress through `log`. Raises ValueError (bad arguments) or FileNotFoundError (no
+    long texts in `args.long_context_data`: the message names the prepare command) before loading any model."""
     models = parse_models(args.models)
+    labels = [*(["teacher"] if args.teacher else []),
+              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models]
+    check_arguments(args, labels)
+    passkey_settings = [(length, haystack, variant) for length in args.passkey_lengths
+                        for haystack in args.passkey_haystacks for variant in args.passkey_variants
+                        ] if args.passkey_trials else []
+    texts = None
+    if args.long_contexts or any(haystack == "natural" for _, haystack, _ in passkey_settings):
+        try:
+            texts = lc.load_texts(args.long_context_data)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"long_context_data: {error}") from None
+
     load_kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     tokenizer_source = args.tokenizer_name or args.teacher or next(iter(models.values()))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **(load_kwargs if tokenizer_source == args.teacher
                                                                    else {}))
     rows = list(build_datasets(data_args, tokenizer)["validation"])[: args.max_eval_rows]
-    print(f"Evaluating on {len(rows)} held-out rows of {data_args.block_size} tokens")
+    documents = [] if texts is None else lc.long_documents(tokenizer, texts, args.document_tokens,
+                                                           args.documents_per_source)
+    for context in args.long_contexts:  # raises now, not after the first models, when the documents are too few
+        lc.perplexity_windows(documents, context, args.long_scored_tokens)
+    passkey_sets = {(length, haystack, variant): lc.passkey_trials(
+        tokenizer, documents, length, args.passkey_trials, haystack, variant, args.seed, args.passkey_keys)
+        for length, haystack, variant in passkey_settings}
+    passkey_models = set(labels if args.passkey_models is None else args.passkey_models)
+    log(f"Evaluating {len(labels)} models: {len(rows)} held-out rows of {data_args.block_size} tokens; "
+        f"long-context perplexity at {args.long_contexts} ({args.long_scored_tokens} tokens each); "
+        f"{len(passkey_sets)} passkey settings x {args.passkey_trials} trials for {sorted(passkey_models)}")
 
     candidates: list[tuple[str, Callable[[], PreTrainedModel]]] = []
     if args.teacher:
         candidates.append(("teacher", lambda: load_teacher(args.teacher, **load_kwargs)))
     candidates += [(label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)) for label, path in models.items()]
 
-    quality, decode = [], []
-    linear_labels = []
+    start = time.perf_counter()
+    progress = lambda line: log(f"  [{time.perf_counter() - start:5.0f} s] {line}")  # noqa: E731
+    quality, long_rows, passkey, decode, linear_labels = [], [], [], [], []
     for label, load in candidates:
-        start = time.perf_counter()
         model = load().eval()
-        variants = [(label, 0)]
+        measured: list[tuple[str, Any]] = [(label, model)]
         if label == "teacher" and args.baseline_window > 0:
-            variants.append((f"teacher, window {args.baseline_window} + {args.baseline_sinks} sinks",
-                             args.baseline_window))
-        is_linear = isinstance(model, hf_linear_attn.LinearAttentionForCausalLM)
-        if is_linear:
+            measured.append((baseline_label(args), lc.WindowBaseline(model, args.baseline_window, args.baseline_sinks)))
+        if isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
             linear_labels.append(label)
-        for name, window in variants:
-            if is_linear:
-                loss_fn = causal_lm_loss
-            else:
-                def loss_fn(model, batch, window=window):
-                    return masked_lm_loss(model, batch, window, args.baseline_sinks)
-            row = {"model": name, "perplexity": perplexity(model, loss_fn, rows, args.eval_batch_size)}
-            if window == 0:
-                for length in args.passkey_lengths:
-                    row[f"passkey@{length}"] = passkey_accuracy(model, tokenizer, length, args.passkey_trials,
-                                                                args.seed)
-            quality.append(row)
-            print(f"  {name}: perplexity {row['perplexity']:.2f}", flush=True)
+        for name, candidate in measured:
+            quality.append({"model": name, "perplexity": perplexity(candidate, rows, args.eval_batch_size)})
+            progress(f"{name}: short perplexity {quality[-1]['perplexity']:.2f}")
+            for row in lc.perplexity_by_context({name: candidate}, documents, args.long_contexts,
+                                                args.long_scored_tokens, log=progress):
+                row["cache_bytes"] = lc.cache_bytes_at(candidate, row["context"], args.prefill_chunk)
+                long_rows.append(row)
+            if name in passkey_models:
+                for (length, haystack, variant), setting_trials in passkey_sets.items():
+                    accuracy = lc.passkey_accuracy(candidate, tokenizer, setting_trials)
+                    passkey.append({"model": name, "length": length, "haystack": haystack, "variant": variant,
+                                    "trials": len(setting_trials), "accuracy": accuracy})
+                    progress(f"{name}: passkey @{length} {haystack}/{variant} {accuracy:.0%}")
         for entry in decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk):
             decode.append({"model": label, **entry})
-        print(f"  {label}: done in {time.perf_counter() - start:.0f} s", flush=True)
-        del model
+        progress(f"{label}: done")
+        del model, measured
 
     reference = next((r["perplexity"] for r in quality if r["model"] == "teacher"), None)
     for r in quality:
         r["vs_teacher"] = r["perplexity"] / reference if reference else None
-    return Evaluation(quality, decode, models, linear_labels, len(rows))
+    by_context = {r["context"]: r["perplexity"] for r in long_rows if r["model"] == "teacher"}
+    for r in long_rows:
+        r["vs_teacher"] = r["perplexity"] / by_context[r["context"]] if r["context"] in by_context else None
+    return Evaluation(quality, long_rows, passkey, decode, models, linear_labels, len(rows))
+
+
+QUALITY_COLUMNS = {"model": "model", "perplexity": "perplexity", "vs_teacher": "× teacher"}
 
 
 def write_evaluation(evaluation: Evaluation, args: EvaluateArguments, data_args: DataArguments) -> tuple[str, str]:
-    """Print and write `evaluation.{md,json}` and `decode.{md,json,png}` to `args.output_dir` and, with
-    `args.update_model_cards`, the record and model card of every linear-attention checkpoint evaluated.
-    Returns the quality and the decode table (Markdown)."""
-    quality, decode = evaluation.quality, evaluation.decode
-    columns = {"model": "model", "perplexity": "perplexity", "vs_teacher": "× teacher",
-               **{f"passkey@{n}": f"passkey @{n}" for n in args.passkey_lengths}}
-    quality_table = write_report(quality, columns, args.output_dir, "evaluation",
-                                 meta={"args": asdict(args), "data": asdict(data_args), "decode": decode})
+    """Print and write `evaluation.{md,json,png}` (short perplexity; long-context perplexity, passkey and cache
+    bytes by context; the plot of perplexity and cache bytes against context) and `decode.{md,json,png}` to
+    `args.output_dir` and, with `args.update_model_cards`, the record and model card of every linear-attention
+    checkpoint evaluated. Returns the evaluation's and the decode table (Markdown)."""
+    record = {"machine": machine(), "eval_rows": evaluation.eval_rows, "block_size": data_args.block_size,
+              "rows": evaluation.quality,
+              "long_context": evaluation.long_context, "passkey": evaluation.passkey, "decode": evaluation.decode}
+    plot = None
+    if evaluation.long_context:
+        plot = log_log_plot(evaluation.long_context, "context", "context tokens",
+                            [("perplexity", "held-out perplexity"),
+                             (lambda r: r["cache_bytes"] / 2**20, "decoding cache MiB")])
+    evaluation_tables = write_report(
+        evaluation.quality, QUALITY_COLUMNS, args.output_dir, "evaluation", plot,
+        meta={"args": asdict(args), "data": asdict(data_args), "long_context": evaluation.long_context,
+              "passkey": evaluation.passkey}, sections=long_context_tables(record))
 
-    plot = log_log_plot(decode, "context", "context tokens", [(lambda r: r["cache_bytes"] / 2**20, "decode cache MiB")])
-    decode_table = write_report(decode, {"model": "model", "context": "context", "cache_bytes": "cache bytes",
-                                         "ms_per_token": "ms/token"}, args.output_dir, "decode", plot)
+    plot = log_log_plot(evaluation.decode, "context", "context tokens",
+                        [(lambda r: r["cache_bytes"] / 2**20, "decode cache MiB")])
+    decode_table = write_report(evaluation.decode, {"model": "model", "context": "context",
+                                                    "cache_bytes": "cache bytes", "ms_per_token": "ms/token"},
+                                args.output_dir, "decode", plot)
     if args.update_model_cards:
         for label in evaluation.linear:
             path = Path(evaluation.models[label])
             config = json.loads((path / "config.json").read_text())
-            record = {"label": label, "machine": machine(), "eval_rows": evaluation.eval_rows,
-                      "block_size": data_args.block_size, "passkey_trials": args.passkey_trials, "rows": quality,
-                      "decode": decode, "cache_memory": cache_memory(config)}
-            (path / EVALUATION_FILE).write_text(json.dumps(record, indent=2))
+            mine = {"label": label, **record, "cache_memory": cache_memory(config)}
+            (path / EVALUATION_FILE).write_text(json.dumps(mine, indent=2))
             write_model_card(path)
             print(f"  model card with these numbers: {path / 'README.md'}")
-    return quality_table, decode_table
+    return evaluation_tables, decode_table

@@ -1,9 +1,8 @@
-"""Long-context evaluation of causal LMs: held-out perplexity against context length, passkey retrieval, and
-cache bytes at each length.
+"""Long-context measurements of causal LMs: the held-out long texts, perplexity against context length, passkey
+retrieval, and cache bytes at each length. `training.evaluation` (`training/evaluate.py`) runs them on the
+teacher, its sliding-window baseline and each model; this module's own command line only prepares the texts:
 
-    python -m training.long_context prepare [--data_dir outputs/long_context_data]
-    python -m training.long_context evaluate --teacher SRC [--gguf_file F] [--models label=path ...] \
-        [--contexts 256 512 1024 2048 4096] [--passkey_lengths 1024 2048 4096] [--passkey_trials 20]
+    python -m training.long_context prepare [--data_dir outputs/long_context_data]     # once; `make long-context-data`
 
 Held-out text: two long public-domain texts that no training stage of the project reads, from Debian
 packages (`prepare` fetches them with `apt-get download` + `dpkg-deb -x`, no root needed, into `data_dir`):
@@ -49,15 +48,13 @@ import sys
 import tempfile
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, HfArgumentParser, PreTrainedModel
+from transformers import DynamicCache, HfArgumentParser, PreTrainedModel
 
-from hf_linear_attn.conversion import load_teacher
-from training.evaluation import FILLER, document_mask
 from training.measure import cache_bytes, new_cache, prefill
 
 DEFAULT_DATA_DIR = "outputs/long_context_data"
@@ -171,7 +168,8 @@ def load_texts(data_dir: str | Path = DEFAULT_DATA_DIR) -> dict[str, list[dict]]
     missing = [source for source in SOURCES if not (data_dir / f"{source}.jsonl").is_file()]
     if missing:
         raise FileNotFoundError(f"data_dir {str(data_dir)!r} lacks the long-context texts {missing}: run "
-                                f"`{PREPARE_COMMAND} --data_dir {data_dir}` once (it fetches Debian packages)")
+                                f"`{PREPARE_COMMAND} --data_dir {data_dir}` once (it fetches Debian packages; "
+                                f"`make long-context-data` does it for the default folder)")
     return {source: [json.loads(line) for line in (data_dir / f"{source}.jsonl").read_text().splitlines()]
             for source in SOURCES}
 
@@ -208,16 +206,29 @@ def long_documents(tokenizer, texts: dict[str, list[dict]], document_tokens: int
 
 # --------------------------------------------------------------------------------------------- running models
 
+def document_mask(position_ids: torch.Tensor, window: int = 0, sinks: int = 0) -> torch.Tensor:
+    """bool [rows, 1, L, L] for packed rows: causal, within each document (position_ids restart at 0), and with
+    `window` > 0 only the last `window` positions of the document plus its first `sinks`."""
+    length = position_ids.shape[1]
+    document = (position_ids == 0).cumsum(-1)  # [rows, L]
+    index = torch.arange(length, device=position_ids.device)
+    allowed = (index[None, :, None] >= index[None, None, :]) & (document[:, :, None] == document[:, None, :])
+    if window > 0:
+        distance = position_ids[:, :, None] - position_ids[:, None, :]
+        allowed &= (distance < window) | (position_ids[:, None, :] < sinks)
+    return allowed[:, None]
+
+
 @dataclass
 class WindowBaseline:
     """The training-free baseline: a softmax `model` whose every position sees only the last `window` positions
-    and the first `sinks` (an attention mask, as `training.evaluate.document_mask` builds it)."""
+    and the first `sinks` of its document (an attention mask, `document_mask`)."""
     model: PreTrainedModel
     window: int = 64
     sinks: int = 4
 
     def mask(self, positions: torch.Tensor) -> torch.Tensor:
-        """bool [1, 1, L, L] for positions [1, L] starting at 0."""
+        """bool [rows, 1, L, L] for positions [rows, L] (restarting at 0 where a packed document starts)."""
         return document_mask(positions, self.window, self.sinks)
 
 
@@ -326,6 +337,7 @@ def perplexity_by_context(models: dict[str, object], documents: list[LongDocumen
 
 # --------------------------------------------------------------------------------------------- passkey retrieval
 
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PREAMBLE = ("There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
             "I will quiz you about it.\n\n")
 DOORS = ("red", "green", "blue", "amber", "violet", "silver", "black", "white")
@@ -420,180 +432,24 @@ def passkey_accuracy(model, tokenizer, trials: list[PasskeyTrial]) -> float:
     return hits / len(trials)
 
 
-# --------------------------------------------------------------------------------------------- all together
-
-def evaluate_long_context(models: dict[str, object], tokenizer, documents: list[LongDocument] | None = None,
-                          data_dir: str | Path = DEFAULT_DATA_DIR, document_tokens: int = 8192,
-                          documents_per_source: int = 4, contexts: list[int] = (256, 512, 1024, 2048, 4096),
-                          scored_tokens: int = 8192, max_rows: int | None = None,
-                          passkey_lengths: list[int] = (1024, 2048, 4096), passkey_trials_per_length: int = 20,
-                          haystacks: list[str] = ("natural", "filler"), variants: list[str] = ("single", "multi"),
-                          keys: int = 4, cache_lengths: list[int] | None = None, prefill_chunk: int = 1024,
-                          seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    """Perplexity against context, passkey accuracy and cache bytes of every model (label -> `PreTrainedModel`
-    or `WindowBaseline`), on `documents` (default: `long_documents` of the texts in `data_dir`).
-    Returns {"perplexity": rows, "passkey": rows, "cache": rows}; `cache_lengths` defaults to every context and
-    passkey length. The first model is the reference of the tables (`markdown_tables`)."""
-    if not models:
-        raise ValueError("models is empty: give at least one label -> model")
-    lengths = sorted({*contexts, *passkey_lengths})
-    if documents is None:
-        documents = long_documents(tokenizer, load_texts(data_dir), document_tokens, documents_per_source)
-    longest = min(len(d.input_ids) for d in documents)
-    if lengths and lengths[-1] > longest:
-        raise ValueError(f"contexts / passkey_lengths go up to {lengths[-1]} tokens, longer than the documents "
-                         f"({longest} tokens): raise document_tokens")
-    for model in models.values():
-        (model.model if isinstance(model, WindowBaseline) else model).eval()
-    result = {"perplexity": perplexity_by_context(models, documents, list(contexts), scored_tokens, max_rows, log),
-              "passkey": [], "cache": []}
-    for length in passkey_lengths:
-        for haystack in haystacks:
-            for variant in variants:
-                trials = passkey_trials(tokenizer, documents, length, passkey_trials_per_length, haystack, variant,
-                                        seed, keys)
-                for label, model in models.items():
-                    accuracy = passkey_accuracy(model, tokenizer, trials)
-                    result["passkey"].append({"model": label, "length": length, "haystack": haystack,
-                                              "variant": variant, "trials": len(trials), "accuracy": accuracy})
-                    log(f"  passkey @{length} {haystack}/{variant}: {label} {accuracy:.0%}")
-    for length in lengths if cache_lengths is None else cache_lengths:
-        for label, model in models.items():
-            result["cache"].append({"model": label, "length": length,
-                                    "cache_bytes": cache_bytes_at(model, length, prefill_chunk)})
-    return result
-
-
-def markdown_tables(result: dict) -> str:
-    """Markdown: perplexity by context (× the first model), passkey accuracy, cache MiB (% of the first model)."""
-    labels = list(dict.fromkeys(r["model"] for part in result.values() for r in part))
-    header = lambda first: ["| " + " | ".join([first, *labels]) + " |", "|" + "---|" * (len(labels) + 1)]  # noqa: E731
-
-    def table(title: str, rows: list[dict], key: Callable[[dict], tuple], name: Callable[[tuple], str],
-              cell: Callable[[dict, dict], str], first: str) -> list[str]:
-        if not rows:
-            return []
-        lines = [f"### {title}", "", *header(first)]
-        for group in dict.fromkeys(key(r) for r in rows):
-            mine = {r["model"]: r for r in rows if key(r) == group}
-            reference = mine.get(labels[0])
-            lines.append("| " + " | ".join([name(group), *(cell(mine[m], reference) if m in mine else "–"
-                                                            for m in labels)]) + " |")
-        return [*lines, ""]
-
-    def ppl(row, reference):
-        ratio = f" ({row['perplexity'] / reference['perplexity']:.2f}×)" if reference and row is not reference else ""
-        return f"{row['perplexity']:.1f}{ratio}"
-
-    def cache(row, reference):
-        share = f" ({row['cache_bytes'] / reference['cache_bytes']:.0%})" if reference and row is not reference else ""
-        return f"{row['cache_bytes'] / 2**20:.2f}{share}"
-
-    scored = {r["context"]: r["scored_tokens"] for r in result["perplexity"]}
-    lines = table("Held-out perplexity by context", result["perplexity"], lambda r: (r["context"],),
-                  lambda g: f"{g[0]} ({scored[g[0]]} tokens)", ppl, "context (scored)")
-    lines += table("Passkey retrieval", result["passkey"], lambda r: (r["length"], r["haystack"], r["variant"]),
-                   lambda g: f"{g[0]} {g[1]} {g[2]}", lambda r, _: f"{r['accuracy']:.0%} of {r['trials']}",
-                   "length haystack variant")
-    lines += table("Decoding cache MiB", result["cache"], lambda r: (r["length"],), lambda g: str(g[0]), cache,
-                   "context")
-    return "\n".join(lines)
-
-
-def plot_perplexity(result: dict, path: str | Path) -> Path | None:
-    """Perplexity against context (log-log), one line per model, saved to `path`; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["model"] for r in result["perplexity"]):
-        mine = [r for r in result["perplexity"] if r["model"] == label]
-        ax.plot([r["context"] for r in mine], [r["perplexity"] for r in mine], "o-", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="held-out perplexity")
-    contexts = sorted({r["context"] for r in result["perplexity"]})
-    ax.set_xticks(contexts, [str(c) for c in contexts], minor=False)
-    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
 # --------------------------------------------------------------------------------------------- command line
 
 @dataclass
-class LongContextArguments:
-    data_dir: str = DEFAULT_DATA_DIR
-    teacher: str | None = field(default=None, metadata={"help": "The softmax checkpoint (folder or Hub id)."})
-    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file of the teacher, inside its folder."})
-    models: list[str] = field(default_factory=list, metadata={"help": "label=path of each model to evaluate."})
-    baseline_window: int = field(default=64, metadata={"help": "Window of the teacher's baseline (0: none)."})
-    baseline_sinks: int = 4
-    contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
-    scored_tokens: int = field(default=8192, metadata={"help": "Scored tokens per context (last half of rows)."})
-    max_rows: int | None = None
-    document_tokens: int = 8192
-    documents_per_source: int = 4
-    passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    passkey_trials: int = 20
-    haystacks: list[str] = field(default_factory=lambda: ["natural", "filler"])
-    variants: list[str] = field(default_factory=lambda: ["single", "multi"])
-    keys: int = field(default=4, metadata={"help": "Doors (key/value needles) of the multi-key variant."})
-    seed: int = 0
-    output_dir: str = "outputs/long_context"
+class PrepareArguments:
+    data_dir: str = field(default=DEFAULT_DATA_DIR, metadata={"help": "Where to write <source>.jsonl."})
 
 
 def main(argv: list[str]) -> int:
-    """`prepare ARGS` or `evaluate ARGS`; prints `error: ...` and returns 2 on bad input or missing data."""
+    """`prepare [--data_dir DIR]`; prints `error: ...` and returns 2 for any other command. Evaluation is
+    `training/evaluate.py` (its `--long_context_data` reads what this writes)."""
     command, argv = (argv[0], argv[1:]) if argv else ("", [])
-    if command not in ("prepare", "evaluate"):
-        print(f"error: the first argument must be prepare or evaluate, got {command!r}", file=sys.stderr)
+    if command != "prepare":
+        print(f"error: the only command is prepare, got {command!r} (evaluate with `python training/evaluate.py "
+              "--teacher SRC --models label=DIR ...`)", file=sys.stderr)
         return 2
-    (args,) = HfArgumentParser(LongContextArguments).parse_args_into_dataclasses(argv)
-    if command == "prepare":
-        for path in prepare(args.data_dir):
-            print(f"wrote {path}")
-        return 0
-    paths = dict(entry.partition("=")[::2] for entry in args.models)
-    problem = None
-    if not args.teacher and not args.models:
-        problem = "give --teacher and/or --models label=path ..."
-    elif any(not label or not path for label, path in paths.items()):
-        problem = f"--models entries are label=path, got {args.models}"
-    else:
-        try:
-            texts = load_texts(args.data_dir)
-        except FileNotFoundError as error:
-            problem = str(error)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(args.teacher or next(iter(paths.values())), **kwargs)
-    models: dict[str, object] = {}
-    if args.teacher:
-        models["teacher"] = load_teacher(args.teacher, **kwargs).eval()
-        if args.baseline_window > 0:
-            models[f"SWA({args.baseline_window})+{args.baseline_sinks} sinks"] = WindowBaseline(
-                models["teacher"], args.baseline_window, args.baseline_sinks)
-    models.update({label: AutoModelForCausalLM.from_pretrained(path).eval() for label, path in paths.items()})
-    documents = long_documents(tokenizer, texts, args.document_tokens, args.documents_per_source)
-    result = evaluate_long_context(models, tokenizer, documents, contexts=args.contexts,
-                                   scored_tokens=args.scored_tokens, max_rows=args.max_rows,
-                                   passkey_lengths=args.passkey_lengths, passkey_trials_per_length=args.passkey_trials,
-                                   haystacks=args.haystacks, variants=args.variants, keys=args.keys, seed=args.seed)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tables = markdown_tables(result)
-    (out / "long_context.md").write_text(tables + "\n")
-    (out / "long_context.json").write_text(json.dumps({"args": asdict(args), **result}, indent=2))
-    plot_perplexity(result, out / "long_context.png")
-    print(tables)
+    (args,) = HfArgumentParser(PrepareArguments).parse_args_into_dataclasses(argv)
+    for path in prepare(args.data_dir):
+        print(f"wrote {path}")
     return 0
 
 

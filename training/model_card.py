@@ -7,8 +7,9 @@
 script, base model, datasets, steps, tokens seen, held-out metrics, licence and the full recipe. A
 converted checkpoint also names its softmax source in `config.base_model_name_or_path`.
 `evaluation.json`, which `training/evaluate.py` writes into every linear-attention checkpoint it
-evaluates, adds the comparison with the softmax teacher (perplexity, passkey retrieval, decode cache
-bytes and latency, as measured). The metadata (`ModelCardData`) carries licence, base model (the first
+evaluates, adds the comparison with the softmax teacher and its sliding-window baseline (short held-out
+perplexity; long-context perplexity, passkey retrieval and cache bytes by context; decode cache bytes and
+latency, as measured). The metadata (`ModelCardData`) carries licence, base model (the first
 of these two that is a Hub id), datasets, tags and the evaluation as model-index results. The licence
 is, in order: the one given, the one the run recorded, or the one in the card of the fine-tuned or
 the source model (read locally or from the Hub).
@@ -34,7 +35,7 @@ from safetensors import safe_open
 import hf_linear_attn
 from training.data import dataset_names
 from training.measure import cache_memory
-from training.report import format_cell
+from training.report import format_cell, markdown_table
 
 TEMPLATE = Path(__file__).resolve().parent / "model_card.md"
 SUMMARY_FILE = "training_summary.json"
@@ -89,24 +90,62 @@ def _human_bytes(count: int) -> str:
     return f"{count / 1024**exponent:,.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
 
 
+def long_context_tables(evaluation: dict[str, Any], label: str | None = None) -> dict[str, str]:
+    """{title: Markdown table} of the long-context part of an evaluation record (what `training.evaluation`
+    measured): perplexity by context with its ratio to the teacher's, passkey accuracy per length, haystack and
+    variant, and cache bytes by context with their share of the teacher's. The row (or column) of model `label`
+    is in bold. A part that was not measured gives no table."""
+    long_rows, passkey = evaluation.get("long_context") or [], evaluation.get("passkey") or []
+    bold = lambda text, model: f"**{text}**" if model == label else text  # noqa: E731
+    tables = {}
+
+    def by_model(value: Any) -> str:
+        """Rows: models; columns: contexts; cells: value(row, the teacher's row at that context)."""
+        contexts = sorted({r["context"] for r in long_rows})
+        teacher = {r["context"]: r for r in long_rows if r["model"] == "teacher"}
+        rows = {}
+        for r in long_rows:
+            cell = value(r, teacher.get(r["context"]) if r["model"] != "teacher" else None)
+            rows.setdefault(r["model"], {"model": bold(r["model"], r["model"])})[r["context"]] = bold(cell, r["model"])
+        return markdown_table(list(rows.values()), {"model": "model", **{c: f"{c:,}" for c in contexts}})
+
+    if long_rows:
+        scored = min(r["scored_tokens"] for r in long_rows)
+        tables[f"Held-out perplexity by context (≥ {scored:,} scored tokens each; × teacher)"] = by_model(
+            lambda r, t: format_cell(r["perplexity"]) + (f" ({r['perplexity'] / t['perplexity']:.2f}×)" if t else ""))
+        tables["Decoding cache by context (share of the teacher's)"] = by_model(
+            lambda r, t: _human_bytes(r["cache_bytes"]) + (f" ({r['cache_bytes'] / t['cache_bytes']:.0%})" if t else "")
+        )
+    if passkey:
+        models = list(dict.fromkeys(r["model"] for r in passkey))
+        rows = {}
+        for r in passkey:
+            setting = (r["length"], r["haystack"], r["variant"])
+            rows.setdefault(setting, {"setting": f"{r['length']:,} {r['haystack']} {r['variant']}"})[r["model"]] = bold(
+                f"{r['accuracy']:.0%}", r["model"])
+        title = f"Passkey retrieval (share of {max(r['trials'] for r in passkey)} trials, greedy decoding)"
+        tables[title] = markdown_table(list(rows.values()), {"setting": "length, haystack, key(s)",
+                                                             **{m: bold(m, m) for m in models}})
+    return tables
+
+
 def comparison_tables(evaluation: dict[str, Any]) -> dict[str, Any]:
     """The template's view of an `evaluation.json`: header and formatted rows of the quality and decode
-    tables, with this checkpoint's rows marked in bold."""
+    tables and the long-context tables (`long_context_tables`), with this checkpoint's rows marked in bold."""
     quality, decode, label = evaluation["rows"], evaluation["decode"], evaluation["label"]
-    titles = {"perplexity": "perplexity", "vs_teacher": "× teacher"}
-    keys = ["perplexity", "vs_teacher", *[k for k in quality[0] if k.startswith("passkey@")]]
+    keys = ["perplexity", "vs_teacher"]
 
     def row(cells: list[Any], mine: bool) -> list[str]:
         return [f"**{format_cell(c)}**" if mine else format_cell(c) for c in cells]
 
     return {
-        "quality_header": ["model", *(titles.get(k, k.replace("@", " @")) for k in keys)],
+        "quality_header": ["model", "perplexity", "× teacher"],
         "quality_rows": [row([r["model"], *(r.get(k) for k in keys)], r["model"] == label) for r in quality],
+        "long_context": long_context_tables(evaluation, label),
         "decode_rows": [row([r["model"], r["context"], r["cache_bytes"], r["ms_per_token"]], r["model"] == label)
                         for r in decode],
         "rows_evaluated": evaluation.get("eval_rows"),
         "block_size": evaluation.get("block_size"),
-        "passkey_trials": evaluation.get("passkey_trials"),
         "machine": evaluation.get("machine"),
     }
 

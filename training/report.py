@@ -43,7 +43,8 @@ def machine() -> str:
 def log_log_plot(rows: list[dict], x: str, xlabel: str,
                  panels: list[tuple[str | Callable[[dict], float], str]]) -> Callable:
     """A `plot` for `write_report`: side by side, one log-log panel per `(y, ylabel)` of `panels` (`y` a row
-    key or a function of the row) against the row key `x`, with one line per model (`row["model"]`)."""
+    key or a function of the row) against the row key `x` (ticked at its values), with one line per model
+    (`row["model"]`)."""
 
     def plot(plt):
         fig, axes = plt.subplots(1, len(panels), figsize=(6, 4) if len(panels) == 1 else (5 * len(panels), 4),
@@ -54,6 +55,9 @@ def log_log_plot(rows: list[dict], x: str, xlabel: str,
                 mine = [row for row in rows if row["model"] == model]
                 ax.plot([row[x] for row in mine], [value(row) for row in mine], "o-", label=model)
             ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel)
+            measured = sorted({row[x] for row in rows})  # ticks at the measured x values, not at powers of 10
+            ax.set_xticks(measured, [format_cell(v) for v in measured])
+            ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
             ax.legend()
         fig.tight_layout()
         return fig
@@ -62,12 +66,15 @@ def log_log_plot(rows: list[dict], x: str, xlabel: str,
 
 
 def write_report(rows: list[dict], columns: dict[str, str], out_dir: str | Path, name: str,
-                 plot: Callable | None = None, meta: dict | None = None) -> str:
-    """Print and save a markdown table of `rows` (`columns` maps row keys to headers), the rows as JSON, and a
-    PNG drawn by `plot(plt)` when matplotlib is installed. Returns the table."""
+                 plot: Callable | None = None, meta: dict | None = None, sections: dict[str, str] | None = None) -> str:
+    """Print and save a markdown table of `rows` (`columns` maps row keys to headers), the rows as JSON (with
+    `meta`), and a PNG drawn by `plot(plt)` when matplotlib is installed. `sections` ({title: Markdown}) follow
+    the table in the Markdown, each under a `###` heading (the data behind them belongs in `meta`). Returns the
+    Markdown written, without the machine line."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows, columns)
+    table = "\n\n".join([markdown_table(rows, columns),
+                          *(f"### {title}\n\n{text}" for title, text in (sections or {}).items())])
     print(table)
     (out / f"{name}.md").write_text(f"Machine: {machine()}\n\n{table}\n")
     (out / f"{name}.json").write_text(json.dumps({"machine": machine(), **(meta or {}), "rows": rows}, indent=2))
