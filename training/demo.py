@@ -68,8 +68,13 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     lora_alpha: float = 16.0
     kl_weight: float = field(default=1.0, metadata={"help": "Stage 2 loss: (1 - w) CE + w KL(teacher || model)."})
     eval_rows: int = 16
-    passkey_lengths: list[int] = field(default_factory=lambda: [256, 1024])
-    passkey_trials: int = 3
+    long_contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096],
+                                     metadata={"help": "Contexts of the held-out long-document perplexity."})
+    long_scored_tokens: int = field(default=2048, metadata={"help": "Tokens scored per long context and model."})
+    passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    passkey_trials: int = 5
+    passkey_haystacks: list[str] = field(default_factory=lambda: ["natural"])
+    passkey_variants: list[str] = field(default_factory=lambda: ["single"])
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
     prompt: str = "The hacker's favourite programming language is"
 
@@ -159,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     final = list(models.values())[-1]
 
     print("[5/6] Evaluating teacher, sliding-window baseline, converted and trained models", flush=True)
+    final_label = list(models)[-1]
     evaluate_args = EvaluateArguments(
         teacher=folder, gguf_file=GGUF_FILE, models=[f"{label}={path}" for label, path in models.items()],
         max_eval_rows=args.eval_rows, baseline_window=args.window_size, baseline_sinks=args.num_sink_tokens,
+        long_contexts=args.long_contexts, long_scored_tokens=args.long_scored_tokens,
         passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
+        passkey_haystacks=args.passkey_haystacks, passkey_variants=args.passkey_variants,
+        passkey_models=["teacher", final_label],  # retrieval is the slow part: the teacher and the final model
         decode_contexts=args.decode_contexts, output_dir=str(out / "evaluation"),
     )
     evaluate_data = DataArguments(block_size=args.block_size)
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"    {text!r}")
 
     summary = {"minutes": (time.perf_counter() - start) / 60, "sample": text, "quality": evaluation.quality,
-               "decode": evaluation.decode}
+               "long_context": evaluation.long_context, "passkey": evaluation.passkey, "decode": evaluation.decode}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nSummary ({summary['minutes']:.1f} min; checkpoint with model card: {final}):")
     print(quality_table + "\n")
