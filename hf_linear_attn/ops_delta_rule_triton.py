@@ -63,8 +63,8 @@ from .ops_triton import (
     _load_tile,
     _state_base,
     _store_tile,
-    triton,
     tl,
+    triton,
     unsupported_inputs,
 )
 
