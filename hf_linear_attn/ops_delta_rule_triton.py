@@ -20,19 +20,20 @@ Backward, with dO and dS_C (the gradient of the state leaving the chunk; the fin
     dU   = Pᵀ dO + K̄ dS_C
     dS_0 = Γ_last dS_C + (Γ ⊙ Q̃)ᵀ dO − W_kᵀ dU                  (`_delta_reverse_state_pass_kernel`)
 
-then, chunk by chunk (`_delta_chunk_grads_kernel`), through U = W_v − W_k S_0, W = T R and T = (I + A)⁻¹:
+then, chunk by chunk (`_delta_chunk_grads_kernel`). U = T R with R = β ⊙ (V − Γ ⊙ K S_0) (the right-hand side of
+(I + A) U = R, the same as W_v − W_k S_0), so dR = Tᵀ dU and, as dT = dU Rᵀ and T R = U, dA = −Tᵀ dT Tᵀ = −dR Uᵀ:
 
-    dW_k = −dU S_0ᵀ      dR_v = Tᵀ dU      dR_k = Tᵀ dW_k      dT = dU R_vᵀ + dW_k R_kᵀ      dA = −Tᵀ dT Tᵀ
     dq̃   = Γ ⊙ (dO S_0ᵀ) + (M ⊙ dO Uᵀ) K
-    dk   = (M ⊙ dO Uᵀ)ᵀ Q̃ + e^{b_last − b} ⊙ (U dS_Cᵀ) + βΓ ⊙ dR_k + (dG + dGᵀ) K,   dG = diag(β) (M ⊙ dA)
-    dv   = β ⊙ dR_v      dβ_t = v_t·dR_v,t + Γ_t k_t·dR_k,t + Σ_i dA_ti M_ti k_t·k_i
+    dk   = (M ⊙ dO Uᵀ)ᵀ Q̃ + e^{b_last − b} ⊙ (U dS_Cᵀ) − βΓ ⊙ (dR S_0ᵀ) + (dG + dGᵀ) K,    dG = β ⊙ M ⊙ dA
+    dv   = β ⊙ dR      dβ_t = (v_t − Γ_t S_0ᵀ k_t)·dR_t + Σ_{i<t} dA_ti M_ti k_t·k_i
 
-and the gradient w.r.t. b (each factor e^{b_t − b_i} gives +x to row t and −x to row i):
+and the gradient w.r.t. b, the log decay summed from the chunk start (each factor e^{b_t − b_i} gives its term's
+x·dx to row t and takes it from row i; Γ_t = e^{b_t} only gives):
 
-    db_t = q̃_t·dq̃_t − k_t·dk_t^{(P, S)} + β_t Γ_t k_t·dR_k,t + Σ_i (dA ⊙ A)_ti − Σ_s (dA ⊙ A)_st
-           (+ Σ S_C ⊙ dS_C at the chunk's last token, which decays the whole state)
+    db_t = q̃_t·dq̃_t − k_t·dk_t^{(P, S_C)} − β_t Γ_t (S_0ᵀ k_t)·dR_t + Σ_i (dA ⊙ A)_ti − Σ_s (dA ⊙ A)_st
+           (+ Σ S_C ⊙ dS_C at the chunk's last token, whose decay scales the whole state S_C)
 
-where dk^{(P, S)} is the part of dk from P and from S_C; d log_decay is the reverse cumulative sum of db over each
+where dk^{(P, S_C)} is the part of dk from P and from S_C; d log_decay is the reverse cumulative sum of db over each
 chunk. Exponents are differences b_t − b_i ≤ 0 (i ≤ t): nothing overflows however strong the decay; a −inf log
 decay (a reset) is raised to `log_decay_floor` first so that no difference is −inf − (−inf).
 
@@ -236,7 +237,7 @@ def _delta_chunk_grads_kernel(
     states and state gradients at its two ends (formulas in the module docstring). Loops over V in blocks.
 
     q, k, dq, dk: [tokens, H, K]; v, do, dv: [tokens, H, V]; beta, dbeta: [tokens, H]; b, db: fp32 [tokens, H, 1]
-    (b unused for DECAY_NONE); pseudo_values, d_pseudo_values: fp32 [tokens, H, V]; inverse: fp32 [tokens, H,
+    (unused for DECAY_NONE); pseudo_values, d_pseudo_values: fp32 [tokens, H, V]; inverse: fp32 [tokens, H,
     CHUNK]; states, dstates: fp32 [slots, H, K, V]. Grid: (chunks, H).
     """
     tl.static_assert(BLOCK_K >= K)
@@ -245,63 +246,57 @@ def _delta_chunk_grads_kernel(
     rows = start + tl.arange(0, CHUNK)
     local = tl.arange(0, CHUNK)
     kk = tl.arange(0, BLOCK_K)
-    q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
     k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
     beta_rows = _load_rows(beta, h, rows, end, H)
     b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)
     b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
+    beta_gamma = beta_rows * tl.exp(b_rows)
     solved = _load_tile(inverse + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # T
     entering = _state_base(states, slot, h, H, K, V)
     leaving = _state_base(states, slot + 1, h, H, K, V)
     d_leaving = _state_base(dstates, slot + 1, h, H, K, V)
 
     dq_state = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # dO S_0ᵀ
-    dk_state = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # U dS_Cᵀ
-    dw_k = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # −dU S_0ᵀ
+    dk_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # e^{b_last − b} ⊙ U dS_Cᵀ − βΓ ⊙ dR S_0ᵀ
     d_scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ, the gradient w.r.t. P
-    d_solved = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dT
+    d_system = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # −dR Uᵀ, the gradient w.r.t. A (where i < t)
     dbeta_acc = tl.zeros([CHUNK, 1], dtype=tl.float32)
+    k_dk_rhs = tl.zeros([CHUNK, 1], dtype=tl.float32)  # k·dk of the term −βΓ ⊙ (K S_0) of R
     state_term = tl.zeros([BLOCK_K, 1], dtype=tl.float32)  # Σ_v S_C ⊙ dS_C
     for v0 in range(0, V, BLOCK_V):
         vv = v0 + tl.arange(0, BLOCK_V)
         do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V)
         pseudo = _load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
-        d_pseudo = _load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V)
-        v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
         s_entering = _load_tile(entering, kk, K, V, vv, V)
         ds_leaving = _load_tile(d_leaving, kk, K, V, vv, V)
+        d_rhs = _dot(tl.trans(solved), _load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V), False)  # dR
+        _store_tile(dv + h * V, d_rhs * beta_rows, rows, end, H * V, vv, V)
+        k_state = _dot(k_tile, s_entering, False)  # K S_0
+        v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
+        dbeta_acc += tl.sum((v_tile - tl.exp(b_rows) * k_state) * d_rhs, axis=1, keep_dims=True)
+        k_dk_rhs -= beta_gamma * tl.sum(k_state * d_rhs, axis=1, keep_dims=True)
         dq_state += _dot(do_tile, tl.trans(s_entering), BF16_DOT)
-        dk_state += _dot(pseudo, tl.trans(ds_leaving), False)
-        dw_k -= _dot(d_pseudo, tl.trans(s_entering), False)
+        dk_acc += _dot(pseudo * tl.exp(b_last - b_rows), tl.trans(ds_leaving), False)
+        dk_acc -= _dot(d_rhs * beta_gamma, tl.trans(s_entering), False)
         d_scores += _dot(do_tile, tl.trans(pseudo), BF16_DOT)
-        d_solved += _dot(d_pseudo, tl.trans(v_tile * beta_rows), False)  # dU R_vᵀ, R_v = β ⊙ V
-        d_rhs_v = _dot(tl.trans(solved), d_pseudo, False)  # dR_v = Tᵀ dU
-        _store_tile(dv + h * V, d_rhs_v * beta_rows, rows, end, H * V, vv, V)
-        dbeta_acc += tl.sum(v_tile * d_rhs_v, axis=1, keep_dims=True)
+        d_system -= _dot(d_rhs, tl.trans(pseudo), False)
         if DECAY != DECAY_NONE:
             state_term += tl.sum(_load_tile(leaving, kk, K, V, vv, V) * ds_leaving, axis=1, keep_dims=True)
 
-    # Through O = (Γ ⊙ Q̃) S_0 + P U and S_C = Γ_last S_0 + K̄ᵀ U.
+    # Through O = (Γ ⊙ Q̃) S_0 + P U, P = M ⊙ Q̃ Kᵀ.
+    q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
     decay = _causal_decay(b_rows, False, CHUNK)  # M
     d_scores = d_scores * decay
     dq_acc = tl.exp(b_rows) * dq_state + _dot(d_scores, k_tile, False)
-    dk_acc = _dot(tl.trans(d_scores), q_tile, False) + tl.exp(b_last - b_rows) * dk_state
-    db_acc = tl.sum(q_tile * dq_acc, axis=1, keep_dims=True) - tl.sum(k_tile * dk_acc, axis=1, keep_dims=True)
+    dk_acc += _dot(tl.trans(d_scores), q_tile, False)
+    # Each factor e^{b_t} gives its term's x·dx to row t's db, each e^{−b_i} takes it from row i: queries gain,
+    # the keys of P and of S_C lose, the keys of R gain (so twice k_dk_rhs, which dk_acc already holds negated).
+    db_acc = (tl.sum(q_tile * dq_acc, axis=1, keep_dims=True) - tl.sum(k_tile * dk_acc, axis=1, keep_dims=True)
+              + 2.0 * k_dk_rhs)
     db_acc += tl.where(rows[:, None] == end - 1, tl.sum(state_term, axis=0, keep_dims=True), 0.0)
 
-    # Through W_k = T R_k, R_k = βΓ ⊙ K.
-    beta_gamma = beta_rows * tl.exp(b_rows)
-    d_rhs_k = _dot(tl.trans(solved), dw_k, False)  # dR_k = Tᵀ dW_k
-    k_d_rhs_k = tl.sum(k_tile * d_rhs_k, axis=1, keep_dims=True)
-    dk_acc += beta_gamma * d_rhs_k
-    dbeta_acc += tl.exp(b_rows) * k_d_rhs_k
-    db_acc += beta_gamma * k_d_rhs_k
-    d_solved += _dot(dw_k, tl.trans(k_tile * beta_gamma), False)
-
-    # Through T = (I + A)⁻¹: dA = −Tᵀ dT Tᵀ on the strictly lower part, A = β_t M_ti k_t·k_i.
-    d_system = -_dot(_dot(tl.trans(solved), d_solved, False), tl.trans(solved), False)
-    strict_decay = tl.where(_strictly_lower(CHUNK), decay, 0.0)
-    d_system = d_system * strict_decay  # dA ⊙ M, zero outside i < t
+    # Through A = β_t M_ti k_t·k_i (i < t).
+    d_system = d_system * tl.where(_strictly_lower(CHUNK), decay, 0.0)  # dA ⊙ M
     gram = _dot(k_tile, tl.trans(k_tile), BF16_DOT)
     dbeta_acc += tl.sum(d_system * gram, axis=1, keep_dims=True)
     d_gram = d_system * beta_rows

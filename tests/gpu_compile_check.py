@@ -19,8 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_linear_attn import ops_triton
-from hf_linear_attn.ops import linear_attention, window_attention
+from hf_linear_attn import ops_delta_rule_triton, ops_triton
+from hf_linear_attn.ops import delta_rule_attention, linear_attention, window_attention
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
 
@@ -56,12 +56,13 @@ class Recorder:
 
 def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:
     """Every specialization the triton backend launches for these dtypes, (K, V) head dims and normalize values,
-    forward and backward (normalize adds no kernel code, only a value column)."""
+    forward and backward (normalize adds no kernel code, only a value column), and those of the delta rule's."""
     seen = {}
-    for name in dir(ops_triton):
-        if name.endswith("_kernel"):
-            setattr(ops_triton, name, Recorder(getattr(ops_triton, name), seen))
-    ops_triton.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
+    for module in (ops_triton, ops_delta_rule_triton):
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                setattr(module, name, Recorder(getattr(module, name), seen))
+        module.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
     batch, length, heads = 1, 100, 2
     for dtype, (key_dim, value_dim) in itertools.product(dtypes, dims):
         for decay, normalize in itertools.product((None, "scalar", "vector"), normalize_values):
@@ -78,6 +79,16 @@ def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], norm
         gate = torch.zeros(heads, dtype=dtype, requires_grad=True)
         o, _ = window_attention(*tensors, gate, window_size=8, num_sink_tokens=2, backend="triton")
         o.float().sum().backward()
+        for decay in (False, True):
+            q = torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)
+            k = torch.zeros(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)  # unit norm not needed
+            v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)
+            beta = torch.rand(batch, length, heads, dtype=dtype, requires_grad=True)
+            log_decay = (-torch.rand(batch, length, heads)).requires_grad_() if decay else None
+            state = torch.zeros(batch, heads, key_dim, value_dim, requires_grad=True)
+            o, final = delta_rule_attention(q, k, v, beta, log_decay, initial_state=state, output_final_state=True,
+                                            backend="triton")
+            (o.float().sum() + final.sum()).backward()
     return seen
 
 
