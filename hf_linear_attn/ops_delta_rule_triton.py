@@ -71,9 +71,9 @@ from .ops_triton import (
 
 __all__ = ["HAS_TRITON", "triton_delta_rule", "unsupported_delta_rule_inputs"]
 
-# The state passes and the gradient kernel hold whole [CHUNK, K] tiles (the products with W_k, A and T contract
-# over K), so K is bounded as in flash-linear-attention.
-MAX_KEY_DIM = 256
+# The state passes and the gradient kernel hold whole fp32 [CHUNK, K] tiles (their products contract over K): at
+# K = 128 they take up to 224 KiB of shared memory on a Hopper GPU, which has 227 KiB (tests/gpu_compile_check.py).
+MAX_KEY_DIM = 128
 
 
 # ---------------------------------------------------------------------------------------------------------------
