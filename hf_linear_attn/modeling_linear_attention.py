@@ -41,6 +41,7 @@ from .ops_chunked import chunk_linear_attention  # noqa: F401
 from .ops_common import CHUNK_SIZE, NORM_EPS  # noqa: F401
 from .ops_delta_rule import delta_rule_attention
 from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
+from .ops_delta_rule_triton import triton_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
 from .ops_triton import HAS_TRITON  # noqa: F401
 

@@ -10,8 +10,9 @@ data-dependent decay (Gated DeltaNet; a_t = 1 is DeltaNet). With unit keys, I �
 1 − β_t, so the state never grows from the update itself.
 
 `delta_rule_attention` validates every input before any work and dispatches to a backend:
-"recurrent" (`recurrent_delta_rule` below, the equation token by token) or "torch"
-(`ops_delta_rule_chunked.chunk_delta_rule`, chunked). States are [B, H, K, V] in float32 (float64 for float64
+"recurrent" (`recurrent_delta_rule` below, the equation token by token), "torch"
+(`ops_delta_rule_chunked.chunk_delta_rule`, chunked) or "triton" (`ops_delta_rule_triton.triton_delta_rule`, the
+same chunked form in Triton kernels). States are [B, H, K, V] in float32 (float64 for float64
 inputs), the same layout as transformers' and flash-linear-attention's gated delta rule.
 """
 
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from .ops_common import accumulation_dtype, check_cu_seqlens, checks_values
 from .ops_delta_rule_chunked import chunk_delta_rule
+from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
 
 __all__ = ["delta_rule_attention"]
 
@@ -111,6 +113,7 @@ def _per_sequence(
 DELTA_RULE_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "recurrent": recurrent_delta_rule,
     "torch": chunk_delta_rule,
+    "triton": triton_delta_rule,
 }
 
 
@@ -155,8 +158,9 @@ def delta_rule_attention(
         output_final_state: also return the state after the last token.
         cu_seqlens: None or int [N + 1] boundaries (0, ..., T) of N sequences packed into a batch of 1; the
             state restarts at each boundary (from initial_state[n] if given).
-        backend: "recurrent" (token loop, the oracle), "torch" (chunked) or "auto" (the fastest available:
-            "torch").
+        backend: "recurrent" (token loop, the oracle), "torch" (chunked), "triton" (chunked, Triton kernels: CUDA
+            tensors in float16 / bfloat16 / float32, K ≤ 256) or "auto" (the fastest available: "triton" for CUDA
+            tensors it takes, else "torch").
 
     Returns:
         o: [B, T, H, V] in the dtype of v; the final state [B, H, K, V] (N with cu_seqlens) in float32
@@ -165,7 +169,6 @@ def delta_rule_attention(
     """
     if backend != "auto" and backend not in DELTA_RULE_BACKENDS:
         raise ValueError(f"backend must be one of {['auto', *DELTA_RULE_BACKENDS]}, got {backend!r}")
-    name = "torch" if backend == "auto" else backend
     for arg, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]")):
         if x.dim() != 4 or not x.is_floating_point():
             raise ValueError(f"{arg} must be a 4-D {dims} floating-point tensor, "
@@ -211,6 +214,13 @@ def delta_rule_attention(
                 f"{'sequences' if cu_seqlens is not None else 'batch'}), got shape {tuple(initial_state.shape)} "
                 f"and dtype {initial_state.dtype}"
             )
+    tensors = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay, "initial_state": initial_state}
+    tensors = {arg: x for arg, x in tensors.items() if x is not None}
+    name = backend
+    if backend == "auto":
+        name = "triton" if q.device.type == "cuda" and unsupported_delta_rule_inputs(tensors) is None else "torch"
+    elif backend == "triton" and (problem := unsupported_delta_rule_inputs(tensors)) is not None:
+        raise ValueError(problem)
     return DELTA_RULE_BACKENDS[name](
         q, k, v, beta, log_decay,
         scale=key_dim**-0.5 if scale is None else float(scale),

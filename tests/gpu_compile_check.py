@@ -6,7 +6,8 @@ shapes it cannot lay out...): this catches it on CPU-only CI.
     python tests/gpu_compile_check.py --all   # float16 / bfloat16 / float32, three head-dim sets
 
 Run it WITHOUT TRITON_INTERPRET. Kernel launches are recorded instead of run, so the workload computes nothing.
-Prints one line per kernel with its shared memory (Hopper allows 227 KiB) and exits 1 on any failure.
+Prints one line per kernel with its shared memory and exits 1 on any failure, a kernel that needs more shared memory
+than a Hopper GPU has (227 KiB) included: such a kernel compiles, but fails at launch.
 """
 
 import argparse
@@ -19,9 +20,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_linear_attn import ops_triton
-from hf_linear_attn.ops import linear_attention, window_attention
+from hf_linear_attn import ops_delta_rule_triton, ops_triton
+from hf_linear_attn.ops import delta_rule_attention, linear_attention, window_attention
 
+SHARED_MEMORY_KIB = 227  # per thread block on sm_90
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
 
 
@@ -56,12 +58,13 @@ class Recorder:
 
 def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:
     """Every specialization the triton backend launches for these dtypes, (K, V) head dims and normalize values,
-    forward and backward (normalize adds no kernel code, only a value column)."""
+    forward and backward (normalize adds no kernel code, only a value column), and those of the delta rule's."""
     seen = {}
-    for name in dir(ops_triton):
-        if name.endswith("_kernel"):
-            setattr(ops_triton, name, Recorder(getattr(ops_triton, name), seen))
-    ops_triton.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
+    for module in (ops_triton, ops_delta_rule_triton):
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                setattr(module, name, Recorder(getattr(module, name), seen))
+        module.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
     batch, length, heads = 1, 100, 2
     for dtype, (key_dim, value_dim) in itertools.product(dtypes, dims):
         for decay, normalize in itertools.product((None, "scalar", "vector"), normalize_values):
@@ -78,6 +81,16 @@ def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], norm
         gate = torch.zeros(heads, dtype=dtype, requires_grad=True)
         o, _ = window_attention(*tensors, gate, window_size=8, num_sink_tokens=2, backend="triton")
         o.float().sum().backward()
+        for decay in (False, True) if key_dim <= ops_delta_rule_triton.MAX_KEY_DIM else ():
+            q = torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)
+            k = torch.zeros(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)  # unit norm not needed
+            v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)
+            beta = torch.rand(batch, length, heads, dtype=dtype, requires_grad=True)
+            log_decay = (-torch.rand(batch, length, heads)).requires_grad_() if decay else None
+            state = torch.zeros(batch, heads, key_dim, value_dim, requires_grad=True)
+            o, final = delta_rule_attention(q, k, v, beta, log_decay, initial_state=state, output_final_state=True,
+                                            backend="triton")
+            (o.float().sum() + final.sum()).backward()
     return seen
 
 
@@ -98,7 +111,10 @@ def main() -> int:
         try:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
                                       options={"num_warps": 4, "num_stages": 2})
-            print(f"ok   {name} {modes} shared {compiled.metadata.shared / 1024:.0f} KiB", flush=True)
+            shared = compiled.metadata.shared / 1024
+            if shared > SHARED_MEMORY_KIB:
+                raise RuntimeError(f"needs {shared:.0f} KiB of shared memory, sm_90 has {SHARED_MEMORY_KIB} KiB")
+            print(f"ok   {name} {modes} shared {shared:.0f} KiB", flush=True)
         except Exception as error:  # report every failing kernel, not only the first
             failures += 1
             print(f"FAIL {name} {modes}\n{error}", flush=True)
