@@ -39,14 +39,13 @@ from torch import Tensor
 
 from . import ops_triton
 from .ops_chunked import chunk_linear_attention, chunk_window_attention
-from .ops_common import check_cu_seqlens, checks_values
+from .ops_common import BACKENDS, check_cu_seqlens, checks_values, pick_backend
 from .ops_delta_rule import delta_rule_attention
 from .ops_reference import parallel_linear_attention, recurrent_linear_attention, reference_window_attention
 from .ops_triton import triton_linear_attention, triton_window_attention
 
 __all__ = ["BACKENDS", "delta_rule_attention", "linear_attention", "window_attention"]
 
-BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
 
 LINEAR_FORMS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "recurrent": recurrent_linear_attention,
@@ -61,27 +60,6 @@ WINDOW_FORMS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "triton": triton_window_attention,
 }
 CHUNKED = ("torch", "triton")  # the forms that need one query per key (ops pads the queries for them)
-
-
-def pick_backend(
-    backend: str, device: torch.device, *, single_query: bool, triton_problem: Callable[[], str | None]
-) -> str:
-    """The backend that runs (a key of LINEAR_FORMS / WINDOW_FORMS): `backend` itself once checked, or for "auto"
-    the direct form ("recurrent") for a single query, Triton for CUDA tensors it takes, else "torch".
-
-    triton_problem: says why the triton backend cannot take the inputs (None if it can); asked only when needed.
-    """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if single_query:
-            return "recurrent"
-        return "triton" if device.type == "cuda" and triton_problem() is None else "torch"
-    if backend == "triton":
-        problem = triton_problem()
-        if problem is not None:
-            raise ValueError(problem)
-    return backend
 
 
 def _check_4d_floating(name: str, x: Tensor, dims: str) -> None:

@@ -20,6 +20,8 @@ from torch import Tensor
 
 NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
 CHUNK_SIZE = 64  # tokens per chunk of the chunked backends (torch and Triton)
+# Backend names of the ops (what the config's `linear_attention_backend` mirrors); see `pick_backend`.
+BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
 # Set to "1" to run the input checks that read tensor values (one host sync each) on every device, not just CPU.
 CHECK_VALUES_ENV = "HF_LINEAR_ATTN_CHECK_VALUES"
 
@@ -158,3 +160,26 @@ def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got {bounds}")
     if any(end < start for start, end in zip(bounds[:-1], bounds[1:], strict=True)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+
+
+def pick_backend(
+    backend: str, device: torch.device, *, single_query: bool, triton_problem: Callable[[], str | None],
+    names: tuple[str, ...] = BACKENDS,
+) -> str:
+    """The backend that runs, for every op (`linear_attention`, `window_attention`, `delta_rule_attention`):
+    `backend` itself once checked against the op's `names`, or for "auto" the direct form ("recurrent") for a
+    single query, Triton for CUDA tensors it takes, else "torch".
+
+    triton_problem: says why the triton backend cannot take the inputs (None if it can); asked only when needed.
+    """
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
+    if backend == "auto":
+        if single_query:
+            return "recurrent"
+        return "triton" if device.type == "cuda" and triton_problem() is None else "torch"
+    if backend == "triton":
+        problem = triton_problem()
+        if problem is not None:
+            raise ValueError(problem)
+    return backend

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .ops_common import accumulation_dtype, check_cu_seqlens, checks_values
+from .ops_common import accumulation_dtype, check_cu_seqlens, checks_values, pick_backend
 from .ops_delta_rule_chunked import chunk_delta_rule
 from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
 
@@ -159,16 +159,14 @@ def delta_rule_attention(
         cu_seqlens: None or int [N + 1] boundaries (0, ..., T) of N sequences packed into a batch of 1; the
             state restarts at each boundary (from initial_state[n] if given).
         backend: "recurrent" (token loop, the oracle), "torch" (chunked), "triton" (chunked, Triton kernels: CUDA
-            tensors in float16 / bfloat16 / float32, K ≤ 256) or "auto" (the fastest available: "triton" for CUDA
-            tensors it takes, else "torch").
+            tensors in float16 / bfloat16 / float32, K ≤ 128) or "auto" (one token, a decode step: "recurrent";
+            else "triton" for CUDA tensors it takes, else "torch"). Validated before the inputs.
 
     Returns:
         o: [B, T, H, V] in the dtype of v; the final state [B, H, K, V] (N with cu_seqlens) in float32
         (float64 for float64 inputs), or None unless output_final_state. Computation is in the same float32 /
         float64, whatever the input dtype.
     """
-    if backend != "auto" and backend not in DELTA_RULE_BACKENDS:
-        raise ValueError(f"backend must be one of {['auto', *DELTA_RULE_BACKENDS]}, got {backend!r}")
     for arg, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]")):
         if x.dim() != 4 or not x.is_floating_point():
             raise ValueError(f"{arg} must be a 4-D {dims} floating-point tensor, "
@@ -216,11 +214,8 @@ def delta_rule_attention(
             )
     tensors = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay, "initial_state": initial_state}
     tensors = {arg: x for arg, x in tensors.items() if x is not None}
-    name = backend
-    if backend == "auto":
-        name = "triton" if q.device.type == "cuda" and unsupported_delta_rule_inputs(tensors) is None else "torch"
-    elif backend == "triton" and (problem := unsupported_delta_rule_inputs(tensors)) is not None:
-        raise ValueError(problem)
+    name = pick_backend(backend, q.device, single_query=length == 1, names=("auto", *DELTA_RULE_BACKENDS),
+                        triton_problem=lambda: unsupported_delta_rule_inputs(tensors))
     return DELTA_RULE_BACKENDS[name](
         q, k, v, beta, log_decay,
         scale=key_dim**-0.5 if scale is None else float(scale),
