@@ -179,9 +179,11 @@ def make_inputs(
 
 
 def make_window_inputs(
-    length: int, *, batch: int = 2, heads: int = 2, dtype: torch.dtype = torch.float64, seed: int = 0
+    length: int, *, batch: int = 2, heads: int = 2, dtype: torch.dtype = torch.float64, seed: int = 0,
+    decay: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Random leaf tensors for window_attention (D = 8, V = 5, F = 6); positive features, as a feature map gives."""
+    """Random leaf tensors for window_attention (D = 8, V = 5, F = 6); positive features, as a feature map gives.
+    decay "scalar" or "vector" adds a log_decay [B, T, H] or [B, T, H, F] (a mostly between 0.7 and 1)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -195,6 +197,9 @@ def make_window_inputs(
         "k_feat": randn(batch, length, heads, 6).sigmoid(),
         "window_gate": randn(heads),
     }
+    if decay is not None:
+        shape = {"scalar": (batch, length, heads), "vector": (batch, length, heads, 6)}[decay]
+        tensors["log_decay"] = F.logsigmoid(randn(*shape) * 2 + 3)
     return {name: x.requires_grad_() for name, x in tensors.items()}
 
 
