@@ -89,7 +89,6 @@ def test_rope_parameters_keep_scaling_type():
         ({"feature_dim": 8}, "feature_dim"),  # elu has no feature dimension
         ({"feature_map": "t2r", "feature_dim": 0}, "feature_dim"),
         ({"window_size": 8, "normalize": False}, "normalize"),
-        ({"window_size": 8, "decay": "scalar"}, "decay"),
         ({"head_dim": 7}, "head_dim"),
         ({"hidden_act": "swish2"}, "hidden_act"),
         ({"linear_attention_backend": "cuda"}, "linear_attention_backend"),
