@@ -4,7 +4,9 @@ Supported sources: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
 `Qwen3ForCausalLM`. The decoder is carried over exactly (embeddings, norms, MLPs, q/k/v/o with
 their biases, Qwen3's q/k norms, RoPE settings, tied embeddings); only attention changes. The new
 parameters (learned feature maps, the window mixing γ, decay gates, output norms) start from their
-documented initialisation (`LinearAttentionPreTrainedModel._init_weights`).
+documented initialisation (`LinearAttentionPreTrainedModel._init_weights`). A window hybrid's decay starts
+with long memory (data-dependent gates at a = 1 − 1/2048 per token, fixed decay γ_h = 1 − 2^(−8−h)), so a
+converted decayed hybrid starts close to the undecayed one and attention transfer learns where to forget.
 
 With `window_size` ≥ the sequence length the hybrid layer *is* softmax attention, so a freshly
 converted model reproduces its teacher's logits exactly there: the conversion tests rely on it.
