@@ -68,6 +68,12 @@ def test_configs_saved_by_earlier_versions_load(tmp_path, saved):
     assert (config.decay_low_rank_dim, config.output_norm, config.linear_attention_backend) == (16, False, "auto")
 
 
+@pytest.mark.parametrize("decay", ["none", "fixed", "scalar", "vector"])
+def test_the_window_hybrid_takes_every_decay(decay):
+    config = tiny_config(window_size=8, num_sink_tokens=2, decay=decay)
+    assert (config.window_size, config.decay) == (8, decay)
+
+
 def test_rope_parameters_keep_scaling_type():
     config = tiny_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
     assert config.rope_parameters["rope_type"] == "linear"
