@@ -164,8 +164,10 @@ def test_window_may_reach_max_position_embeddings():
 
 def test_attention_options_check_themselves():
     """The scripts build `AttentionOptions` from their flags: the same checks apply without a config."""
+    with pytest.raises(ValueError, match="`normalize`"):
+        AttentionOptions(window_size=8, normalize=False)
     with pytest.raises(ValueError, match="`decay`"):
-        AttentionOptions(window_size=8, decay="vector")
+        AttentionOptions(decay="exponential")
     with pytest.raises(TypeError, match="`window_size`"):
         AttentionOptions(window_size="64")
     assert AttentionOptions(softmax_layers=None).softmax_layers == []
