@@ -8,9 +8,9 @@ same frozen q/k/v, both its own output and the softmax output of the teacher it 
 is the MSE between the two per-head outputs (before `o_proj`), summed over layers, and the
 teacher's output is what flows on to the next layer (teacher forcing), so each layer learns from
 exactly the inputs it will see (`training.attention_transfer`, hooks installed for the run only).
-Only the attention parameters the conversion added train (`--trainable_parameters`): the feature maps,
-the window mixing γ, and the decay gates where the model has them (a decayed window hybrid starts with
-long memory and learns here where to forget). The loss is layer-local: the LM head plays no part.
+Only the parameters conversion adds train (`--trainable_parameters`): feature maps, the window mixing γ
+and the decay gates (a decayed window hybrid starts with long memory and learns here where to forget). The
+loss is layer-local: the LM head plays no part.
 
 Runs on the fine-tuning loop (`training.loop`: accelerate, checkpoints every `--save_steps`,
 `--resume_from_checkpoint latest`, progress bar, eval loss on held-out rows). Stage 2 (LoRA
@@ -40,22 +40,11 @@ class DistillArguments:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A converted LinearAttentionForCausalLM checkpoint (training/convert.py)."}
     )
-    trainable_parameters: list[str] | None = field(
-        default=None,
-        metadata={"help": "Regexes of the parameter names that train (default: TRANSFER_PARAMETERS that the model "
-                          "has: feature maps, window γ, decay gates)."},
+    trainable_parameters: list[str] = field(
+        default_factory=lambda: [r"feature_map|window_gate|decay_proj"],
+        metadata={"help": "Regexes of the parameter names that train (default: feature maps, window γ and decay "
+                          "gates; each regex must match)."},
     )
-
-
-# The attention parameters a conversion adds that attention transfer trains by default (the output norm, when
-# there is one, stays at its identity init).
-TRANSFER_PARAMETERS = ("feature_map", "window_gate", "decay_proj")
-
-
-def default_trainable(model) -> list[str]:
-    """The patterns of TRANSFER_PARAMETERS that name a parameter of `model` (a model without decay has no gate)."""
-    names = [name for name, _ in model.named_parameters()]
-    return [pattern for pattern in TRANSFER_PARAMETERS if any(pattern in name for name in names)]
 
 
 def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainArguments) -> TrainResult:
@@ -76,8 +65,7 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     with AttentionTransfer(model):  # hooks on the layers, removed before the student is saved
         result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
-                       loss_fn=attention_transfer_loss,
-                       trainable=args.trainable_parameters or default_trainable(model), run_name="distill",
+                       loss_fn=attention_transfer_loss, trainable=args.trainable_parameters, run_name="distill",
                        perplexity=False)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
