@@ -247,17 +247,14 @@ class LinearAttention(AttentionProjections):
         b, t, _ = hidden_states.shape
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
         q, k, v = self.project(hidden_states, position_embeddings)  # [B, T, H, D], [B, T, H_kv, D] x 2
-        if self.config.window_size > 0:
-            log_decay = self.log_decay(hidden_states)
-            if cu_seqlens is not None:  # one document at a time
-                bounds = cu_seqlens.tolist()
-                o = torch.cat([
-                    self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j],
-                                        None if log_decay is None else log_decay[:, i:j], None, None)
-                    for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i
-                ], dim=1)
-            else:
-                o = self.window_forward(q, k, v, log_decay, new_mask, cache_layer)
+        if self.config.window_size > 0 and cu_seqlens is not None:  # one document at a time
+            bounds = cu_seqlens.tolist()
+            log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
+            o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j],
+                                               None if log_decay is None else log_decay[:, i:j], None, None)
+                           for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
+        elif self.config.window_size > 0:
+            o = self.window_forward(q, k, v, self.log_decay(hidden_states), new_mask, cache_layer)
         else:
             o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         if hasattr(self, "o_norm"):
