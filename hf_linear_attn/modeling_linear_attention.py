@@ -318,7 +318,7 @@ class LinearAttention(AttentionProjections):
         if new_mask is None:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         elif log_decay is not None:
-            log_decay = log_decay.masked_fill(~new_mask.view(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
+            log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
         state = None
         if cache_layer is not None and cache_layer.window_keys is not None:
             k = torch.cat([cache_layer.window_keys, k], dim=1)
