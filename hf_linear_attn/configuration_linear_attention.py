@@ -110,8 +110,9 @@ class AttentionOptions:
         "linear parts share one normaliser.")
     output_norm: bool = _option(False, "Per-head RMSNorm on the attention output before o_proj (GLA-style).")
     decay: str = _option(
-        "none", "none; fixed (RetNet per-head γ_h = 1 - 2^(-5-h)); scalar (data-dependent per head, Mamba-2 / "
-        "simple GLA); vector (data-dependent per key dimension, GLA).", choices=DECAYS)
+        "none", "none; fixed (RetNet per-head γ_h = 1 - 2^(-5-h), in the window hybrid 1 - 2^(-8-h)); scalar "
+        "(data-dependent per head, Mamba-2 / simple GLA); vector (data-dependent per key dimension, GLA). In the "
+        "window hybrid the decay acts on the linear part, from when a key leaves the window.", choices=DECAYS)
     decay_low_rank_dim: int = _option(16, "Rank of the GLA low-rank gate projection (decay='vector').")
     window_size: int = _option(
         0, "0 disables; otherwise exact softmax over the last window_size tokens (plus the num_sink_tokens first "
@@ -161,8 +162,6 @@ class AttentionOptions:
         if self.window_size > 0 and not self.normalize:
             _fail("normalize", self.normalize, "the window hybrid shares one normaliser between its softmax and "
                   "linear parts: window_size > 0 needs normalize=True")
-        if self.window_size > 0 and self.decay != "none":
-            _fail("decay", self.decay, "the window hybrid supports decay='none' only")
         layers = [] if self.softmax_layers is None else self.softmax_layers
         allowed = "must be a list of layer indices (integers >= 0)"
         if not isinstance(layers, (list, tuple)) or not all(_is_int(i) for i in layers):

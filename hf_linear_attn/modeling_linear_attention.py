@@ -16,6 +16,7 @@ see the same keys. The repository's docs/design.md derives the rule.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,15 @@ from .ops_triton import HAS_TRITON  # noqa: F401
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
 # (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.
 GATE_LOGIT_NORMALIZER = 16.0
+# Fixed decay γ_h = 1 - 2^(-E-h) for head h: RetNet's E = 5 (horizons 1 / (1 - γ) of 32, 64, ... tokens) in linear
+# layers. In the window hybrid the decay starts when a key leaves the window, and the linear part exists for what
+# lies beyond it: E = 8 starts at a 256-token horizon (4x the usual 64-token window; 9 heads reach 65536).
+RETNET_DECAY_EXPONENT = 5
+HYBRID_DECAY_EXPONENT = 8
+# Data-dependent decays of a window hybrid start at a = 1 - 1/HYBRID_DECAY_HORIZON for every token (the gate's
+# last projection zero, its bias set to match): a converted hybrid starts close to the undecayed one, with long
+# memory, and attention transfer learns where to forget.
+HYBRID_DECAY_HORIZON = 2048
 
 # transformers 5.24 renamed `past_key_values` to `cache` in model outputs and in generate()'s model kwargs;
 # use whichever name the installed release reads, or the cache is silently dropped between steps.
@@ -253,8 +263,9 @@ class LinearAttention(AttentionProjections):
         if self.config.decay == "none":
             return None
         if self.config.decay == "fixed":
-            # RetNet: γ_h = 1 - 2^(-5-h), a constant per head (computed, not stored: nothing to load).
-            exponents = -5.0 - torch.arange(heads, device=x.device, dtype=torch.float32)
+            # γ_h = 1 - 2^(-E-h), a constant per head (computed, not stored: nothing to load); E as documented above.
+            first = HYBRID_DECAY_EXPONENT if self.config.window_size > 0 else RETNET_DECAY_EXPONENT
+            exponents = -first - torch.arange(heads, device=x.device, dtype=torch.float32)
             return torch.log1p(-torch.exp2(exponents)).expand(b, t, heads)
         gate = self.decay_proj(x).float()
         log_a = F.logsigmoid(gate) / GATE_LOGIT_NORMALIZER
@@ -285,10 +296,12 @@ class LinearAttention(AttentionProjections):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.config.window_size > 0 and cu_seqlens is not None:  # one document at a time
             bounds = cu_seqlens.tolist()
-            o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j], None, None)
+            log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
+            o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j],
+                                               None if log_decay is None else log_decay[:, i:j], None, None)
                            for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
         elif self.config.window_size > 0:
-            o = self.window_forward(q, k, v, new_mask, cache_layer)
+            o = self.window_forward(q, k, v, self.log_decay(hidden_states), new_mask, cache_layer)
         elif self.config.update_rule == "delta":
             o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         else:
@@ -408,23 +421,32 @@ class LinearAttention(AttentionProjections):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        log_decay: torch.Tensor | None,
         new_mask: torch.Tensor | None,
         cache_layer: LinearStateLayer | None,
     ) -> torch.Tensor:
         """The sliding-window hybrid: o [B, T, H, V].
 
-        With a cache, the new tokens run behind the retained raw keys/values (sinks + last window_size
-        positions) from the folded linear state (queries only for the new tokens); afterwards the cache
-        keeps the new sinks/window and the state of everything older, so memory stays constant.
+        log_decay: None or [B, T, H] / [B, T, H, K] of the new tokens; it decays the linear part from the step a
+        key leaves the window on (see `window_attention`), and is zeroed at pads so that a pad leaves the state
+        unchanged. With a cache, the new tokens run behind the retained raw keys/values (sinks + last
+        window_size positions) from the folded linear state (queries only for the new tokens), and the retained
+        positions get log decay 0: their steps have already decayed that state. Afterwards the cache keeps the
+        new sinks/window and the state of everything older, so memory stays constant.
         """
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
         if new_mask is None:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
+        elif log_decay is not None:
+            log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
         state = None
         if cache_layer is not None and cache_layer.window_keys is not None:
             k = torch.cat([cache_layer.window_keys, k], dim=1)
             v = torch.cat([cache_layer.window_values, v], dim=1)
+            if log_decay is not None:
+                retained = log_decay.new_zeros(b, cache_layer.window_mask.shape[1], *log_decay.shape[2:])
+                log_decay = torch.cat([retained, log_decay], dim=1)
             new_mask = torch.cat([cache_layer.window_mask, new_mask], dim=1)
             state = cache_layer.state
         k_all, v_all = self.repeat_kv(k), self.repeat_kv(v)
@@ -433,6 +455,7 @@ class LinearAttention(AttentionProjections):
             window_size=window,
             num_sink_tokens=sinks,
             scale=self.head_dim**-0.5,
+            log_decay=log_decay,
             key_padding_mask=new_mask,
             initial_state=state,
             output_final_state=cache_layer is not None,
@@ -442,6 +465,13 @@ class LinearAttention(AttentionProjections):
             cache_layer.update_window(k, v, new_mask, window, sinks)
             cache_layer.update_state(state, t)
         return o
+
+
+def hybrid_decay_gate_bias(horizon: float = HYBRID_DECAY_HORIZON) -> float:
+    """The gate logit b with logsigmoid(b) / GATE_LOGIT_NORMALIZER = log(1 - 1/horizon), i.e. a = 1 - 1/horizon
+    (about 4.85 for 2048)."""
+    target = (1.0 - 1.0 / horizon) ** GATE_LOGIT_NORMALIZER  # sigmoid(b)
+    return math.log(target / (1.0 - target))
 
 
 def causal_softmax_attention(
@@ -539,6 +569,13 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, LinearAttention) and hasattr(module, "window_gate"):
             init.zeros_(module.window_gate)  # γ = 0.5
+            if hasattr(module, "decay_proj"):
+                # Long memory at init (HYBRID_DECAY_HORIZON): a = sigmoid(bias)^(1/16) = 1 - 1/2048 for every token.
+                # Only the gate's last projection is zeroed: vector decay's low-rank input projection keeps its
+                # random init, so that the zeroed weights still receive gradients.
+                gate = module.decay_proj[-1] if isinstance(module.decay_proj, nn.Sequential) else module.decay_proj
+                init.zeros_(gate.weight)
+                init.constant_(gate.bias, hybrid_decay_gate_bias())
         if isinstance(module, LinearAttention) and hasattr(module, "qkv_conv"):
             # The short convolution starts near the identity (last tap 1, the others N(0, initializer_range)):
             # each token first sees its own q/k/v. Conversion sets the exact identity (`conversion.py`).

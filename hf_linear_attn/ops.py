@@ -214,21 +214,27 @@ def window_attention(
     window_size: int,
     num_sink_tokens: int = 0,
     scale: float | None = None,
+    log_decay: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
-    """Sliding-window softmax + linear attention sharing one normaliser (LoLCATs).
+    """Sliding-window softmax + linear attention sharing one normaliser (LoLCATs), optionally with a decayed
+    linear part.
 
     Query t attends with softmax to the window W_t (keys i ≤ t with t − i < window_size, plus the first
     num_sink_tokens real tokens) and linearly to every older real key (L_t):
 
-        o_t = (Σ_{W_t} γ e^{s_ti − c_t} v_i + Σ_{L_t} (q_feat_t·k_feat_i) v_i)
-              / (Σ_{W_t} γ e^{s_ti − c_t} + Σ_{L_t} q_feat_t·k_feat_i)
+        o_t = (Σ_{W_t} γ e^{s_ti − c_t} v_i + Σ_{L_t} (d_tj ⊙ q_feat_t)·k_feat_j v_j)
+              / (Σ_{W_t} γ e^{s_ti − c_t} + Σ_{L_t} (d_tj ⊙ q_feat_t)·k_feat_j)
 
-    with s_ti = scale · q_t·k_i, c_t = max_{i∈W_t} s_ti and γ = sigmoid(window_gate). When window_size ≥ T
-    this is exactly causal softmax attention.
+    with s_ti = scale · q_t·k_i, c_t = max_{i∈W_t} s_ti, γ = sigmoid(window_gate) and the decay of key j at
+    query t d_tj = Π_{i = j + window_size + 1}^{t} a_i, a_i = exp(log_decay_i) (1 without log_decay; per
+    feature dimension for a [B, T, H, F] log_decay). The decay acts on the linear part only and its clock
+    starts when the key leaves the window: the linear part is causal linear attention, decayed at every step,
+    over keys and values delayed by window_size positions. When window_size ≥ T this is exactly causal
+    softmax attention.
 
     The queries may cover only the last T_q ≤ T positions (q, q_feat [B, T_q, H, ·]): a decode step behind
     a cache's retained keys computes just the new rows. Every backend takes T_q < T (the chunked ones compute
@@ -242,15 +248,21 @@ def window_attention(
         window_size: ≥ 1, number of most recent tokens (the query's own included) under softmax.
         num_sink_tokens: ≥ 0, number of first real tokens always under softmax.
         scale: of the softmax scores, a finite number > 0; None means D ** -0.5.
+        log_decay: None (no decay), [B, T, H] or [B, T, H, F]: log a_i ≤ 0 at every one of the T positions
+            (values in [−inf, 0]; −inf forgets every key that has left the window, and the initial state).
+            Positions in front of the queries count too: a decode step behind a cache's retained keys passes 0
+            there (their steps have already decayed the cache's state).
         key_padding_mask: None or bool [B, T], True for real tokens (the queries are its last T_q
             positions). Pad keys contribute nothing; pad queries output 0. Windows count positions, pads
             included. Backend "triton" needs the real tokens of each row contiguous (left or right padding;
             checked, at the price of one host sync on a GPU), so "auto" picks it only without a mask.
         initial_state: None or [B, H, F, V + 1]: Σ φ(k_j) [v_j, 1]ᵀ over keys older than the whole input
-            (a decode cache's folded tokens), added to every query's linear part.
-        output_final_state: also return initial_state plus every real, non-sink key that lies outside the
-            window of the *next* query (index T), i.e. keys with index ≤ T − 1 − window_size: what a cache
-            carries forward beside the last window_size tokens and the sinks.
+            (a decode cache's folded tokens), added to every query's linear part, decayed at query t by
+            Π_{i=0}^{t} a_i.
+        output_final_state: also return initial_state (decayed by Π_{i<T} a_i) plus every real, non-sink key
+            that lies outside the window of the *next* query (index T), i.e. keys j ≤ T − 1 − window_size, each
+            decayed by d_{T−1, j}: what a cache carries forward beside the last window_size tokens and the
+            sinks (the next step decays it by its own a_t, and a key that leaves the window enters undecayed).
         backend: one of BACKENDS (see the module docstring; "recurrent" and "parallel" both run the quadratic
             reference form).
 
@@ -295,6 +307,8 @@ def window_attention(
     if isinstance(num_sink_tokens, bool) or not isinstance(num_sink_tokens, int) or num_sink_tokens < 0:
         raise ValueError(f"num_sink_tokens must be an int ≥ 0, got {num_sink_tokens!r}")
     scale = _checked_scale(scale, head_dim**-0.5)
+    if log_decay is not None:
+        _check_log_decay(log_decay, batch, length, heads, q_feat.shape[-1])
     if key_padding_mask is not None and (
         not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool
         or tuple(key_padding_mask.shape) != (batch, length)
@@ -315,7 +329,7 @@ def window_attention(
         )
 
     tensors = {"q": q, "k": k, "v": v, "q_feat": q_feat, "k_feat": k_feat, "window_gate": window_gate,
-               "initial_state": initial_state}
+               "log_decay": log_decay, "initial_state": initial_state}
 
     def triton_problem() -> str | None:
         if backend == "auto" and key_padding_mask is not None:
@@ -331,9 +345,12 @@ def window_attention(
         _check_contiguous_padding(key_padding_mask)
     skipped = length - queries if name in CHUNKED else 0
     if skipped:  # the chunked forms need a query per key: zero queries in front, whose rows are dropped
+        # (log_decay already covers all T positions: the padding shifts no decay)
         q, q_feat = (F.pad(x, (0, 0, 0, 0, skipped, 0)) for x in (q, q_feat))
+    if log_decay is not None and log_decay.dim() == 3:
+        log_decay = log_decay[..., None]  # one decay shared by all F rows of the state
     o, state = WINDOW_FORMS[name](
-        q, k, v, q_feat, k_feat, window_gate,
+        q, k, v, q_feat, k_feat, window_gate, log_decay,
         window_size=window_size,
         num_sink_tokens=num_sink_tokens,
         scale=scale,

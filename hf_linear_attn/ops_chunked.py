@@ -200,6 +200,7 @@ def chunk_window_attention(
     q_feat: Tensor,
     k_feat: Tensor,
     window_gate: Tensor,
+    log_decay: Tensor | None = None,
     *,
     window_size: int,
     num_sink_tokens: int,
@@ -211,7 +212,9 @@ def chunk_window_attention(
     """Sliding-window softmax + linear attention (LoLCATs) without a T x T tensor.
 
     Same arguments and result as `ops_reference.reference_window_attention`. The linear part is causal
-    linear attention against keys and values shifted forward by window_size positions; the softmax part
+    linear attention against keys and values shifted forward by window_size positions, decayed by log_decay
+    at the queries' own steps (a key delayed to position j + window_size is decayed by a_i for
+    i = j + window_size + 1 .. t, exactly the hybrid's d_tj); the softmax part
     runs over blocks of CHUNK_SIZE queries, each against its window range of keys plus the sink keys.
     Memory O(T·(C + window_size + num_sink_tokens)).
     """
@@ -222,12 +225,13 @@ def chunk_window_attention(
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
     window_keys = real & ~sink  # keys reached through the window range or the linear part
 
-    # Linear part: causal linear attention on delayed keys and values (see `window_linear_inputs`); the ones
-    # column returns the denominator with the numerator.
+    # Linear part: causal (decayed) linear attention on delayed keys and values (see `window_linear_inputs`);
+    # the ones column returns the denominator with the numerator.
     v_ones = torch.cat([v_acc, torch.ones_like(v_acc[..., :1])], dim=-1)
     k_older, v_older = window_linear_inputs(k_feat, v_ones, real, sink, window_size)
     linear, state = chunk_linear_attention(
-        q_feat, k_older, v_older, None, scale=1.0, initial_state=initial_state, output_final_state=output_final_state,
+        q_feat, k_older, v_older, log_decay, scale=1.0, initial_state=initial_state,
+        output_final_state=output_final_state,
     )  # [B, T, H, V + 1]
 
     # The sinks, gathered once: positions of the first num_sink_tokens real tokens of each row (a row with

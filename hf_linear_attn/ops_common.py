@@ -120,6 +120,9 @@ def window_linear_inputs(
     against keys and values delayed by window_size positions; sinks and pads get zero keys and drop out. With
     left or right padding the real tokens are contiguous, so the index delay is also the real-token distance.
     The linear state after the delayed sequence holds exactly the keys older than the next query's window.
+    A decayed hybrid runs that linear attention with the log decays at the queries' own steps, undelayed: the
+    key delayed to position j + window_size is then decayed by a_i for i = j + window_size + 1 .. t, so its
+    decay starts when it leaves the window, and a cache's state needs no per-token bookkeeping.
 
     k_feat: [B, T, H, F]; v_ones: [B, T, H, V + 1] (values with a ones column, whose output is the
     denominator); real, sink: bool [B, T]. Returns the delayed keys [B, T, H, F] and values [B, T, H, V + 1].

@@ -8,8 +8,8 @@ state S (K x V):
 
 (the second line only with normalize=True). `recurrent_linear_attention` runs this loop token by token;
 `parallel_linear_attention` evaluates the same sums as one masked T x T product.
-`reference_window_attention` is the LoLCATs sliding-window softmax + linear hybrid built from the full
-T x T score matrix.
+`reference_window_attention` is the LoLCATs sliding-window softmax + linear hybrid (its linear part
+optionally decayed) built from the full T x T score matrix.
 
 Backends receive inputs already validated by `ops.linear_attention` / `ops.window_attention`: `scale` is a
 number and `log_decay` is None or [B, T, H, 1 | K]. They compute in float32 (float64 for float64 inputs),
@@ -20,6 +20,7 @@ column is z (z is the state of an extra all-ones value column).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .ops_common import (
@@ -133,6 +134,31 @@ def parallel_linear_attention(
     return o.transpose(1, 2).to(out_dtype), state if output_final_state else None
 
 
+def _window_decay_exponents(
+    log_decay: Tensor, first_query: int, window_size: int, in_linear: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The log decays of the window hybrid's linear part, summed directly from their definition.
+
+    log_decay: [B, T, H, 1 | F] (≤ 0, −inf allowed), in the accumulation dtype; queries at positions
+    first_query .. T − 1; in_linear: bool [B, T_q, T], the linear set L_t of each query. Returns
+        key_exponents [B, H, T_q, T, 1 | F]: Σ_{i = j + window_size + 1}^{t} log_decay_i for j ∈ L_t, −inf elsewhere;
+        state_exponents [B, H, T_q, 1, 1 | F]: Σ_{i = 0}^{t} log_decay_i, the decay of the initial state.
+    Every sum is accumulated from the query backwards over log decays only (a suffix sum of the masked row),
+    never as a difference of prefix sums: a −inf (reset) meets only finite values and −inf, never −inf − (−inf).
+    """
+    length = log_decay.shape[1]
+    steps = log_decay.transpose(1, 2)  # [B, H, T, 1 | F]
+    pos = torch.arange(length, device=log_decay.device)
+    up_to = pos[None, :] <= pos[first_query:, None]  # [T_q, T]: step i happened by query t
+    row = torch.where(up_to[..., None], steps[:, :, None], 0.0)  # [B, H, T_q, T, 1 | F]
+    suffix = row.flip(3).cumsum(3).flip(3)  # suffix[t, p] = Σ_{p ≤ i ≤ t} log_decay_i
+    # Key j's sum starts at p = j + window_size + 1; beyond T − 1 (and beyond t) the sum is empty: 0.
+    shifted = F.pad(suffix, (0, 0, 0, window_size + 1))[:, :, :, window_size + 1 :]  # [B, H, T_q, T, 1 | F]
+    # −inf outside L_t masks the exponent, not the result, so exp and its gradient stay finite
+    key_exponents = torch.where(in_linear[:, None, ..., None], shifted, -torch.inf)
+    return key_exponents, suffix[:, :, :, :1]
+
+
 def reference_window_attention(
     q: Tensor,
     k: Tensor,
@@ -140,6 +166,7 @@ def reference_window_attention(
     q_feat: Tensor,
     k_feat: Tensor,
     window_gate: Tensor,
+    log_decay: Tensor | None = None,
     *,
     window_size: int,
     num_sink_tokens: int,
@@ -152,16 +179,19 @@ def reference_window_attention(
 
     q, k: [B, T_q, H, D] and [B, T, H, D] (softmax part), the queries at the last T_q ≤ T positions;
     v: [B, T, H, V]; q_feat, k_feat: [B, T_q, H, F] and [B, T, H, F] (feature-mapped, linear part);
-    window_gate: [H] logits of γ = sigmoid(window_gate); key_padding_mask: None or bool [B, T], True
-    for real tokens. For query t the softmax set W_t holds the real keys i ≤ t with t − i < window_size plus
-    the sinks i ≤ t; the linear set L_t holds the other real keys i ≤ t. With s_ti = scale · q_t·k_i and
-    c_t = max_{i∈W_t} s_ti:
+    window_gate: [H] logits of γ = sigmoid(window_gate); log_decay: None or [B, T, H, 1 | F] (≤ 0) at all T
+    positions; key_padding_mask: None or bool [B, T], True for real tokens. For query t the softmax set W_t
+    holds the real keys i ≤ t with t − i < window_size plus the sinks i ≤ t; the linear set L_t holds the
+    other real keys i ≤ t. With s_ti = scale · q_t·k_i, c_t = max_{i∈W_t} s_ti and the decay of key j at
+    query t, d_tj = Π_{i = j + window_size + 1}^{t} a_i (a_i = exp(log_decay_i); 1 without decay):
 
-        o_t = (Σ_{W_t} γ e^{s_ti − c_t} v_i + Σ_{L_t} (q_feat_t·k_feat_i) v_i)
-              / (Σ_{W_t} γ e^{s_ti − c_t} + Σ_{L_t} q_feat_t·k_feat_i)
+        o_t = (Σ_{W_t} γ e^{s_ti − c_t} v_i + Σ_{L_t} (d_tj ⊙ q_feat_t)·k_feat_j v_j)
+              / (Σ_{W_t} γ e^{s_ti − c_t} + Σ_{L_t} (d_tj ⊙ q_feat_t)·k_feat_j)
 
-    initial_state (None or [B, H, F, V + 1]) adds q_feat_tᵀ S_0 to every numerator and denominator; the
-    final state is S_0 + Σ φ(k_j) [v_j, 1]ᵀ over real non-sink keys j ≤ T − 1 − window_size.
+    initial_state (None or [B, H, F, V + 1]) adds (Π_{i ≤ t} a_i ⊙ q_feat_t)ᵀ S_0 to every numerator and
+    denominator; the final state is Π_{i < T} a_i ⊙ S_0 + Σ d_{T−1, j} ⊙ φ(k_j) [v_j, 1]ᵀ over the real
+    non-sink keys j ≤ T − 1 − window_size (L of the last query). The decays form an explicit
+    [B, H, T_q, T, 1 | F] tensor: tiny inputs (or a single query) only.
 
     Returns o [B, T_q, H, V] in v's dtype (pad queries get zeros) and the final state or None.
     """
@@ -180,21 +210,39 @@ def reference_window_attention(
     c = scores.amax(-1, keepdim=True)
     c = torch.where(c.isfinite(), c, 0.0)  # a pad query has an empty window: keep exp(−inf − c) = 0, not nan
     gamma = torch.sigmoid(window_gate.to(dtype))[:, None, None]  # [H, 1, 1]
-    linear_scores = torch.einsum("bthf,bihf->bhti", q_feat.to(dtype), k_feat.to(dtype))
-    weights = gamma * (scores - c).exp() + linear_scores * in_linear[:, None]  # [B, H, T_q, T]
+    q_feat, k_feat = q_feat.to(dtype), k_feat.to(dtype)
+    if log_decay is None:
+        linear_scores = torch.einsum("bthf,bihf->bhti", q_feat, k_feat) * in_linear[:, None]
+    else:
+        key_exponents, state_exponents = _window_decay_exponents(log_decay.to(dtype), first_query, window_size,
+                                                                 in_linear)
+        decay = key_exponents.exp()  # d_tj, [B, H, T_q, T, 1 | F]
+        if decay.shape[-1] == 1:
+            linear_scores = torch.einsum("bthf,bihf->bhti", q_feat, k_feat) * decay[..., 0]
+        else:
+            linear_scores = torch.einsum("bthf,bihf,bhtif->bhti", q_feat, k_feat, decay)
+    weights = gamma * (scores - c).exp() + linear_scores  # [B, H, T_q, T]
     v_ones = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # [B, T, H, V + 1]
-    total = weights @ v_ones.transpose(1, 2)  # [B, H, T, V + 1]: numerator and denominator
+    total = weights @ v_ones.transpose(1, 2)  # [B, H, T_q, V + 1]: numerator and denominator
     if initial_state is not None:
-        total = total + q_feat.to(dtype).transpose(1, 2) @ initial_state.to(dtype)
+        initial_state = initial_state.to(dtype)
+        q_state = q_feat.transpose(1, 2)  # [B, H, T_q, F]
+        if log_decay is not None:
+            q_state = q_state * state_exponents[..., 0, :].exp()
+        total = total + q_state @ initial_state
     value_dim = v.shape[-1]
     o = divide_at_real_queries(total[..., :value_dim], total[..., value_dim:], real[:, None, first_query:, None])
     final_state = None
     if output_final_state:
-        # Only keys before T − window_size can fold: a decode step sums over a handful, not the whole window.
-        count = max(length - window_size, 0)
-        folded = (real & ~sink)[:, :count]  # [B, count]
-        k_folded = k_feat[:, :count].to(dtype) * folded[..., None, None]
-        final_state = torch.einsum("bthf,bthv->bhfv", k_folded, v_ones[:, :count])
+        # The keys that fold are L of the last query (index T − 1): real, non-sink, j ≤ T − 1 − window_size.
+        folded = in_linear[:, -1, :, None, None].to(dtype)  # [B, T, 1, 1]
+        if log_decay is None:
+            k_folded = k_feat * folded
+        else:
+            k_folded = k_feat * key_exponents[:, :, -1].exp().transpose(1, 2)  # 0 outside L, by the −inf
+        final_state = torch.einsum("bthf,bthv->bhfv", k_folded, v_ones)
         if initial_state is not None:
-            final_state = final_state + initial_state.to(dtype)
+            if log_decay is not None:
+                initial_state = state_exponents[:, :, -1, 0, :, None].exp() * initial_state  # Π_{i<T} a_i ⊙ S_0
+            final_state = final_state + initial_state
     return o.transpose(1, 2).to(v.dtype), final_state

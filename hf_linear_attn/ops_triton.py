@@ -976,6 +976,7 @@ def triton_window_attention(
     q_feat: Tensor,
     k_feat: Tensor,
     window_gate: Tensor,
+    log_decay: Tensor | None = None,
     *,
     window_size: int,
     num_sink_tokens: int,
@@ -985,18 +986,19 @@ def triton_window_attention(
     output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Sliding-window softmax + linear attention in Triton: arguments and results as
-    `ops_chunked.chunk_window_attention`. The softmax head dims D and V must be ≤ MAX_WINDOW_HEAD_DIM."""
+    `ops_chunked.chunk_window_attention` (log_decay: None or [B, T, H, 1 | F], decaying the linear part). The
+    softmax head dims D and V must be ≤ MAX_WINDOW_HEAD_DIM."""
     batch, length = q.shape[:2]
     value_dim = v.shape[-1]
     bounds = real_token_bounds(key_padding_mask, batch, length, q.device)
 
-    # Linear part: the linear kernels on delayed keys and values (see `window_linear_inputs`); the ones column
-    # returns the denominator with the numerator.
+    # Linear part: the linear kernels on delayed keys and values (see `window_linear_inputs`), decayed at the
+    # queries' steps; the ones column returns the denominator with the numerator.
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
     v_ones = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     k_older, v_older = window_linear_inputs(k_feat, v_ones, real, sink, window_size)
     linear, state = _linear(
-        q_feat, k_older, v_older, None, initial_state, scale=1.0, chunks=_batch_chunks(batch, length, q.device),
+        q_feat, k_older, v_older, log_decay, initial_state, scale=1.0, chunks=_batch_chunks(batch, length, q.device),
         out_dtype=torch.float32,
     )
 

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 import hf_linear_attn
+from hf_linear_attn.modeling_linear_attention import LinearAttention
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +47,9 @@ VARIANTS = {
     "taylor": {"feature_map": "taylor", "head_dim": 4, "hidden_size": 32},
     "hedgehog-window-sinks": {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5,
                               "num_sink_tokens": 2},
+    **{f"hedgehog-window-sinks-{decay}-decay": {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5,
+                                                "num_sink_tokens": 2, "decay": decay, "decay_low_rank_dim": 4}
+       for decay in ("fixed", "scalar", "vector")},
     "qwen3-like-hybrid": {"use_qk_norm": True, "attention_bias": True, "softmax_layers": [0],
                           "tie_word_embeddings": True},
     "delta": {"update_rule": "delta", "feature_map": "identity", "normalize": False},
@@ -75,6 +79,16 @@ def tiny_config(**overrides) -> hf_linear_attn.LinearAttentionConfig:
 def tiny_model(seed: int = 0, **overrides) -> hf_linear_attn.LinearAttentionForCausalLM:
     torch.manual_seed(seed)
     model = hf_linear_attn.LinearAttentionForCausalLM(tiny_config(**overrides))
+    if model.config.window_size > 0:
+        # A hybrid's decay gate starts data-independent with a ≈ 1 − 1/2048 (its conversion init), which would
+        # hide a misplaced decay: give it random weights and a ≈ 0.9 on average, so every step's decay matters.
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, LinearAttention) and hasattr(module, "decay_proj"):
+                    gate = module.decay_proj[-1] if isinstance(module.decay_proj, torch.nn.Sequential) \
+                        else module.decay_proj
+                    gate.weight.normal_(0.0, 0.3)
+                    gate.bias.fill_(-1.5)
     return model.eval()
 
 
@@ -182,9 +196,11 @@ def make_inputs(
 
 
 def make_window_inputs(
-    length: int, *, batch: int = 2, heads: int = 2, dtype: torch.dtype = torch.float64, seed: int = 0
+    length: int, *, batch: int = 2, heads: int = 2, dtype: torch.dtype = torch.float64, seed: int = 0,
+    decay: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Random leaf tensors for window_attention (D = 8, V = 5, F = 6); positive features, as a feature map gives."""
+    """Random leaf tensors for window_attention (D = 8, V = 5, F = 6); positive features, as a feature map gives.
+    decay "scalar" or "vector" adds a log_decay [B, T, H] or [B, T, H, F] (a mostly between 0.7 and 1)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -198,6 +214,9 @@ def make_window_inputs(
         "k_feat": randn(batch, length, heads, 6).sigmoid(),
         "window_gate": randn(heads),
     }
+    if decay is not None:
+        shape = {"scalar": (batch, length, heads), "vector": (batch, length, heads, 6)}[decay]
+        tensors["log_decay"] = F.logsigmoid(randn(*shape) * 2 + 3)
     return {name: x.requires_grad_() for name, x in tensors.items()}
 
 

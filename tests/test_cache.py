@@ -13,8 +13,9 @@ def returned_cache(output):
     """The cache an output carries (`cache` since transformers 5.24, `past_key_values` before)."""
     return getattr(output, OUTPUT_CACHE_FIELD)
 
+HYBRID_DECAY_VARIANTS = [f"hedgehog-window-sinks-{decay}-decay" for decay in ("fixed", "scalar", "vector")]
 CACHED_VARIANTS = ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
-                   "delta", "gated-delta-conv"]
+                   "delta", "gated-delta-conv", *HYBRID_DECAY_VARIANTS]
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 
 
@@ -43,6 +44,21 @@ def test_chunked_prefill_through_forward_equals_one_shot(name):
         full = model(ids, use_cache=False).logits
         chunks = [model(ids[:, s : s + 17], cache=cache).logits for s in range(0, 100, 17)]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["hedgehog-window-sinks", *HYBRID_DECAY_VARIANTS])
+def test_token_by_token_decoding_equals_the_forward(name):
+    """Every token decoded alone from the cache, in a left-padded batch (pads inside the first windows and, by
+    their zero log decay, no step of the decayed state): the no-cache forward's logits at every real position."""
+    model = tiny_model(**VARIANTS[name])
+    ids, mask = left_pad(prompts([40, 33], seed=7))
+    cache = LinearAttentionCache(model.config)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        steps = [model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache).logits
+                 for i in range(ids.shape[1])]
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], atol=2e-5, rtol=1e-4)
 
 
 def test_past_key_values_spelling_in_forward():

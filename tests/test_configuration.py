@@ -69,6 +69,12 @@ def test_configs_saved_by_earlier_versions_load(tmp_path, saved):
     assert (config.update_rule, config.conv_size, config.output_gate) == ("additive", 0, False)
 
 
+@pytest.mark.parametrize("decay", ["none", "fixed", "scalar", "vector"])
+def test_the_window_hybrid_takes_every_decay(decay):
+    config = tiny_config(window_size=8, num_sink_tokens=2, decay=decay)
+    assert (config.window_size, config.decay) == (8, decay)
+
+
 def test_rope_parameters_keep_scaling_type():
     config = tiny_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
     assert config.rope_parameters["rope_type"] == "linear"
@@ -90,7 +96,6 @@ def test_rope_parameters_keep_scaling_type():
         ({"feature_dim": 8}, "feature_dim"),  # elu has no feature dimension
         ({"feature_map": "t2r", "feature_dim": 0}, "feature_dim"),
         ({"window_size": 8, "normalize": False}, "normalize"),
-        ({"window_size": 8, "decay": "scalar"}, "decay"),
         ({"head_dim": 7}, "head_dim"),
         ({"hidden_act": "swish2"}, "hidden_act"),
         ({"linear_attention_backend": "cuda"}, "linear_attention_backend"),
@@ -160,8 +165,10 @@ def test_window_may_reach_max_position_embeddings():
 
 def test_attention_options_check_themselves():
     """The scripts build `AttentionOptions` from their flags: the same checks apply without a config."""
+    with pytest.raises(ValueError, match="`normalize`"):
+        AttentionOptions(window_size=8, normalize=False)
     with pytest.raises(ValueError, match="`decay`"):
-        AttentionOptions(window_size=8, decay="vector")
+        AttentionOptions(decay="exponential")
     with pytest.raises(TypeError, match="`window_size`"):
         AttentionOptions(window_size="64")
     assert AttentionOptions(softmax_layers=None).softmax_layers == []

@@ -76,8 +76,8 @@ def test_bad_conversions_raise():
         convert_to_linear_attention(gpt2)
     with pytest.raises(ValueError, match="Unknown attention option"):
         convert_to_linear_attention(teacher("llama"), feature_mapp="elu")
-    with pytest.raises(ValueError, match="`decay`"):
-        linear_attention_config(teacher("llama").config, window_size=8, decay="vector")
+    with pytest.raises(ValueError, match="`normalize`"):
+        linear_attention_config(teacher("llama").config, window_size=8, normalize=False)
     with pytest.raises(TypeError, match="PreTrainedModel or a path"):
         convert_to_linear_attention(42)
 
@@ -139,8 +139,8 @@ def test_convert_cli_fails_before_writing_anything(tmp_path, capsys):
     save_with_tokenizer(teacher("llama"), tmp_path / "src")
     teacher("llama").save_pretrained(tmp_path / "no_tokenizer")
     out = tmp_path / "out"
-    assert "error: invalid `decay`='scalar'" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir",
-                                                      str(out), "--decay", "scalar")
+    assert "error: invalid `decay_low_rank_dim`=0" in fails("--model_name_or_path", str(tmp_path / "src"),
+                                                            "--output_dir", str(out), "--decay_low_rank_dim", "0")
     assert "error: invalid `window_size`=-1" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir",
                                                       str(out), "--window_size", "-1")
     assert "layer 2 does not exist" in fails(  # the source has 2 layers

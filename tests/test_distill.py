@@ -53,6 +53,34 @@ def test_attention_transfer_lowers_the_layer_loss_and_trains_only_feature_maps(t
     assert "Recipe (`training/distill.py`" in card and "| eval_loss |" in card
 
 
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_attention_transfer_trains_the_decay_gates_of_a_decayed_hybrid(tmp_path, decay):
+    """A decayed window hybrid starts with long memory; stage 1 learns where to forget: its decay gates train,
+    beside feature maps and γ, and nothing else does."""
+    student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4,
+                                          num_sink_tokens=1, decay=decay, decay_low_rank_dim=4)
+    save_with_tokenizer(student, tmp_path / "converted")
+    words = [f"w{i}" for i in range(90)]
+    generator = torch.Generator().manual_seed(1)
+    lines = [" ".join(words[j] for j in torch.randint(0, 90, (60,), generator=generator)) for _ in range(16)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:12]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[12:]) + "\n")
+    out = tmp_path / "distilled"
+    distill(
+        DistillArguments(model_name_or_path=str(tmp_path / "converted")),
+        DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "valid.txt"),
+                      block_size=48, max_eval_samples=2),
+        TrainArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                       warmup_steps=0, lr_scheduler_type="constant", report_to="none", eval_steps=0),
+    )
+    before, after = student.state_dict(), AutoModelForCausalLM.from_pretrained(out).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert all(any(p in k for p in ("feature_map", "window_gate", "decay_proj")) for k in changed), changed
+    for layer in range(student.config.num_hidden_layers):
+        gate = f"model.layers.{layer}.self_attn.decay_proj{'' if decay == 'scalar' else '.1'}"
+        assert {f"{gate}.weight", f"{gate}.bias"} <= changed, changed
+
+
 def test_distill_refuses_a_softmax_checkpoint(tmp_path):
     save_with_tokenizer(teacher("qwen2"), tmp_path / "softmax")
     with pytest.raises(ValueError, match="not a linear-attention model"):

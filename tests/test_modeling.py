@@ -1,11 +1,18 @@
 """The model: every attention variant against its oracle backend, padding, loss, generate, dtypes."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VARIANTS, left_pad, prompts, tiny_model
+from helpers import VARIANTS, left_pad, prompts, teacher, tiny_config, tiny_model
 
-from hf_linear_attn import LinearAttentionCache, LinearAttentionForCausalLM, LinearAttentionModel
+from hf_linear_attn import (
+    LinearAttentionCache,
+    LinearAttentionForCausalLM,
+    LinearAttentionModel,
+    convert_to_linear_attention,
+)
 from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention, apply_rotary, causal_conv1d
 from hf_linear_attn.ops_delta_rule import recurrent_delta_rule
 
@@ -181,7 +188,7 @@ def test_config_output_hidden_states_and_return_dict_are_the_defaults():
 
 
 @pytest.mark.parametrize("name", ["elu", "qwen3-like-hybrid", "hedgehog-window-sinks", "elu-scalar-decay",
-                                  "gated-delta-conv"])
+                                  "gated-delta-conv", "hedgehog-window-sinks-vector-decay"])
 def test_torch_export_of_the_no_cache_forward_matches_eager(name):
     model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 9))
@@ -341,7 +348,7 @@ def test_peft_lora_on_attention_projections():
 
 
 @pytest.mark.parametrize("name", ["elu-scalar-decay", "t2r-vector-decay", "hedgehog-window-sinks",
-                                  "qwen3-like-hybrid", "gated-delta-conv"])
+                                  "qwen3-like-hybrid", "gated-delta-conv", "hedgehog-window-sinks-vector-decay"])
 def test_packed_documents_equal_each_document_alone(name):
     """DataCollatorWithFlattening's format: one row, position_ids restarting at 0 at each document."""
     model = tiny_model(**VARIANTS[name])
@@ -438,3 +445,57 @@ def test_delta_rule_with_each_allowed_feature_map_and_decay_matches_the_oracle(f
         slow = model(ids).logits
     assert torch.isfinite(fast).all()
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window_size", [0, 6])
+@pytest.mark.parametrize("decay", ["fixed", "scalar", "vector"])
+def test_initial_decays(decay, window_size):
+    """At init a window hybrid remembers long: a = 1 − 1/2048 for every token with a data-dependent gate (its last
+    projection zero), γ_h = 1 − 2^(−8−h) fixed. Linear layers keep theirs: RetNet's 1 − 2^(−5−h), and gates of the
+    default init."""
+    torch.manual_seed(0)
+    model = LinearAttentionForCausalLM(
+        tiny_config(decay=decay, window_size=window_size, normalize=True, decay_low_rank_dim=4))
+    layer = model.model.layers[0].self_attn
+    x = torch.randn(2, 7, model.config.hidden_size)
+    log_decay = layer.log_decay(x)
+    heads = model.config.num_attention_heads
+    if decay == "fixed":
+        first = 8 if window_size else 5
+        gamma = 1 - 2.0 ** (-first - torch.arange(heads, dtype=torch.float64))
+        torch.testing.assert_close(log_decay, gamma.log().float().expand(2, 7, heads), rtol=1e-6, atol=0)
+    elif window_size:
+        torch.testing.assert_close(log_decay, torch.full_like(log_decay, math.log(1 - 1 / 2048)), rtol=1e-5, atol=0)
+        gate = layer.decay_proj if decay == "scalar" else layer.decay_proj[-1]
+        assert not gate.weight.any()
+        if decay == "vector":
+            assert layer.decay_proj[0].weight.std() > 0  # the low-rank input keeps its random init
+    else:
+        assert log_decay.std() > 0 and log_decay.max() < math.log(0.99)  # default gate: a ≈ 0.96, data-dependent
+
+
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_hybrid_decay_gate_trains_from_its_zero_init(decay):
+    torch.manual_seed(0)  # the documented init, not tiny_model's strong decays
+    model = LinearAttentionForCausalLM(tiny_config(decay=decay, window_size=4, num_sink_tokens=1,
+                                                   decay_low_rank_dim=4)).train()
+    ids = torch.randint(3, 128, (2, 30))
+    model(ids, labels=ids).loss.backward()
+    layer = model.model.layers[0].self_attn
+    gate = layer.decay_proj if decay == "scalar" else layer.decay_proj[-1]
+    assert gate.weight.grad.abs().sum() > 0 and gate.bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("decay", ["fixed", "scalar", "vector"])
+def test_converted_hybrid_with_decay_starts_close_to_the_undecayed_one(decay):
+    """Conversion with a decay starts where the undecayed hybrid does, up to the slow long-memory decay (measured
+    at 40 tokens: 7e-4 fixed, 1.4e-4 scalar and vector; a linear layer's default gate, a ≈ 0.96, gives 1.2e-2)."""
+    source = teacher("llama")
+    options = dict(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1)
+    plain = convert_to_linear_attention(source, **options)
+    decayed = convert_to_linear_attention(source, decay=decay, **options)
+    ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = plain(ids).logits, decayed(ids).logits
+    difference = (got - expected).abs().max() / expected.abs().max()
+    assert 0 < difference < 2e-3, difference

@@ -63,8 +63,8 @@ def test_script_defaults():
 
 
 def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
-    with pytest.raises(ValueError, match="`decay`"):
-        attention_arguments("Bad", window_size=8, decay="scalar")
+    with pytest.raises(ValueError, match="`normalize`"):
+        attention_arguments("Bad", window_size=8, normalize=False)
     arguments = attention_arguments("WithLayers", softmax_layers=[1])
     first, second = arguments(), arguments()
     first.softmax_layers.append(2)

@@ -218,6 +218,35 @@ def test_window_queries_behind_keys(queries):
     )
 
 
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+@pytest.mark.parametrize(
+    "length, window_size, num_sink_tokens, padding, queries",
+    [(7, 1, 3, "left", 7), (2 * C + 5, 5, 3, "right", 2 * C + 5), (C + 9, 20, 0, None, C + 9),
+     (23, 6, 2, "left", 5), (23, 6, 2, None, 1)],
+)
+def test_window_decay_matches_reference(length, window_size, num_sink_tokens, padding, queries, decay):
+    """The decayed linear part (log_decay in float32 like the state), with a carried state, odd T and fewer
+    queries than keys: outputs, final states and every gradient, log_decay's included."""
+    inputs = make_window_inputs(length, decay=decay)
+    inputs["initial_state"] = window_initial_state()
+    inputs["q"], inputs["q_feat"] = (inputs[n].detach()[:, -queries:].requires_grad_() for n in ("q", "q_feat"))
+    compare_with_oracle(
+        window_attention, inputs, "parallel", torch.float32, WINDOW_LOW, window_size=window_size,
+        num_sink_tokens=num_sink_tokens, key_padding_mask=padding_mask(length, padding),
+    )
+
+
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_window_decay_resets(decay):
+    """−inf and ≤ −1e30 log decays: the reset forgets the folded keys and the state, finite everywhere (float32
+    error of decays taken as differences of prefix sums, as in test_reset_decays_match_the_token_loop)."""
+    inputs = make_window_inputs(C + 9, decay=decay)
+    inputs["log_decay"] = with_resets(inputs["log_decay"])
+    inputs["initial_state"] = window_initial_state()
+    compare_with_oracle(window_attention, inputs, "parallel", torch.float32, WINDOW_LOW, window_size=4,
+                        num_sink_tokens=1, tol=max(1e-4, TOLERANCE[torch.float32]))
+
+
 def test_whole_sequence_window_is_softmax_attention():
     length = C + 3
     inputs = {name: x.detach().float().to(DEVICE) for name, x in make_window_inputs(length).items()}
@@ -280,6 +309,9 @@ def window_args(**changes) -> dict:
                                                                      device=DEVICE)), "key_padding_mask.*contiguous"),
         (linear_attention, linear_args(log_decay=torch.tensor([[[-0.1, float("nan")]] * 6], device=DEVICE)), "nan"),
         (window_attention, window_args(window_gate=torch.zeros(2, dtype=torch.float64, device=DEVICE)), "float64"),
+        (window_attention, window_args(log_decay=torch.zeros(2, 6, 2, dtype=torch.float64, device=DEVICE)),
+         "log_decay in torch.float64"),
+        (window_attention, window_args(log_decay=torch.full((2, 6, 2), 0.1, device=DEVICE)), "log_decay must be ≤ 0"),
     ],
 )
 def test_invalid_inputs_raise_before_any_launch(no_launch, monkeypatch, attention, kwargs, match):

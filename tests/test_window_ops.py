@@ -1,21 +1,33 @@
-"""window_attention: chunked against the T x T reference, padding, the softmax limit, dtypes, validation."""
+"""window_attention: chunked against the T x T reference (with and without decay), the reference against the
+definition, padding, the softmax limit, the carried state, dtypes, validation."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_window_inputs, window_initial_state
+from helpers import make_window_inputs, window_initial_state, with_resets
 
 from hf_linear_attn.ops import window_attention
 from hf_linear_attn.ops_common import CHUNK_SIZE
 
 C = CHUNK_SIZE
-NAMES = ("q", "k", "v", "q_feat", "k_feat", "window_gate")
 
 
 def left_padding(length: int, pads: int) -> torch.Tensor:
     """Mask for a batch of two rows: the first unpadded, the second with `pads` pad tokens in front."""
     mask = torch.ones(2, length, dtype=torch.bool)
     mask[1, :pads] = False
+    return mask
+
+
+def padding(length: int, kind: str | None) -> torch.Tensor | None:
+    """None, left padding of a third of the second row, or that plus holes (every 7th position from 5 on, and
+    position 1 of the first row)."""
+    if kind is None:
+        return None
+    mask = left_padding(length, length // 3)
+    if kind == "holes":
+        mask[1, 5::7] = False
+        mask[0, 1 % length] = False
     return mask
 
 
@@ -28,32 +40,36 @@ def run_with_grads(inputs: dict, backend: str, **kwargs) -> list[torch.Tensor]:
     return [o, state, *torch.autograd.grad(loss, list(inputs.values()))]
 
 
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("mask", [None, "left", "holes"])
 @pytest.mark.parametrize(
     "length, window_size, num_sink_tokens",
     [(1, 1, 0), (7, 1, 3), (7, 3, 0), (C - 1, 1, 0), (C + 1, 37, 3), (2 * C + 2, C, 0), (3 * C + 5, 100, 3),
      (3 * C + 5, 5, 3), (40, 200, 3)],
 )
-def test_chunked_matches_reference(length, window_size, num_sink_tokens, padded, with_state):
-    inputs = make_window_inputs(length)
+def test_chunked_matches_reference(length, window_size, num_sink_tokens, mask, with_state, decay):
+    """Outputs, final states and the gradients w.r.t. every input (log_decay included)."""
+    inputs = make_window_inputs(length, decay=decay)
     if with_state:
         inputs["initial_state"] = window_initial_state()
-    kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens}
-    if padded:
-        kwargs["key_padding_mask"] = left_padding(length, length // 3)
+    kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens, "key_padding_mask": padding(length, mask)}
     expected = run_with_grads(inputs, "parallel", **kwargs)
     actual = run_with_grads(inputs, "torch", **kwargs)
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
 @pytest.mark.parametrize("backend", ["parallel", "torch"])
 @pytest.mark.parametrize("num_sink_tokens", [0, 3])
-def test_left_padded_row_equals_row_alone(backend, num_sink_tokens):
-    """Pads change nothing for real tokens (sinks are the first real tokens); pad queries output 0."""
+def test_left_padded_row_equals_row_alone(backend, num_sink_tokens, decay):
+    """Pads change nothing for real tokens (sinks are the first real tokens; a pad's log decay is 0, as the model
+    sets it); pad queries output 0."""
     length, pads = 2 * C + 7, 30
-    inputs = {name: x.detach() for name, x in make_window_inputs(length).items()}
+    inputs = {name: x.detach() for name, x in make_window_inputs(length, decay=decay).items()}
+    if decay is not None:
+        inputs["log_decay"][1, :pads] = 0.0
     kwargs = {"window_size": 20, "num_sink_tokens": num_sink_tokens, "backend": backend}
     o, _ = window_attention(**inputs, key_padding_mask=left_padding(length, pads), **kwargs)
     alone = {name: x if name == "window_gate" else x[1:, pads:] for name, x in inputs.items()}
@@ -85,13 +101,15 @@ def test_half_precision_inputs(dtype):
     torch.testing.assert_close(o.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
 @pytest.mark.parametrize("backend", ["parallel", "torch"])
 @pytest.mark.parametrize("split, window_size, num_sink_tokens", [(50, 8, 2), (5, 8, 2), (C + 3, 1, 0), (70, 30, 0)])
-def test_continuing_from_the_carried_state_equals_one_shot(backend, split, window_size, num_sink_tokens):
+def test_continuing_from_the_carried_state_equals_one_shot(backend, split, window_size, num_sink_tokens, decay):
     """What a decode cache does: keep the sinks and the last window_size tokens raw, fold the rest into the
-    state, then run the next tokens behind the kept ones from that state."""
+    state, then run the next tokens behind the kept ones from that state (the kept ones with log decay 0: their
+    steps have already decayed the state)."""
     length = 2 * C + 9
-    inputs = {name: x.detach() for name, x in make_window_inputs(length).items()}
+    inputs = {name: x.detach() for name, x in make_window_inputs(length, decay=decay).items()}
     kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens, "backend": backend}
     full, full_state = window_attention(**inputs, **kwargs, output_final_state=True)
 
@@ -100,21 +118,25 @@ def test_continuing_from_the_carried_state_equals_one_shot(backend, split, windo
     kept = sorted(set(range(min(num_sink_tokens, split))) | set(range(max(0, split - window_size), split)))
     positions = torch.tensor(kept + list(range(split, length)))
     rest = {name: x if name == "window_gate" else x[:, positions] for name, x in inputs.items()}
+    if decay is not None:
+        rest["log_decay"][:, : len(kept)] = 0.0
     o, rest_state = window_attention(**rest, **kwargs, initial_state=state, output_final_state=True)
     torch.testing.assert_close(o[:, len(kept):], full[:, split:], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(rest_state, full_state, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
 @pytest.mark.parametrize("backend", ["auto", "parallel", "torch"])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("length, queries, window_size, num_sink_tokens", [(9, 1, 4, 2), (40, 3, 8, 0), (12, 12, 5, 1),
                                                                           (5, 2, 8, 2), (C + 9, C - 2, 20, 2)])
 def test_queries_behind_keys_are_the_last_rows_of_the_full_computation(length, queries, window_size,
-                                                                       num_sink_tokens, with_state, backend):
+                                                                       num_sink_tokens, with_state, backend, decay):
     """What a decode step runs: only the last T_q queries against all T keys, with every backend (the chunked
-    one computes the rows in front and drops them). Outputs are the full computation's last rows; the final
-    state and the gradients of everything but the skipped queries are the same."""
-    inputs = make_window_inputs(length)
+    one computes the rows in front and drops them; log_decay covers all T positions, so that shifts no decay).
+    Outputs are the full computation's last rows; the final state and the gradients of everything but the
+    skipped queries are the same."""
+    inputs = make_window_inputs(length, decay=decay)
     mask = left_padding(length, 2)
     state = window_initial_state() if with_state else None
     kwargs = dict(window_size=window_size, num_sink_tokens=num_sink_tokens, key_padding_mask=mask,
@@ -133,6 +155,106 @@ def test_queries_behind_keys_are_the_last_rows_of_the_full_computation(length, q
     loss = (o * weights[0]).sum() + (final_state * weights[1]).sum()
     for got, expected in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(full_loss, leaves), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def brute_force_window(inputs: dict, window_size: int, num_sink_tokens: int, mask: torch.Tensor | None,
+                       initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hybrid's definition, one (query, key) pair and one decay factor at a time: o [B, T, H, V] and the final
+    state. W_t: real keys j ≤ t with t − j < w or among the first num_sink_tokens real tokens; L_t: the other
+    real keys j ≤ t, weighted by (Π_{i=j+w+1}^{t} a_i ⊙ q_feat_t)·k_feat_j; S_0 decayed by Π_{i≤t} a_i."""
+    q, k, v, q_feat, k_feat, gate = (inputs[n].detach() for n in ("q", "k", "v", "q_feat", "k_feat", "window_gate"))
+    batch, length, heads, head_dim = q.shape
+    value_dim, features = v.shape[-1], q_feat.shape[-1]
+    log_decay = inputs["log_decay"].detach()
+    a = (log_decay if log_decay.dim() == 4 else log_decay[..., None]).exp().expand(-1, -1, -1, features)
+    real = torch.ones(batch, length, dtype=torch.bool) if mask is None else mask
+    if initial_state is None:
+        initial_state = torch.zeros(batch, heads, features, value_dim + 1, dtype=q.dtype)
+
+    def decay(b: int, h: int, first: int, last: int) -> torch.Tensor:  # Π_{i=first}^{last} a_i
+        product = torch.ones(features, dtype=q.dtype)
+        for i in range(first, last + 1):
+            product = product * a[b, i, h]
+        return product
+
+    o = torch.zeros(batch, length, heads, value_dim, dtype=q.dtype)
+    state = torch.zeros_like(initial_state)
+    for b in range(batch):
+        sinks = [j for j in range(length) if real[b, j]][:num_sink_tokens]
+        for h in range(heads):
+            for t in range(length):
+                if not real[b, t]:
+                    continue
+                window = [j for j in range(t + 1) if real[b, j] and (t - j < window_size or j in sinks)]
+                older = [j for j in range(t + 1) if real[b, j] and j not in window]
+                scores = torch.stack([q[b, t, h] @ k[b, j, h] * head_dim**-0.5 for j in window])
+                weights = torch.sigmoid(gate[h]) * (scores - scores.max()).exp()
+                weights = [*weights, *((decay(b, h, j + window_size + 1, t) * q_feat[b, t, h]) @ k_feat[b, j, h]
+                                       for j in older)]
+                total = sum(w * torch.cat([v[b, j, h], v.new_ones(1)]) for w, j in zip(weights, window + older,
+                                                                                        strict=True))
+                total = total + (decay(b, h, 0, t) * q_feat[b, t, h]) @ initial_state[b, h]
+                o[b, t, h] = total[:value_dim] / total[value_dim]
+            folded = [j for j in range(length - window_size) if real[b, j] and j not in sinks]
+            state[b, h] = decay(b, h, 0, length - 1)[:, None] * initial_state[b, h] + sum(
+                (decay(b, h, j + window_size + 1, length - 1) * k_feat[b, j, h])[:, None]
+                * torch.cat([v[b, j, h], v.new_ones(1)])[None] for j in folded
+            )
+    return o, state
+
+
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+@pytest.mark.parametrize("length, window_size, num_sink_tokens", [(9, 3, 1), (8, 1, 0), (7, 2, 3)])
+def test_reference_is_the_definition(length, window_size, num_sink_tokens, decay):
+    """The oracle itself, against a loop over (t, j) of the definition, with a mask hole, a reset and a state."""
+    inputs = {name: x.detach() for name, x in make_window_inputs(length, decay=decay).items()}
+    inputs["log_decay"][0, 4] = -torch.inf
+    mask = left_padding(length, 2)
+    mask[0, 3] = False
+    state = window_initial_state().detach()
+    kwargs = {"window_size": window_size, "num_sink_tokens": num_sink_tokens}
+    o, final_state = window_attention(**inputs, **kwargs, key_padding_mask=mask, initial_state=state,
+                                      output_final_state=True, backend="parallel")
+    expected_o, expected_state = brute_force_window(inputs, window_size, num_sink_tokens, mask, state)
+    torch.testing.assert_close(o, expected_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final_state, expected_state, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", ["scalar", "vector"])
+@pytest.mark.parametrize("backend", ["parallel", "torch"])
+def test_zero_log_decay_is_no_decay(backend, shape):
+    """log_decay = 0 gives the undecayed hybrid: bit for bit in the reference with a per-head decay, to rounding
+    otherwise (the decayed code paths sum in another order)."""
+    length = 2 * C + 5
+    inputs = {name: x.detach() for name, x in make_window_inputs(length, decay=shape).items()}
+    inputs["log_decay"] = torch.zeros_like(inputs["log_decay"])
+    plain = {name: x for name, x in inputs.items() if name != "log_decay"}
+    kwargs = {"window_size": 9, "num_sink_tokens": 2, "key_padding_mask": padding(length, "holes"),
+              "initial_state": window_initial_state().detach(), "output_final_state": True, "backend": backend}
+    decayed, expected = window_attention(**inputs, **kwargs), window_attention(**plain, **kwargs)
+    for got, want in zip(decayed, expected, strict=True):
+        if backend == "parallel" and shape == "scalar":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+@pytest.mark.parametrize("queries", [C + 9, 3])
+def test_resets_match_reference(decay, queries):
+    """−inf (and ≤ −1e30) log decays forget every key outside the window and the initial state; finite results
+    and gradients (0 for the reset steps) in both forms."""
+    length = C + 9
+    inputs = make_window_inputs(length, decay=decay)
+    inputs["log_decay"] = with_resets(inputs["log_decay"])
+    inputs["initial_state"] = window_initial_state()
+    inputs["q"], inputs["q_feat"] = (inputs[n].detach()[:, -queries:].requires_grad_() for n in ("q", "q_feat"))
+    kwargs = {"window_size": 4, "num_sink_tokens": 1, "key_padding_mask": padding(length, "holes")}
+    expected = run_with_grads(inputs, "parallel", **kwargs)
+    actual = run_with_grads(inputs, "torch", **kwargs)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.isfinite(e).all()
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
 
 
 def _args(**changes) -> dict:
@@ -175,6 +297,13 @@ def _sized(batch: int = 1, heads: int = 2, head_dim: int = 8, value_dim: int = 5
         (_args(scale=-1.0), "scale must be a finite number > 0"),
         (_args(scale=float("nan")), "scale must be a finite number > 0"),
         (_args(q_feat=torch.rand(1, 2, 2, 6)), "q_feat must have B, T_q, H"),
+        (_args(log_decay=torch.zeros(1, 5, 2)), "log_decay must be None or a tensor of shape"),
+        (_args(log_decay=torch.zeros(1, 6, 2, 8)), "log_decay must be None or a tensor of shape"),
+        (_args(log_decay=torch.zeros(1, 6, 2, dtype=torch.long)), "log_decay must have a floating-point dtype"),
+        (_args(log_decay=torch.full((1, 6, 2), 0.5)), "log_decay must be ≤ 0"),
+        (_args(log_decay=torch.full((1, 6, 2), float("nan"))), "log_decay must not contain nan"),
+        (_args(q=torch.randn(1, 2, 2, 8), q_feat=torch.rand(1, 2, 2, 6), log_decay=torch.zeros(1, 2, 2)),
+         "log_decay must be None or a tensor of shape"),
     ],
 )
 def test_invalid_arguments_raise(kwargs, argument):

@@ -9,8 +9,9 @@ is the MSE between the two per-head outputs (before `o_proj`), summed over layer
 teacher's output is what flows on to the next layer (teacher forcing), so each layer learns from
 exactly the inputs it will see (`training.attention_transfer`, hooks installed for the run only).
 Only the parameters conversion adds train (`--trainable_parameters`): feature maps, the window mixing γ
-and, for the delta rule, the β projection, the short convolution and the output gate. The loss is
-layer-local: the LM head plays no part.
+and the decay gates (a decayed window hybrid starts with long memory and learns here where to forget) and,
+for the delta rule, the β projection, the short convolution and the output gate. The loss is layer-local:
+the LM head plays no part.
 
 Runs on the fine-tuning loop (`training.loop`: accelerate, checkpoints every `--save_steps`,
 `--resume_from_checkpoint latest`, progress bar, eval loss on held-out rows). Stage 2 (LoRA
@@ -42,9 +43,9 @@ class DistillArguments:
         default=None, metadata={"help": "A converted LinearAttentionForCausalLM checkpoint (training/convert.py)."}
     )
     trainable_parameters: list[str] = field(
-        default_factory=lambda: [r"feature_map|window_gate|beta_proj|qkv_conv|g_proj"],
-        metadata={"help": "Regexes of the parameter names that train (default: feature maps, window γ and the "
-                          "delta rule's β projection, short convolution and output gate; each regex must match)."},
+        default_factory=lambda: [r"feature_map|window_gate|decay_proj|beta_proj|qkv_conv|g_proj"],
+        metadata={"help": "Regexes of the parameter names that train (default: feature maps, window γ, decay gates and "
+                          "the delta rule's β projection, short convolution and output gate; each regex must match)."},
     )
 
 
