@@ -287,7 +287,7 @@ def test_attention_transfer_of_a_delta_conversion_lowers_its_loss():
     torch.manual_seed(0)
     student = convert_to_linear_attention(teacher("llama"), **GATED_DELTANET_OPTIONS).train()
     trained = select_trainable(student, DistillArguments().trainable_parameters)
-    assert {name.split(".")[-2] for name in trained} == {"beta_proj", "qkv_conv", "g_proj"}
+    assert {name.split(".")[-2] for name in trained} == {"beta_proj", "qkv_conv", "g_proj", "decay_proj"}
     before = {name: p.detach().clone() for name, p in student.named_parameters()}
     batch = {"input_ids": torch.randint(0, 96, (4, 48)), "position_ids": torch.arange(48).expand(4, 48)}
     optimizer = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=1e-2)
