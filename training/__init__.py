@@ -5,7 +5,8 @@ Scripts (`python training/NAME.py`, `accelerate launch training/NAME.py`, or the
 - `convert.py`       softmax checkpoint -> linear-attention checkpoint
 - `distill.py`       stage 1, attention transfer
 - `finetune.py`      the `accelerate launch` fine-tuning CLI (recipes in `configs/*.yaml`)
-- `evaluate.py`      perplexity, passkey retrieval and decode cost against the softmax teacher
+- `evaluate.py`      perplexity (short rows and by context on long held-out texts), passkey retrieval and
+                     decode cost against the softmax teacher and its sliding-window baseline
 - `push_to_hub.py`   upload a saved checkpoint with a generated model card
 - `demo.py`, `tour.py`  the `make demo` and `make tour` scripts
 
@@ -14,8 +15,11 @@ Library modules:
 - `data.py`          datasets pipeline: load documents, tokenise (cached), pack rows with document boundaries
 - `losses.py`        per-row losses over packed rows (cross-entropy, logit distillation) and their weighted mean
 - `loop.py`          the accelerate training loop, with a pluggable loss and trainable-parameter selection
+- `attention_transfer.py`  stage 1's loss: hooks on the linear layers comparing them with their softmax teacher
 - `checkpoints.py`   atomic, resumable checkpoints and the final export
 - `evaluation.py`    `evaluate_models`: the measurements behind `evaluate.py`, as rows
+- `long_context.py`  held-out long texts (prepared from Debian packages), perplexity by context, passkey
+                     retrieval, cache bytes by context, the sliding-window baseline
 - `measure.py`       cache bytes and decode latency after a context; cache memory of a layout
 - `report.py`        tables (one cell format) written as Markdown, JSON and plots
 - `model_card.py`    model cards rendered from `model_card.md` and the runs' records
