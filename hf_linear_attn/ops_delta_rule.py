@@ -16,13 +16,12 @@ same chunked form in Triton kernels). States are [B, H, K, V] in float32 (float6
 inputs), the same layout as transformers' and flash-linear-attention's gated delta rule.
 """
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from .ops_common import accumulation_dtype, check_cu_seqlens, checks_values, pick_backend
+from .ops_common import accumulation_dtype, check_cu_seqlens, check_qkv, checked_scale, checks_values, pick_backend
 from .ops_delta_rule_chunked import chunk_delta_rule
 from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
 
@@ -167,24 +166,10 @@ def delta_rule_attention(
         (float64 for float64 inputs), or None unless output_final_state. Computation is in the same float32 /
         float64, whatever the input dtype.
     """
-    for arg, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]")):
-        if x.dim() != 4 or not x.is_floating_point():
-            raise ValueError(f"{arg} must be a 4-D {dims} floating-point tensor, "
-                             f"got shape {tuple(x.shape)} and dtype {x.dtype}")
+    check_qkv(q, k, v)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q, [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
-    if length == 0:
-        raise ValueError("q, k, v must hold at least one token, got T = 0")
-    if 0 in (batch, heads, key_dim, value_dim):
-        raise ValueError(f"q, k, v must have non-zero B, H, K, V, got q {tuple(q.shape)} and v {tuple(v.shape)}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None (K ** -0.5), got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = checked_scale(scale, key_dim**-0.5, positive=False)
     _check_per_token("beta", beta, (batch, length, heads))
     if log_decay is not None:
         _check_per_token("log_decay", log_decay, (batch, length, heads))
@@ -218,7 +203,7 @@ def delta_rule_attention(
                         triton_problem=lambda: unsupported_delta_rule_inputs(tensors))
     return DELTA_RULE_BACKENDS[name](
         q, k, v, beta, log_decay,
-        scale=key_dim**-0.5 if scale is None else float(scale),
+        scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
