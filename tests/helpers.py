@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
@@ -29,6 +30,7 @@ from transformers import (
 )
 
 import hf_linear_attn
+from hf_linear_attn import ops_triton
 from hf_linear_attn.modeling_linear_attention import LinearAttention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,6 +228,19 @@ def window_initial_state(batch: int = 2, heads: int = 2, seed: int = 1) -> torch
     keys of positive features produce."""
     gen = torch.Generator().manual_seed(seed)
     return torch.rand(batch, heads, 6, 6, generator=gen, dtype=torch.float64).requires_grad_()
+
+
+def triton_test_device() -> str:
+    """Where a Triton test module runs its kernels: "cuda" on a GPU, else "cpu" under the Triton interpreter
+    (tests/conftest.py sets TRITON_INTERPRET=1 before hf_linear_attn is imported). Skips the calling module
+    without triton, or without either."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if not ops_triton.INTERPRET:
+        pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn",
+                    allow_module_level=True)
+    return "cpu"
 
 
 def make_delta_rule_inputs(

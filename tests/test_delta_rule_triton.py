@@ -10,23 +10,19 @@ the tested dtype first), so the tolerances measure the kernels' own arithmetic.
 
 import pytest
 import torch
-
-pytest.importorskip("triton")
-
-from helpers import (  # noqa: E402
+from helpers import (
     assert_close_in_float64,
     assert_runs_without_triton,
     make_delta_rule_inputs,
     outputs_and_grads,
+    triton_test_device,
 )
 
-from hf_linear_attn import ops_delta_rule_triton, ops_triton  # noqa: E402
-from hf_linear_attn.ops_common import CHUNK_SIZE  # noqa: E402
-from hf_linear_attn.ops_delta_rule import delta_rule_attention  # noqa: E402
+from hf_linear_attn import ops_delta_rule_triton
+from hf_linear_attn.ops_common import CHUNK_SIZE
+from hf_linear_attn.ops_delta_rule import delta_rule_attention
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not ops_triton.INTERPRET:
-    pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn", allow_module_level=True)
+DEVICE = triton_test_device()
 
 C = CHUNK_SIZE
 # Largest error relative to the oracle's largest magnitude (at least 1). Measured under the interpreter: float32

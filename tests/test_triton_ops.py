@@ -9,27 +9,23 @@ TF32 (hence the looser float32 tolerance there). The oracles run in float64 on t
 import pytest
 import torch
 import torch.nn.functional as F
-
-pytest.importorskip("triton")
-
-from helpers import (  # noqa: E402
+from helpers import (
     ROOT,
     assert_all_close,
     assert_runs_without_triton,
     make_inputs,
     make_window_inputs,
     run_python,
+    triton_test_device,
     window_initial_state,
     with_resets,
 )
 
-from hf_linear_attn import ops, ops_common, ops_triton  # noqa: E402
-from hf_linear_attn.ops import linear_attention, window_attention  # noqa: E402
-from hf_linear_attn.ops_common import CHUNK_SIZE  # noqa: E402
+from hf_linear_attn import ops, ops_common, ops_triton
+from hf_linear_attn.ops import linear_attention, window_attention
+from hf_linear_attn.ops_common import CHUNK_SIZE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not ops_triton.INTERPRET:
-    pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn", allow_module_level=True)
+DEVICE = triton_test_device()
 
 C = CHUNK_SIZE
 DECAYS = [None, "fixed", "scalar", "vector"]
