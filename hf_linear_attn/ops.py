@@ -29,8 +29,6 @@ State layout of `linear_attention` (the decode cache depends on it): float32 (fl
 inputs) [B, H, K, V]; with normalize=True [B, H, K, V + 1], whose last column is the normaliser z.
 """
 
-import math
-import numbers
 from collections.abc import Callable
 
 import torch
@@ -39,7 +37,16 @@ from torch import Tensor
 
 from . import ops_triton
 from .ops_chunked import chunk_linear_attention, chunk_window_attention
-from .ops_common import BACKENDS, check_cu_seqlens, checks_values, pick_backend
+from .ops_common import (
+    BACKENDS,
+    check_4d_floating,
+    check_cu_seqlens,
+    check_qkv,
+    check_sizes,
+    checked_scale,
+    checks_values,
+    pick_backend,
+)
 from .ops_delta_rule import delta_rule_attention
 from .ops_reference import parallel_linear_attention, recurrent_linear_attention, reference_window_attention
 from .ops_triton import triton_linear_attention, triton_window_attention
@@ -60,34 +67,6 @@ WINDOW_FORMS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "triton": triton_window_attention,
 }
 CHUNKED = ("torch", "triton")  # the forms that need one query per key (ops pads the queries for them)
-
-
-def _check_4d_floating(name: str, x: Tensor, dims: str) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {dims}, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D {dims}, got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must have a floating-point dtype, got {x.dtype}")
-
-
-def _check_sizes(name: str, x: Tensor, dims: str, nonempty: tuple[int, ...]) -> None:
-    """x's dims at the positions `nonempty` (of B, T, H, D) must be ≥ 1."""
-    if any(x.shape[i] == 0 for i in nonempty):
-        labels = dims.strip("[]").split(", ")
-        needed = ", ".join(labels[i] for i in nonempty)
-        raise ValueError(f"{name} must have {needed} ≥ 1 ({dims}), got shape {tuple(x.shape)}")
-
-
-def _checked_scale(scale: float | None, default: float) -> float:
-    """scale as a float: `default` for None; a finite number > 0 otherwise."""
-    if scale is None:
-        return default
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__} {scale!r}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0 (or None for the default), got {scale!r}")
-    return float(scale)
 
 
 def _check_log_decay(log_decay: Tensor, batch: int, length: int, heads: int, key_dim: int) -> None:
@@ -146,20 +125,10 @@ def linear_attention(
     Returns:
         o: [B, T, H, V] in the dtype of v; the final state, or None unless output_final_state.
     """
-    _check_4d_floating("q", q, "[B, T, H, K]")
-    _check_4d_floating("k", k, "[B, T, H, K]")
-    _check_4d_floating("v", v, "[B, T, H, V]")
+    check_qkv(q, k, v)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q, [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
-    if length == 0:
-        raise ValueError("q, k, v must hold at least one token, got T = 0")
-    _check_sizes("q", q, "[B, T, H, K]", (0, 2, 3))
-    _check_sizes("v", v, "[B, T, H, V]", (3,))
-    scale = _checked_scale(scale, key_dim**-0.5)
+    scale = checked_scale(scale, key_dim**-0.5)
     if log_decay is not None:
         _check_log_decay(log_decay, batch, length, heads, key_dim)
         if log_decay.dim() == 3:
@@ -276,7 +245,7 @@ def window_attention(
         ("q_feat", q_feat, "[B, T_q, H, F]"),
         ("k_feat", k_feat, "[B, T, H, F]"),
     ):
-        _check_4d_floating(arg, x, dims)
+        check_4d_floating(arg, x, dims)
     batch, length, heads, head_dim = k.shape
     queries = q.shape[1]
     if (q.shape[0], q.shape[2], q.shape[3]) != (batch, heads, head_dim) or queries > length:
@@ -291,9 +260,9 @@ def window_attention(
                          f"q_feat), got {tuple(k_feat.shape)}")
     if queries == 0:
         raise ValueError("q, k, v must hold at least one token, got T = 0")
-    _check_sizes("k", k, "[B, T, H, D]", (0, 2, 3))
-    _check_sizes("v", v, "[B, T, H, V]", (3,))
-    _check_sizes("q_feat", q_feat, "[B, T_q, H, F]", (3,))
+    check_sizes("k", k, "[B, T, H, D]", (0, 2, 3))
+    check_sizes("v", v, "[B, T, H, V]", (3,))
+    check_sizes("q_feat", q_feat, "[B, T_q, H, F]", (3,))
     if (
         not isinstance(window_gate, Tensor) or tuple(window_gate.shape) != (heads,)
         or not window_gate.is_floating_point()
@@ -306,7 +275,7 @@ def window_attention(
         raise ValueError(f"window_size must be an int ≥ 1, got {window_size!r}")
     if isinstance(num_sink_tokens, bool) or not isinstance(num_sink_tokens, int) or num_sink_tokens < 0:
         raise ValueError(f"num_sink_tokens must be an int ≥ 0, got {num_sink_tokens!r}")
-    scale = _checked_scale(scale, head_dim**-0.5)
+    scale = checked_scale(scale, head_dim**-0.5)
     if log_decay is not None:
         _check_log_decay(log_decay, batch, length, heads, q_feat.shape[-1])
     if key_padding_mask is not None and (

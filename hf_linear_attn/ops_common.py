@@ -3,13 +3,15 @@
 
 What lives here is plumbing every backend needs the same way: the accumulation dtype, the per-sequence runner
 for packed inputs (cu_seqlens), the token masks and the delayed keys of the window hybrid, the divisions that
-produce outputs, the chunk length, and the input checks that read values (CPU only unless switched on). The
+produce outputs, the chunk length, and the input checks the ops share (those that read values: CPU only unless
+switched on). The
 math of each form stays in its own module, so that an oracle and a fast path never share a line of the
 computation they are compared on.
 """
 
 import functools
 import math
+import numbers
 import os
 from collections.abc import Callable
 from functools import reduce
@@ -134,6 +136,52 @@ def window_linear_inputs(
         return F.pad(x, (0, 0, 0, 0, delay, 0))[:, :length]
 
     return delayed(k_feat * (real & ~sink)[..., None, None]), delayed(v_ones)
+
+
+def check_4d_floating(name: str, x: Tensor, dims: str) -> None:
+    """x must be a 4-D floating-point tensor; dims names its layout in the message, e.g. "[B, T, H, K]"."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {dims}, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be 4-D {dims}, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must have a floating-point dtype, got {x.dtype}")
+
+
+def check_sizes(name: str, x: Tensor, dims: str, nonempty: tuple[int, ...]) -> None:
+    """x's dims at the positions `nonempty` (of B, T, H, D) must be ≥ 1."""
+    if any(x.shape[i] == 0 for i in nonempty):
+        labels = dims.strip("[]").split(", ")
+        needed = ", ".join(labels[i] for i in nonempty)
+        raise ValueError(f"{name} must have {needed} ≥ 1 ({dims}), got shape {tuple(x.shape)}")
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """q, k [B, T, H, K] and v [B, T, H, V] of `linear_attention` and `delta_rule_attention`: floating-point,
+    k shaped as q, v with q's B, T, H, and every dim ≥ 1."""
+    check_4d_floating("q", q, "[B, T, H, K]")
+    check_4d_floating("k", k, "[B, T, H, K]")
+    check_4d_floating("v", v, "[B, T, H, V]")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q, [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+    if q.shape[1] == 0:
+        raise ValueError("q, k, v must hold at least one token, got T = 0")
+    check_sizes("q", q, "[B, T, H, K]", (0, 2, 3))
+    check_sizes("v", v, "[B, T, H, V]", (3,))
+
+
+def checked_scale(scale: float | None, default: float, *, positive: bool = True) -> float:
+    """scale as a float: `default` for None; otherwise a finite real number, and > 0 if `positive`."""
+    if scale is None:
+        return default
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale) or (positive and scale <= 0):
+        raise ValueError(f"scale must be a finite number{' > 0' if positive else ''} (or None for the default), "
+                         f"got {scale!r}")
+    return float(scale)
 
 
 def checks_values(x: Tensor) -> bool:

@@ -16,13 +16,12 @@ same chunked form in Triton kernels). States are [B, H, K, V] in float32 (float6
 inputs), the same layout as transformers' and flash-linear-attention's gated delta rule.
 """
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from .ops_common import accumulation_dtype, check_cu_seqlens, checks_values, pick_backend
+from .ops_common import accumulation_dtype, check_cu_seqlens, check_qkv, checked_scale, checks_values, pick_backend
 from .ops_delta_rule_chunked import chunk_delta_rule
 from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
 
@@ -48,66 +47,36 @@ def recurrent_delta_rule(
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; beta, log_decay (None = no decay): [B, T, H]. initial_state: None or
     [B, H, K, V]; with cu_seqlens ([N + 1] boundaries, B == 1) every sequence starts from its own
-    initial_state[n] (zeros if None) and the states are [N, H, K, V].
+    initial_state[n] (zeros if None) and the states are [N, H, K, V]; a zero-length sequence outputs nothing and
+    keeps its initial state.
     Returns o [B, T, H, V] in v's dtype and the final state (None unless output_final_state) in float32
     (float64 for float64 inputs).
     """
-    if cu_seqlens is not None:
-        return _per_sequence(
-            q, k, v, beta, log_decay, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        )
-    batch, _, heads, key_dim = q.shape
+    batch, length, heads, key_dim = q.shape
     value_dim, out_dtype = v.shape[-1], v.dtype
     dtype = accumulation_dtype(q, k, v, beta, *([] if log_decay is None else [log_decay]))
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
     q = q * scale
     decay = torch.ones_like(beta) if log_decay is None else log_decay.to(dtype).exp()  # a_t, [B, T, H]
-    state = q.new_zeros(batch, heads, key_dim, value_dim) if initial_state is None else initial_state.to(dtype)
-
-    outputs = []
+    bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
     # unbind, not x[:, t]: each indexing would give backward a full-size gradient to write, O(T²) in all
-    for q_t, k_t, v_t, a_t, beta_t in zip(*(x.unbind(1) for x in (q, k, v, decay, beta)), strict=True):
-        a_t, beta_t = a_t[..., None, None], beta_t[..., None, None]  # [B, H, 1, 1]; q_t, k_t, v_t [B, H, K | V]
-        k_state = (k_t[..., None] * state).sum(-2)  # k_tᵀ S_{t−1}, [B, H, V]
-        erased = state - beta_t * k_t[..., None] * k_state[..., None, :]  # (I − β_t k_t k_tᵀ) S_{t−1}
-        state = a_t * erased + beta_t * k_t[..., None] * v_t[..., None, :]
-        outputs.append((q_t[..., None] * state).sum(-2))  # S_tᵀ q̃_t, [B, H, V]
-    o = torch.stack(outputs, dim=1).to(out_dtype)  # [B, T, H, V]
-    return o, state if output_final_state else None
+    steps = list(zip(*(x.unbind(1) for x in (q, k, v, decay, beta)), strict=True))
 
-
-def _per_sequence(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor,
-    log_decay: Tensor | None,
-    *,
-    scale: float,
-    initial_state: Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """`recurrent_delta_rule` on each packed sequence on its own; a zero-length sequence outputs nothing and
-    keeps its initial state (zeros if none)."""
-    heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[-1]
-    dtype = accumulation_dtype(q, k, v, beta, *([] if log_decay is None else [log_decay]))
-    outputs, states = [], []
-    bounds = cu_seqlens.tolist()
+    outputs, finals = [], []
     for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        state = None if initial_state is None else initial_state[n : n + 1].to(dtype)
-        if start < end:
-            seq = slice(start, end)
-            o, state = recurrent_delta_rule(
-                q[:, seq], k[:, seq], v[:, seq], beta[:, seq], None if log_decay is None else log_decay[:, seq],
-                scale=scale, initial_state=state, output_final_state=True,
-            )
-            outputs.append(o)
-        elif state is None:
-            state = q.new_zeros(1, heads, key_dim, value_dim, dtype=dtype)
-        states.append(state)
-    return torch.cat(outputs, dim=1), torch.cat(states) if output_final_state else None
+        # the whole batch, or packed sequence n
+        rows = slice(None) if cu_seqlens is None else slice(n, n + 1)
+        state = (q.new_zeros(batch if cu_seqlens is None else 1, heads, key_dim, value_dim)
+                 if initial_state is None else initial_state[rows].to(dtype))
+        for q_t, k_t, v_t, a_t, beta_t in steps[start:end]:
+            a_t, beta_t = a_t[..., None, None], beta_t[..., None, None]  # [B, H, 1, 1]; q_t, k_t, v_t [B, H, K | V]
+            k_state = (k_t[..., None] * state).sum(-2)  # k_tᵀ S_{t−1}, [B, H, V]
+            erased = state - beta_t * k_t[..., None] * k_state[..., None, :]  # (I − β_t k_t k_tᵀ) S_{t−1}
+            state = a_t * erased + beta_t * k_t[..., None] * v_t[..., None, :]
+            outputs.append((q_t[..., None] * state).sum(-2))  # S_tᵀ q̃_t, [B, H, V]
+        finals.append(state)
+    o = torch.stack(outputs, dim=1).to(out_dtype)  # [B, T, H, V]
+    return o, torch.cat(finals) if output_final_state else None
 
 
 DELTA_RULE_BACKENDS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
@@ -167,24 +136,10 @@ def delta_rule_attention(
         (float64 for float64 inputs), or None unless output_final_state. Computation is in the same float32 /
         float64, whatever the input dtype.
     """
-    for arg, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"), ("v", v, "[B, T, H, V]")):
-        if x.dim() != 4 or not x.is_floating_point():
-            raise ValueError(f"{arg} must be a 4-D {dims} floating-point tensor, "
-                             f"got shape {tuple(x.shape)} and dtype {x.dtype}")
+    check_qkv(q, k, v)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q, [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
-    if length == 0:
-        raise ValueError("q, k, v must hold at least one token, got T = 0")
-    if 0 in (batch, heads, key_dim, value_dim):
-        raise ValueError(f"q, k, v must have non-zero B, H, K, V, got q {tuple(q.shape)} and v {tuple(v.shape)}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None (K ** -0.5), got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = checked_scale(scale, key_dim**-0.5, positive=False)
     _check_per_token("beta", beta, (batch, length, heads))
     if log_decay is not None:
         _check_per_token("log_decay", log_decay, (batch, length, heads))
@@ -218,7 +173,7 @@ def delta_rule_attention(
                         triton_problem=lambda: unsupported_delta_rule_inputs(tensors))
     return DELTA_RULE_BACKENDS[name](
         q, k, v, beta, log_decay,
-        scale=key_dim**-0.5 if scale is None else float(scale),
+        scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,

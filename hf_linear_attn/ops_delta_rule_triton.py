@@ -62,6 +62,7 @@ from .ops_triton import (
     _dot,
     _load_decay,
     _load_tile,
+    _start_state_pass,
     _state_base,
     _store_tile,
     tl,
@@ -155,17 +156,9 @@ def _delta_state_pass_kernel(
     Grid: (V / BLOCK_V, sequences · H); a program owns all K rows of one [K, BLOCK_V] column block of a state.
     """
     tl.static_assert(BLOCK_K >= K)
-    pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // H, pid_nh % H
-    first_token, end_token = tl.load(seq_info + 3 * n), tl.load(seq_info + 3 * n + 1)
-    first_slot = tl.load(seq_info + 3 * n + 2)
-    kk = tl.arange(0, BLOCK_K)
-    vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    if HAS_INIT:
-        state = _load_tile(_state_base(init, n, h, H, K, V), kk, K, V, vv, V).to(tl.float32)
-    else:
-        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    num_chunks = tl.cdiv(end_token - first_token, CHUNK)
+    h, kk, vv, first_token, end_token, first_slot, num_chunks, state = _start_state_pass(
+        seq_info, init, 0, tl.program_id(0), tl.program_id(1), H, K, V, HAS_INIT, CHUNK, BLOCK_K, BLOCK_V
+    )
     for j in range(num_chunks):
         _store_tile(_state_base(states, first_slot + j, h, H, K, V), state, kk, K, V, vv, V)
         start = first_token + j * CHUNK
@@ -197,14 +190,9 @@ def _delta_reverse_state_pass_kernel(
     Grid: (V / BLOCK_V, sequences · H).
     """
     tl.static_assert(BLOCK_K >= K)
-    pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // H, pid_nh % H
-    first_token, end_token = tl.load(seq_info + 3 * n), tl.load(seq_info + 3 * n + 1)
-    first_slot = tl.load(seq_info + 3 * n + 2)
-    kk = tl.arange(0, BLOCK_K)
-    vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    d_state = _load_tile(_state_base(d_final, n, h, H, K, V), kk, K, V, vv, V).to(tl.float32)
-    num_chunks = tl.cdiv(end_token - first_token, CHUNK)
+    h, kk, vv, first_token, end_token, first_slot, num_chunks, d_state = _start_state_pass(
+        seq_info, d_final, 0, tl.program_id(0), tl.program_id(1), H, K, V, True, CHUNK, BLOCK_K, BLOCK_V
+    )
     for i in range(num_chunks):
         j = num_chunks - 1 - i
         _store_tile(_state_base(dstates, first_slot + j + 1, h, H, K, V), d_state, kk, K, V, vv, V)

@@ -146,6 +146,30 @@ def _chunk_bounds(chunk_info, chunk):
 
 
 @triton.jit
+def _start_state_pass(
+    seq_info, init, pid_k, pid_v, pid_nh, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HAS_INIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The start of a state pass program, the one of state tile (pid_k, pid_v) of sequence n, head h
+    (pid_nh = n · H + h), shared by the passes of `ops_triton` and `ops_delta_rule_triton`.
+
+    Returns h, the tile's rows kk and columns vv, the sequence's first token, end token and first state slot (from
+    the int32 [sequences, 3] table seq_info), its number of chunks, and the fp32 [BLOCK_K, BLOCK_V] state tile it
+    starts from: init[n, h], or zeros unless HAS_INIT.
+    """
+    n, h = pid_nh // H, pid_nh % H
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    first_token, end_token = tl.load(seq_info + 3 * n), tl.load(seq_info + 3 * n + 1)
+    first_slot = tl.load(seq_info + 3 * n + 2)
+    if HAS_INIT:
+        state = _load_tile(_state_base(init, n, h, H, K, V), kk, K, V, vv, V).to(tl.float32)
+    else:
+        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    return h, kk, vv, first_token, end_token, first_slot, tl.cdiv(end_token - first_token, CHUNK), state
+
+
+@triton.jit
 def _load_decay(b, h, rows, row_end, kk, H: tl.constexpr, K: tl.constexpr, DECAY: tl.constexpr):
     """Cumulative log decay b of `rows`: [rows, len(kk)] for DECAY_VECTOR, else [rows, 1] (DECAY_SCALAR: one per
     head; DECAY_NONE: no decay, i.e. zeros).
@@ -242,17 +266,10 @@ def _state_pass_kernel(
     Grid: (K / BLOCK_K, V / BLOCK_V, sequences · H); a program owns one [BLOCK_K, BLOCK_V] tile of one state.
     """
     tl.static_assert((REVERSE == 0) or (REVERSE == 1))  # also the offset of a state slot below
-    pid_k, pid_v, pid_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n, h = pid_nh // H, pid_nh % H
-    first_token, end_token = tl.load(seq_info + 3 * n), tl.load(seq_info + 3 * n + 1)
-    first_slot = tl.load(seq_info + 3 * n + 2)
-    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    if HAS_INIT:
-        state = _load_tile(_state_base(init, n, h, H, K, V), kk, K, V, vv, V).to(tl.float32)
-    else:
-        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    num_chunks = tl.cdiv(end_token - first_token, CHUNK)
+    h, kk, vv, first_token, end_token, first_slot, num_chunks, state = _start_state_pass(
+        seq_info, init, tl.program_id(0), tl.program_id(1), tl.program_id(2), H, K, V, HAS_INIT, CHUNK, BLOCK_K,
+        BLOCK_V,
+    )
     for i in range(num_chunks):
         if REVERSE:
             j = num_chunks - 1 - i

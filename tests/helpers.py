@@ -11,9 +11,11 @@ import os
 import random
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
@@ -28,6 +30,7 @@ from transformers import (
 )
 
 import hf_linear_attn
+from hf_linear_attn import ops_triton
 from hf_linear_attn.modeling_linear_attention import LinearAttention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,6 +230,49 @@ def window_initial_state(batch: int = 2, heads: int = 2, seed: int = 1) -> torch
     return torch.rand(batch, heads, 6, 6, generator=gen, dtype=torch.float64).requires_grad_()
 
 
+def triton_test_device() -> str:
+    """Where a Triton test module runs its kernels: "cuda" on a GPU, else "cpu" under the Triton interpreter
+    (tests/conftest.py sets TRITON_INTERPRET=1 before hf_linear_attn is imported). Skips the calling module
+    without triton, or without either."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if not ops_triton.INTERPRET:
+        pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn",
+                    allow_module_level=True)
+    return "cpu"
+
+
+def make_delta_rule_inputs(
+    length: int, *, decay: bool = True, with_state: bool = False, batch: int = 2, heads: int = 2, key_dim: int = 8,
+    value_dim: int = 5, seed: int = 0,
+) -> dict[str, torch.Tensor | None]:
+    """float64 tensors for delta_rule_attention: unit keys, β in (0, 1), log decays mostly near 0."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    return {
+        "q": randn(batch, length, heads, key_dim),
+        "k": F.normalize(randn(batch, length, heads, key_dim), dim=-1),
+        "v": randn(batch, length, heads, value_dim),
+        "beta": randn(batch, length, heads).sigmoid(),
+        "log_decay": F.logsigmoid(randn(batch, length, heads) * 2 + 3) if decay else None,
+        "initial_state": randn(batch, heads, key_dim, value_dim) if with_state else None,
+    }
+
+
+def outputs_and_grads(attention, inputs: dict[str, torch.Tensor | None], **kwargs) -> list[torch.Tensor]:
+    """attention(**inputs, output_final_state=True, **kwargs)'s output, final state and the gradients of a fixed
+    random weighting of both w.r.t. every input tensor."""
+    o, state = attention(**inputs, output_final_state=True, **kwargs)
+    gen = torch.Generator().manual_seed(123)
+    loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)).sum()
+               for x in (o, state))
+    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None])]
+
+
 def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
     """Each pair agrees to `tol` relative to the expected tensor's largest magnitude (at least 1)."""
     for a, e in zip(actual, expected, strict=True):
@@ -234,6 +280,17 @@ def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], t
         assert torch.isfinite(a).all()
         scale = max(1.0, e.abs().max().item())
         assert (a - e).abs().max().item() <= tol * scale
+
+
+def assert_close_in_float64(actual: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
+    """Each pair agrees to `tol` relative to the expected tensor's largest magnitude (at least 1), compared in
+    float64 on the CPU: the tensors of a pair may differ in dtype and device."""
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        a, e = a.detach().double().cpu(), e.detach().double().cpu()
+        assert a.shape == e.shape
+        assert torch.isfinite(a).all()
+        assert (a - e).abs().max().item() <= tol * max(1.0, e.abs().max().item())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,6 +306,32 @@ def script_env(**extra: str) -> dict[str, str]:
     """Environment of script subprocesses: offline, one thread per process (2 cores shared by several)."""
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
             **extra}
+
+
+def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python ARGS` from the repository root without TRITON_INTERPRET (kernels compile for a GPU, or triton is
+    absent); output captured as text."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=timeout)
+
+
+def assert_runs_without_triton(code: str, triton_call: str) -> None:
+    """In a fresh Python where `import triton` fails, `code` runs, and then `triton_call` (an op call with
+    backend="triton") raises a ValueError that says the triton package is needed."""
+    program = "\n".join([
+        "import sys",
+        "sys.modules['triton'] = None  # `import triton` raises ImportError",
+        textwrap.dedent(code),
+        "try:",
+        f"    {triton_call}",
+        "except ValueError as error:",
+        "    assert 'needs the triton package' in str(error), error",
+        "else:",
+        "    raise AssertionError(\"backend 'triton' ran without triton\")",
+    ])
+    result = run_python("-c", program)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:

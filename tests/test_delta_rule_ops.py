@@ -2,21 +2,17 @@
 references (outputs, final states, gradients), packed sequences, resets, dtypes, validation."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close_in_float64, make_delta_rule_inputs, outputs_and_grads, run_script
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
 from hf_linear_attn.ops_delta_rule_chunked import CHUNK_SIZE
 
 C = CHUNK_SIZE
-ROOT = Path(__file__).resolve().parent.parent
 # The pure-torch functions, not whatever kernel package the decorator may have swapped in.
 hf_chunk = getattr(qwen3_next.torch_chunk_gated_delta_rule, "__wrapped__", qwen3_next.torch_chunk_gated_delta_rule)
 hf_recurrent = getattr(
@@ -24,51 +20,10 @@ hf_recurrent = getattr(
 )
 
 
-def make_inputs(
-    length: int,
-    *,
-    decay: bool = True,
-    with_state: bool = False,
-    batch: int = 2,
-    heads: int = 2,
-    key_dim: int = 8,
-    value_dim: int = 5,
-    dtype: torch.dtype = torch.float64,
-    seed: int = 0,
-) -> dict[str, torch.Tensor | None]:
-    """Random leaf tensors for delta_rule_attention: unit keys, β in (0, 1), log decays mostly near 0."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    tensors = {
-        "q": randn(batch, length, heads, key_dim),
-        "k": F.normalize(randn(batch, length, heads, key_dim), dim=-1),
-        "v": randn(batch, length, heads, value_dim),
-        "beta": randn(batch, length, heads).sigmoid(),
-        "log_decay": F.logsigmoid(randn(batch, length, heads) * 2 + 3) if decay else None,
-        "initial_state": randn(batch, heads, key_dim, value_dim) if with_state else None,
-    }
+def make_inputs(length: int, *, dtype: torch.dtype = torch.float64, **options) -> dict[str, torch.Tensor | None]:
+    """`make_delta_rule_inputs` as leaf tensors in `dtype` (options: decay, with_state and the sizes)."""
+    tensors = make_delta_rule_inputs(length, **options)
     return {n: None if x is None else x.to(dtype).requires_grad_() for n, x in tensors.items()}
-
-
-def with_grads(attention, inputs: dict, **kwargs) -> list[torch.Tensor]:
-    """Output, final state and the gradients of a fixed random weighting of both w.r.t. every input tensor."""
-    o, state = attention(**inputs, output_final_state=True, **kwargs)
-    gen = torch.Generator().manual_seed(123)
-    loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64)).sum() for x in (o, state))
-    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None])]
-
-
-def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
-    """Each pair agrees to `tol` relative to the expected tensor's largest magnitude (at least 1)."""
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected, strict=True):
-        assert a.shape == e.shape
-        assert torch.isfinite(a).all()
-        scale = max(1.0, e.abs().max().item())
-        assert (a.double() - e.double()).abs().max().item() <= tol * scale
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -76,10 +31,10 @@ def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], t
 @pytest.mark.parametrize("length", [1, C - 1, C + 1, 2 * C + 2])
 def test_chunked_matches_recurrent(length, decay, with_state):
     inputs = make_inputs(length, decay=decay, with_state=with_state)
-    expected = with_grads(delta_rule_attention, inputs, backend="recurrent")
-    actual = with_grads(delta_rule_attention, inputs, backend="torch")
+    expected = outputs_and_grads(delta_rule_attention, inputs, backend="recurrent")
+    actual = outputs_and_grads(delta_rule_attention, inputs, backend="torch")
     assert [x.dtype for x in actual] == [x.dtype for x in expected]
-    assert_all_close(actual, expected, 1e-11)
+    assert_close_in_float64(actual, expected, 1e-11)
 
 
 # Measured largest relative errors: float32 8e-7, bfloat16 3.5e-3, float16 4e-4 (float64: 1e-15, checked at 1e-11).
@@ -91,11 +46,11 @@ def test_low_precision_matches_float64_oracle(dtype, tol):
     low = {n: x.detach().to(torch.float32 if n == "initial_state" else dtype).requires_grad_()
            for n, x in inputs.items()}
     exact = {n: x.detach().double().requires_grad_() for n, x in low.items()}
-    actual = with_grads(delta_rule_attention, low, backend="torch")
+    actual = outputs_and_grads(delta_rule_attention, low, backend="torch")
     o, state, *grads = actual
     assert o.dtype == dtype and state.dtype == torch.float32
     assert [g.dtype for g in grads] == [x.dtype for x in low.values()]
-    assert_all_close(actual, with_grads(delta_rule_attention, exact, backend="recurrent"), tol)
+    assert_close_in_float64(actual, outputs_and_grads(delta_rule_attention, exact, backend="recurrent"), tol)
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -118,7 +73,7 @@ def test_packed_sequences_match_separate_runs(backend, with_state):
         alone = {name: x[:, start:end] for name, x in packed.items()}
         o_n, final_n = delta_rule_attention(**alone, initial_state=states[n : n + 1], output_final_state=True,
                                             backend="recurrent")
-        assert_all_close([o[:, start:end], final[n : n + 1]], [o_n, final_n], 1e-11)
+        assert_close_in_float64([o[:, start:end], final[n : n + 1]], [o_n, final_n], 1e-11)
 
 
 def test_packed_gradients_match_recurrent():
@@ -126,8 +81,9 @@ def test_packed_gradients_match_recurrent():
     inputs = make_inputs(sum(lengths), batch=1, with_state=False)
     inputs["initial_state"] = torch.randn(3, 2, 8, 5, dtype=torch.float64, requires_grad=True)
     cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    expected = with_grads(delta_rule_attention, inputs, cu_seqlens=cu_seqlens, backend="recurrent")
-    assert_all_close(with_grads(delta_rule_attention, inputs, cu_seqlens=cu_seqlens, backend="torch"), expected, 1e-11)
+    expected = outputs_and_grads(delta_rule_attention, inputs, cu_seqlens=cu_seqlens, backend="recurrent")
+    actual = outputs_and_grads(delta_rule_attention, inputs, cu_seqlens=cu_seqlens, backend="torch")
+    assert_close_in_float64(actual, expected, 1e-11)
 
 
 @pytest.mark.parametrize("backend", ["recurrent", "torch"])
@@ -144,10 +100,10 @@ def test_minus_inf_decay_resets_the_state(backend):
     fresh = {n: x[:1, reset:, :1].detach() for n, x in inputs.items() if n != "initial_state"}
     fresh["log_decay"][:, 0] = 0.0  # the decay at the reset would act on a zero state anyway
     o_fresh, _ = delta_rule_attention(**fresh, backend="recurrent")
-    assert_all_close([o[:1, reset:, :1]], [o_fresh], 1e-12)
+    assert_close_in_float64([o[:1, reset:, :1]], [o_fresh], 1e-12)
     if backend == "torch":
-        expected = with_grads(delta_rule_attention, inputs, backend="recurrent")
-        assert_all_close(with_grads(delta_rule_attention, inputs, backend="torch"), expected, 1e-11)
+        expected = outputs_and_grads(delta_rule_attention, inputs, backend="recurrent")
+        assert_close_in_float64(outputs_and_grads(delta_rule_attention, inputs, backend="torch"), expected, 1e-11)
 
 
 def test_delta_rule_overwrites_the_value_stored_under_a_key():
@@ -182,8 +138,8 @@ def test_matches_transformers_qwen3_next(reference, l2norm_in_kernel, length):
         return delta_rule_attention(q, k, v, beta, log_decay, initial_state=initial_state,
                                     output_final_state=output_final_state, backend="torch")
 
-    expected = with_grads(reference_attention, inputs)
-    assert_all_close(with_grads(ours, inputs), expected, 1e-5)  # both float32: measured ≤ 8e-7
+    expected = outputs_and_grads(reference_attention, inputs)
+    assert_close_in_float64(outputs_and_grads(ours, inputs), expected, 1e-5)  # both float32: measured ≤ 8e-7
 
 
 def test_defaults_and_optional_state():
@@ -221,8 +177,8 @@ def _args(**changes) -> dict:
         (_args(v=torch.randn(1, 5, 2, 3)), ValueError, "v must"),
         (_args(q=torch.randn(1, 0, 2, 4), k=torch.randn(1, 0, 2, 4), v=torch.randn(1, 0, 2, 3),
                beta=torch.rand(1, 0, 2), log_decay=None), ValueError, "T = 0"),
-        (_args(q=torch.randn(1, 6, 2, 0), k=torch.randn(1, 6, 2, 0)), ValueError, "non-zero"),
-        (_args(v=torch.randn(1, 6, 2, 0)), ValueError, "non-zero"),
+        (_args(q=torch.randn(1, 6, 2, 0), k=torch.randn(1, 6, 2, 0)), ValueError, "q must have B, H, K ≥ 1"),
+        (_args(v=torch.randn(1, 6, 2, 0)), ValueError, "v must have V ≥ 1"),
         (_args(scale="0.5"), TypeError, "scale"),
         (_args(scale=True), TypeError, "scale"),
         (_args(scale=float("nan")), ValueError, "scale"),
@@ -257,12 +213,9 @@ def test_batched_cu_seqlens_raise():
 
 
 def test_benchmark_script_runs(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536")  # as the script re-execs with
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_delta_rule.py"), "--lengths", "70", "130",
-         "--memory_lengths", "64", "128", "--heads", "1", "--head_dim", "8", "--repeats", "1",
-         "--output_dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    result = run_script(
+        "bench_delta_rule.py", "--lengths", "70", "130", "--memory_lengths", "64", "128", "--heads", "1",
+        "--head_dim", "8", "--repeats", "1", "--output_dir", str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "delta_rule.json").read_text())["rows"]

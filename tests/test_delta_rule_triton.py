@@ -8,26 +8,21 @@ looser float32 tolerance there). The oracle runs in float64 on the very values t
 the tested dtype first), so the tolerances measure the kernels' own arithmetic.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import (
+    assert_close_in_float64,
+    assert_runs_without_triton,
+    make_delta_rule_inputs,
+    outputs_and_grads,
+    triton_test_device,
+)
 
-pytest.importorskip("triton")
+from hf_linear_attn import ops_delta_rule_triton
+from hf_linear_attn.ops_common import CHUNK_SIZE
+from hf_linear_attn.ops_delta_rule import delta_rule_attention
 
-from helpers import ROOT  # noqa: E402
-
-from hf_linear_attn import ops_delta_rule_triton, ops_triton  # noqa: E402
-from hf_linear_attn.ops_common import CHUNK_SIZE  # noqa: E402
-from hf_linear_attn.ops_delta_rule import delta_rule_attention  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not ops_triton.INTERPRET:
-    pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn", allow_module_level=True)
+DEVICE = triton_test_device()
 
 C = CHUNK_SIZE
 # Largest error relative to the oracle's largest magnitude (at least 1). Measured under the interpreter: float32
@@ -39,45 +34,6 @@ TOLERANCE = {
 }
 
 
-def make_inputs(
-    length: int, *, decay: bool = True, with_state: bool = False, batch: int = 2, heads: int = 2, key_dim: int = 8,
-    value_dim: int = 5, seed: int = 0,
-) -> dict[str, torch.Tensor | None]:
-    """float64 tensors for delta_rule_attention: unit keys, β in (0, 1), log decays mostly near 0."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    return {
-        "q": randn(batch, length, heads, key_dim),
-        "k": F.normalize(randn(batch, length, heads, key_dim), dim=-1),
-        "v": randn(batch, length, heads, value_dim),
-        "beta": randn(batch, length, heads).sigmoid(),
-        "log_decay": F.logsigmoid(randn(batch, length, heads) * 2 + 3) if decay else None,
-        "initial_state": randn(batch, heads, key_dim, value_dim) if with_state else None,
-    }
-
-
-def outputs_and_grads(inputs: dict, **kwargs) -> list[torch.Tensor]:
-    """Output, final state and the gradients of a fixed random weighting of both w.r.t. every input tensor."""
-    o, state = delta_rule_attention(**inputs, output_final_state=True, **kwargs)
-    gen = torch.Generator().manual_seed(123)
-    loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)).sum()
-               for x in (o, state))
-    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None])]
-
-
-def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
-    """Each pair agrees to `tol` relative to the expected tensor's largest magnitude (at least 1)."""
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected, strict=True):
-        a, e = a.detach().double().cpu(), e.detach().double().cpu()
-        assert a.shape == e.shape
-        assert torch.isfinite(a).all()
-        assert (a - e).abs().max().item() <= tol * max(1.0, e.abs().max().item())
-
-
 def compare(inputs: dict, dtype: torch.dtype = torch.float32, *, reference: str = "recurrent", tol: float | None = None,
             **kwargs) -> None:
     """backend "triton" on DEVICE with q, k, v, beta, log_decay in `dtype` (the state in float32) against
@@ -86,26 +42,26 @@ def compare(inputs: dict, dtype: torch.dtype = torch.float32, *, reference: str 
                for name, x in inputs.items()}
     exact_dtype = torch.float64 if reference == "recurrent" else None
     exact = {name: None if x is None else x.to(exact_dtype or x.dtype).requires_grad_() for name, x in rounded.items()}
-    expected = outputs_and_grads(exact, backend=reference, **kwargs)
+    expected = outputs_and_grads(delta_rule_attention, exact, backend=reference, **kwargs)
     tested = {name: None if x is None else x.to(DEVICE).requires_grad_() for name, x in rounded.items()}
-    actual = outputs_and_grads(tested, backend="triton",
+    actual = outputs_and_grads(delta_rule_attention, tested, backend="triton",
                                **{n: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for n, x in kwargs.items()})
     o, state, *grads = actual
     assert o.dtype == dtype and state.dtype == torch.float32
     assert [g.dtype for g in grads] == [x.dtype for x in tested.values() if x is not None]
-    assert_close(actual, expected, TOLERANCE[dtype] if tol is None else tol)
+    assert_close_in_float64(actual, expected, TOLERANCE[dtype] if tol is None else tol)
 
 
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("length", [1, C + 7, 2 * C])
 def test_matches_recurrent_oracle(length, decay, with_state):
-    compare(make_inputs(length, decay=decay, with_state=with_state))
+    compare(make_delta_rule_inputs(length, decay=decay, with_state=with_state))
 
 
 def test_matches_torch_chunked_backend():
     """Head dims that are not powers of two (partial tiles), three chunks, the last one partial."""
-    inputs = make_inputs(2 * C + 3, with_state=True, batch=1, key_dim=20, value_dim=7)
+    inputs = make_delta_rule_inputs(2 * C + 3, with_state=True, batch=1, key_dim=20, value_dim=7)
     compare(inputs, reference="torch")
 
 
@@ -113,7 +69,7 @@ def test_matches_torch_chunked_backend():
 def test_packed_sequences_match_recurrent(with_state):
     """cu_seqlens with an empty sequence, a partial and a whole chunk: each sequence starts from its own state."""
     lengths = [5, 0, C + 6, C, 1]
-    inputs = make_inputs(sum(lengths), batch=1, heads=1)
+    inputs = make_delta_rule_inputs(sum(lengths), batch=1, heads=1)
     inputs["initial_state"] = torch.randn(len(lengths), 1, 8, 5, dtype=torch.float64) if with_state else None
     compare(inputs, cu_seqlens=torch.tensor([0, *lengths]).cumsum(0))
 
@@ -124,7 +80,7 @@ def test_minus_inf_decay_resets_the_state():
 
     The kernels raise −inf to log(float32 tiny) ≈ −87.3, so the summed log decays after a reset lie near −87, where
     float32 numbers are 7.6e-6 apart: measured 9.5e-6, hence 3e-5 on the interpreter."""
-    inputs = make_inputs(2 * C + 5, with_state=True, heads=1)
+    inputs = make_delta_rule_inputs(2 * C + 5, with_state=True, heads=1)
     for reset in (0, 3, C - 1, C, C + 40):
         inputs["log_decay"][0, reset, 0] = -torch.inf
     compare(inputs, tol=max(3e-5, TOLERANCE[torch.float32]))
@@ -132,11 +88,11 @@ def test_minus_inf_decay_resets_the_state():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_matches_float64_oracle(dtype):
-    compare(make_inputs(C + 9, with_state=True), dtype)
+    compare(make_delta_rule_inputs(C + 9, with_state=True), dtype)
 
 
 def test_backend_selection_and_errors():
-    inputs = make_inputs(C + 3, with_state=True, batch=1, heads=1)
+    inputs = make_delta_rule_inputs(C + 3, with_state=True, batch=1, heads=1)
     o_auto, _ = delta_rule_attention(**inputs)
     if DEVICE == "cpu":  # "auto" runs the Triton kernels on CUDA tensors only
         o_torch, _ = delta_rule_attention(**inputs, backend="torch")
@@ -149,31 +105,18 @@ def test_backend_selection_and_errors():
     with pytest.raises(ValueError, match="float16, bfloat16 or float32 tensors, got q in torch.float64"):
         delta_rule_attention(**inputs, backend="triton")
     wide = ops_delta_rule_triton.MAX_KEY_DIM + 1
-    too_wide = make_inputs(3, batch=1, heads=1, key_dim=wide, value_dim=2)
+    too_wide = make_delta_rule_inputs(3, batch=1, heads=1, key_dim=wide, value_dim=2)
     with pytest.raises(ValueError, match=f"key dims K ≤ {wide - 1}, got K = {wide}"):
         delta_rule_attention(**{n: None if x is None else x.float() for n, x in too_wide.items()}, backend="triton")
 
 
 def test_without_triton_the_backend_explains_itself():
-    code = textwrap.dedent(
-        """
-        import sys
-        sys.modules["triton"] = None  # `import triton` raises ImportError
+    code = """
         import torch
         import torch.nn.functional as F
         from hf_linear_attn import delta_rule_attention, ops_delta_rule_triton
         assert not ops_delta_rule_triton.HAS_TRITON
         q, k = torch.randn(1, 5, 2, 4), F.normalize(torch.randn(1, 5, 2, 4), dim=-1)
         delta_rule_attention(q, k, q, torch.rand(1, 5, 2))
-        try:
-            delta_rule_attention(q, k, q, torch.rand(1, 5, 2), backend="triton")
-        except ValueError as error:
-            assert "needs the triton package" in str(error)
-        else:
-            raise AssertionError("backend 'triton' ran without triton")
         """
-    )
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_runs_without_triton(code, 'delta_rule_attention(q, k, q, torch.rand(1, 5, 2), backend="triton")')

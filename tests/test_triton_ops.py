@@ -6,26 +6,26 @@ TF32 (hence the looser float32 tolerance there). The oracles run in float64 on t
 (inputs rounded to the tested dtype first), so the tolerances measure the kernels' own arithmetic.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import (
+    ROOT,
+    assert_all_close,
+    assert_runs_without_triton,
+    make_inputs,
+    make_window_inputs,
+    run_python,
+    triton_test_device,
+    window_initial_state,
+    with_resets,
+)
 
-pytest.importorskip("triton")
+from hf_linear_attn import ops, ops_common, ops_triton
+from hf_linear_attn.ops import linear_attention, window_attention
+from hf_linear_attn.ops_common import CHUNK_SIZE
 
-from helpers import ROOT, assert_all_close, make_inputs, make_window_inputs, window_initial_state, with_resets  # noqa: E402,I001
-
-from hf_linear_attn import ops, ops_common, ops_triton  # noqa: E402
-from hf_linear_attn.ops import linear_attention, window_attention  # noqa: E402
-from hf_linear_attn.ops_common import CHUNK_SIZE  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not ops_triton.INTERPRET:
-    pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn", allow_module_level=True)
+DEVICE = triton_test_device()
 
 C = CHUNK_SIZE
 DECAYS = [None, "fixed", "scalar", "vector"]
@@ -330,10 +330,7 @@ def test_cpu_tensors_without_the_interpreter_raise(no_launch, monkeypatch, atten
 
 def test_module_imports_without_triton():
     """Remote code must load where triton is missing: no triton backend then, and 'auto' stays on torch."""
-    code = textwrap.dedent(
-        """
-        import sys
-        sys.modules["triton"] = None  # `import triton` raises ImportError
+    code = """
         import torch
         from hf_linear_attn import ops, ops_triton
         assert not ops_triton.HAS_TRITON
@@ -343,24 +340,12 @@ def test_module_imports_without_triton():
         assert picked == "torch"
         q = torch.randn(1, 5, 2, 4)
         ops.linear_attention(q, q, q)
-        try:
-            ops.linear_attention(q, q, q, backend="triton")
-        except ValueError as error:
-            assert "needs the triton package" in str(error)
-        else:
-            raise AssertionError("backend 'triton' ran without triton")
         """
-    )
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_runs_without_triton(code, 'ops.linear_attention(q, q, q, backend="triton")')
 
 
 def test_kernels_compile_for_a_hopper_gpu():
     """What runs in the interpreter must also compile for a GPU: every kernel, built for sm_90 without one."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_compile_check.py")], capture_output=True,
-                            text=True, env=env, cwd=ROOT, timeout=600)
+    result = run_python(str(ROOT / "tests" / "gpu_compile_check.py"), timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "0 failed" in result.stdout
