@@ -207,11 +207,13 @@ def test_length_dependent_rope_matches_llama(rope_parameters):
     x = torch.zeros(1, dtype=torch.float32)
     short = torch.arange(20)[None]
     unscaled = ours(x, short)
-    # Long, then short again (back to the original frequencies), then one decode position past the end.
+    torch.testing.assert_close(unscaled, llama(x, short), rtol=0, atol=0)
+    # Long, then short again, then one decode position past the end.
     for position_ids in (torch.arange(100)[None], short, torch.tensor([[150]]), torch.arange(300).expand(2, 300)):
         got, expected = ours(x, position_ids), llama(x, position_ids)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    torch.testing.assert_close(ours(x, short), unscaled, rtol=0, atol=0)
+    # Whether short inputs get the original frequencies back after long ones is the installed release's choice
+    # (transformers 5.24 restores them, 5.5 keeps the scaled ones); the loop above checks we make the same one.
     long = torch.arange(100)[None]
     assert not torch.allclose(ours(x, long)[0][:, :20], unscaled[0])  # long inputs are rescaled
 
