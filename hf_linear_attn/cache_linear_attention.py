@@ -8,8 +8,10 @@ Per layer it holds what the next token needs and nothing that grows with the con
   projections, pads zeroed) `[B, W − 1, C]` in the model dtype, C = (H + 2 H_kv) · D;
 - window-hybrid layers: the same state for every token folded into the linear part, plus the raw
   keys/values of the sinks and of the last `window_size` positions, `[B, R, H_kv, D]` with
-  R = num_sink_tokens + window_size, right-aligned, and a bool mask `[B, R]` of which slots are
-  real tokens;
+  R = S + w (S = num_sink_tokens sink slots, then a ring of w = window_size slots holding position q in
+  slot S + q mod w), the feature-mapped keys φ(k) `[B, R, H, F]` (computed once per key: a cache belongs to
+  one model state; after the feature maps change, start a new cache), and a bool mask `[B, R]` of which
+  slots hold real keys;
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
   `DynamicLayer`), the only part whose size depends on the context.
 
@@ -17,6 +19,9 @@ Every layer counts the positions it has seen, so `get_seq_length()` is right for
 cache-reuse slicing even when no layer is a softmax layer (transformers' own recurrent cache layers
 count no tokens, so a cache made only of them cannot tell). A recurrent state cannot be
 rolled back: `crop` raises, and the model refuses assisted decoding.
+
+Shapes are fixed after the first write and every update is in place (the position counter is a 0-d tensor),
+so the cache is compileable (`is_compileable`) unless a layer is a softmax layer.
 """
 
 from __future__ import annotations
