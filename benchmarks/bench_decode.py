@@ -9,6 +9,7 @@ and length (`--peak_memory`, Linux /proc).
 
     python benchmarks/bench_decode.py                                # 256, 1K, 8K
     python benchmarks/bench_decode.py --contexts 256 1024 8192 65536 --peak_memory
+    python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384   # converted SmolLM2-135M shape
 
 Prints a table, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
 """
@@ -38,25 +39,50 @@ class DecodeBenchmarkArguments:
     new_tokens: int = field(default=48, metadata={"help": "Decode steps timed after each context."})
     warmup_tokens: int = field(default=4, metadata={"help": "Decode steps run before timing."})
     prefill_chunk: int = field(default=2048, metadata={"help": "Tokens per prefill forward."})
+    layout: str = field(default="", metadata={
+        "help": "'smollm2': the converted SmolLM2-135M shape (30 layers, hidden 576, 9 / 3 heads, hedgehog F = 32, "
+                "window 64 + 4 sinks), overriding the size and attention fields below."})
     hidden_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
+    num_key_value_heads: int = 0  # 0: as many as query heads
     intermediate_size: int = 688
     vocab_size: int = 32000
     feature_map: str = field(default="elu", metadata={"help": "Feature map of the linear model."})
+    feature_dim: int = 0  # 0: the head dimension
+    window_size: int = field(default=0, metadata={"help": "Sliding window of the hybrid (0: pure linear)."})
+    num_sink_tokens: int = 0
     models: list[str] = field(default_factory=lambda: ["linear", "llama"], metadata={"help": "linear and/or llama."})
     peak_memory: bool = field(default=False, metadata={"help": "Also measure prefill peak RSS (child processes)."})
     output_dir: str = "outputs/bench_decode"
     child: str = field(default="", metadata={"help": "Internal: 'MODEL:LENGTH' runs one prefill and prints JSON."})
 
 
+# The converted SmolLM2-135M (`make demo`'s model) with random weights: what a chat on the CPU decodes with.
+LAYOUTS = {
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, feature_map="hedgehog", feature_dim=32, window_size=64,
+                    num_sink_tokens=4),
+}
+
+
+def apply_layout(args: DecodeBenchmarkArguments) -> None:
+    if args.layout and args.layout not in LAYOUTS:
+        raise ValueError(f"--layout must be one of {sorted(LAYOUTS)} or empty; got {args.layout!r}")
+    for name, value in LAYOUTS.get(args.layout, {}).items():
+        setattr(args, name, value)
+
+
 def build(kind: str, args: DecodeBenchmarkArguments) -> torch.nn.Module:
     torch.manual_seed(0)
     dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                 num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
+                num_key_value_heads=args.num_key_value_heads or args.num_attention_heads,
                 max_position_embeddings=max(args.contexts) + args.new_tokens + args.warmup_tokens + 16)
     if kind == "linear":
-        config = hf_linear_attn.LinearAttentionConfig(**dims, feature_map=args.feature_map)
+        config = hf_linear_attn.LinearAttentionConfig(
+            **dims, feature_map=args.feature_map, feature_dim=args.feature_dim or None,
+            window_size=args.window_size, num_sink_tokens=args.num_sink_tokens)
         return hf_linear_attn.LinearAttentionForCausalLM(config).eval()
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**dims, attn_implementation="sdpa")).eval()
@@ -86,6 +112,7 @@ def run_child(args: DecodeBenchmarkArguments) -> None:
 
 def main(argv: list[str]) -> int:
     (args,) = HfArgumentParser(DecodeBenchmarkArguments).parse_args_into_dataclasses(argv)
+    apply_layout(args)
     if args.child:
         run_child(args)
         return 0

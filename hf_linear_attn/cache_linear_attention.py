@@ -8,8 +8,10 @@ Per layer it holds what the next token needs and nothing that grows with the con
   projections, pads zeroed) `[B, W − 1, C]` in the model dtype, C = (H + 2 H_kv) · D;
 - window-hybrid layers: the same state for every token folded into the linear part, plus the raw
   keys/values of the sinks and of the last `window_size` positions, `[B, R, H_kv, D]` with
-  R = num_sink_tokens + window_size, right-aligned, and a bool mask `[B, R]` of which slots are
-  real tokens;
+  R = S + w (S = num_sink_tokens sink slots, then a ring of w = window_size slots holding position q in
+  slot S + q mod w), the feature-mapped keys φ(k) `[B, R, H, F]` (computed once per key: a cache belongs to
+  one model state; after the feature maps change, start a new cache), and a bool mask `[B, R]` of which
+  slots hold real keys;
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
   `DynamicLayer`), the only part whose size depends on the context.
 
@@ -17,6 +19,9 @@ Every layer counts the positions it has seen, so `get_seq_length()` is right for
 cache-reuse slicing even when no layer is a softmax layer (transformers' own recurrent cache layers
 count no tokens, so a cache made only of them cannot tell). A recurrent state cannot be
 rolled back: `crop` raises, and the model refuses assisted decoding.
+
+Shapes are fixed after the first write and every update is in place (the position counter is a 0-d tensor),
+so the cache is compileable (`is_compileable`) unless a layer is a softmax layer.
 """
 
 from __future__ import annotations
@@ -31,9 +36,15 @@ NO_CROP = (
 
 
 class LinearStateLayer(CacheLayerMixin):
-    """Cache of one linear-attention (or window-hybrid) layer. See the module docstring for shapes."""
+    """Cache of one linear-attention (or window-hybrid) layer. See the module docstring for shapes.
 
-    is_compileable = False
+    Every tensor is allocated by the layer's first write and updated in place afterwards (a decode step changes
+    no shape and no address), so a compiled decode step, or a CUDA graph of it, reads and writes the same
+    buffers at every step. Only `batch_repeat_interleave` / `batch_select_indices`, which change the batch size,
+    allocate anew.
+    """
+
+    is_compileable = True
     is_croppable = False
 
     def __init__(self) -> None:
@@ -41,13 +52,16 @@ class LinearStateLayer(CacheLayerMixin):
         self.state: torch.Tensor | None = None
         self.window_keys: torch.Tensor | None = None
         self.window_values: torch.Tensor | None = None
+        self.window_key_features: torch.Tensor | None = None
         self.window_mask: torch.Tensor | None = None
         self.conv_inputs: torch.Tensor | None = None
-        self.seen_tokens = 0
+        # Positions seen (pads included), a 0-d tensor so that a compiled step reads and advances it without a
+        # host sync or a recompilation; `get_seq_length()` reads it as an int.
+        self.seen: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors this layer holds, by attribute name (only those that exist yet)."""
-        names = ("state", "window_keys", "window_values", "window_mask", "conv_inputs")
+        """The tensors this layer holds, by attribute name (only those that exist yet; not the position counter)."""
+        names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "conv_inputs")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, fn) -> None:
@@ -55,52 +69,114 @@ class LinearStateLayer(CacheLayerMixin):
             setattr(self, name, fn(tensor))
 
     def lazy_initialization(self, *args, **kwargs) -> None:
-        """Nothing to pre-allocate: the first forward writes the state."""
+        """Nothing to pre-allocate: the first write allocates each tensor (`write`)."""
 
     def update(self, *args, **kwargs):
         raise TypeError(
             "LinearStateLayer holds a recurrent state, not a key/value list; the linear-attention layer "
-            "writes it through `update_state` / `update_window`."
+            "writes it through `write` / `advance`."
         )
 
-    def update_state(self, state: torch.Tensor, num_new_tokens: int) -> None:
-        """Store the state after `num_new_tokens` more positions."""
-        self.state = state
-        self.seen_tokens += num_new_tokens
+    def write(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Store `value` as the tensor `name`: copied in place into the existing one, or, on the first write (or
+        after a batch-size change), kept as the new buffer. Returns the stored tensor."""
+        current = getattr(self, name)
+        if current is not None and current.shape == value.shape and current.device == value.device:
+            return current.copy_(value)
+        if not torch.compiler.is_compiling():  # a fixed address: CUDA graphs may capture steps that write it
+            torch._dynamo.mark_static_address(value)
+        setattr(self, name, value)
+        return value
+
+    def advance(self, num_new_tokens: int, device: torch.device) -> None:
+        """Count `num_new_tokens` more positions (in place)."""
+        if self.seen is None:
+            self.seen = torch.zeros((), dtype=torch.long, device=device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.seen)
+        self.seen.add_(num_new_tokens)
         self.is_initialized = True
 
-    def update_conv(self, inputs: torch.Tensor) -> None:
-        """Store the short convolution's last W − 1 inputs `[B, W − 1, C]` (the next call's left context)."""
-        self.conv_inputs = inputs
+    def retained_window(self, window_size: int) -> tuple[torch.Tensor, ...]:
+        """The retained keys, values `[B, R, H_kv, D]`, key features `[B, R, H, F]` and mask `[B, R]` in sequence
+        order: the S sink slots first, then the window positions p − w .. p − 1 oldest first (p = positions
+        seen), as `window_attention` takes them in front of new tokens."""
+        sinks = self.window_keys.shape[1] - window_size
+        shift = -(self.get_seq_length() % window_size)  # ring slot S + q mod w holds position q
 
-    def update_window(
-        self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, window_size: int, num_sink_tokens: int
+        def ordered(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x[:, :sinks], x[:, sinks:].roll(shift, dims=1)], dim=1)
+
+        return tuple(ordered(x) for x in (self.window_keys, self.window_values, self.window_key_features,
+                                          self.window_mask))
+
+    def store_window(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_features: torch.Tensor,
+        mask: torch.Tensor,
+        window_size: int,
+        num_sink_tokens: int,
     ) -> None:
-        """Keep, of keys/values `[B, L, H_kv, D]` and mask `[B, L]` (the retained window followed by the new
-        tokens), the sinks (first `num_sink_tokens` real tokens) and the last `window_size` positions (pads
-        included, as masked slots: the window counts positions, so a decode step sees a hole where the full
-        forward does), right-aligned into R = num_sink_tokens + window_size slots. Everything else has been
-        folded into the state by the caller."""
+        """Keep, of keys/values `[B, L, H_kv, D]`, key features `[B, L, H, F]` and mask `[B, L]` (the retained
+        tokens in sequence order, if any, followed by the new ones), the sinks (first `num_sink_tokens` real
+        tokens) in the sink slots and the last `window_size` positions (pads included, as masked slots: the
+        window counts positions, so a decode step sees a hole where the full forward does) in the ring, whose
+        slot S + q mod w holds position q. A sink is kept in its sink slot only (its ring slot is masked).
+        Everything else has been folded into the state by the caller. Call after `advance`."""
         batch, length = mask.shape
-        slots = window_size + num_sink_tokens
-        if length < slots:  # left-pad with empty slots so that exactly R are always kept (constant size)
-            pad = slots - length
-            keys = torch.cat([keys.new_zeros(batch, pad, *keys.shape[2:]), keys], dim=1)
-            values = torch.cat([values.new_zeros(batch, pad, *values.shape[2:]), values], dim=1)
-            mask = torch.cat([mask.new_zeros(batch, pad), mask], dim=1)
-            length = slots
-        position = torch.arange(length, device=mask.device)
-        is_sink = mask & (mask.long().cumsum(-1) <= num_sink_tokens)
-        keep = is_sink | (position >= length - window_size)  # [B, L]
-        # Sort dropped positions first and kept ones in sequence order after them, then take the last R.
-        order = torch.argsort(keep.long() * (position + 1), dim=-1, stable=True)[:, -slots:]  # [B, R]
-        index = order[:, :, None, None]
-        self.window_keys = keys.gather(1, index.expand(-1, -1, *keys.shape[2:]))
-        self.window_values = values.gather(1, index.expand(-1, -1, *values.shape[2:]))
-        self.window_mask = (mask & keep).gather(1, order)
+        sinks, window = num_sink_tokens, window_size
+        rank = mask.long().cumsum(-1) - 1
+        is_sink = mask & (rank < sinks)
+        ring = (keys, values, key_features, mask & ~is_sink)
+        if length < window:  # fewer positions than the window: empty (masked) slots stand for those before
+            ring = tuple(torch.cat([x.new_zeros(batch, window - length, *x.shape[2:]), x], dim=1) for x in ring)
+        shift = self.get_seq_length() % window  # the last w positions end at p − 1 (p = positions seen now)
+        ring = tuple(x[:, x.shape[1] - window :].roll(shift, dims=1) for x in ring)
+        # Sink slot s holds the real token of rank s, where one exists yet (retained sinks are among the inputs).
+        hit = is_sink[:, :, None] & (rank[:, :, None] == torch.arange(sinks, device=mask.device))  # [B, L, S]
+        found, index = hit.any(1), hit.long().argmax(1)  # [B, S]
+        sink_slots = []
+        for x in (keys, values):
+            shape = (batch, sinks, *[1] * (x.dim() - 2))
+            picked = x.gather(1, index.view(shape).expand(-1, -1, *x.shape[2:]))
+            sink_slots.append(torch.where(found.view(shape), picked, 0.0))
+        sink_slots.append(key_features.new_zeros(batch, sinks, *key_features.shape[2:]))  # a sink never folds
+        names = ("window_keys", "window_values", "window_key_features", "window_mask")
+        for name, sink_part, ring_part in zip(names, (*sink_slots, found), ring, strict=True):
+            self.write(name, torch.cat([sink_part, ring_part], dim=1))
+
+    def push_window_token(
+        self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, real: torch.Tensor,
+        window_size: int, num_sink_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
+        `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`) replaces position p − w in ring slot
+        S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
+        masked). Returns what the slot held before, the token leaving the window: key features `[B, 1, H, F]`,
+        values `[B, 1, H_kv, D]`, mask `[B, 1]` (real and not a sink: it folds into the state). Call before
+        `advance`."""
+        sinks = num_sink_tokens
+        slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
+        leaving = (self.window_key_features.index_select(1, slot), self.window_values.index_select(1, slot),
+                   self.window_mask.index_select(1, slot))
+        sink = real
+        if sinks:
+            filled = self.window_mask[:, :sinks].sum(-1, keepdim=True)  # [B, 1]: sinks so far, filled in order
+            sink = real & (filled < sinks)
+            hit = sink & (torch.arange(sinks, device=real.device) == filled)  # [B, S]
+            for buffer, x in ((self.window_keys, keys), (self.window_values, values)):
+                buffer[:, :sinks].copy_(torch.where(hit[:, :, None, None], x, buffer[:, :sinks]))
+            self.window_mask[:, :sinks] |= hit
+        self.window_keys.index_copy_(1, slot, keys)
+        self.window_values.index_copy_(1, slot, values)
+        self.window_key_features.index_copy_(1, slot, key_features)
+        self.window_mask.index_copy_(1, slot, real & ~sink if sinks else real)
+        return leaving
 
     def get_seq_length(self) -> int:
-        return self.seen_tokens
+        return 0 if self.seen is None else int(self.seen)
 
     def get_max_length(self) -> int:
         return -1  # no limit: the state does not grow
@@ -109,15 +185,16 @@ class LinearStateLayer(CacheLayerMixin):
         return -1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen_tokens + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
-        self.state = self.window_keys = self.window_values = self.window_mask = self.conv_inputs = None
-        self.seen_tokens = 0
+        self.state = self.window_keys = self.window_values = self.window_key_features = self.window_mask = None
+        self.conv_inputs = self.seen = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        for tensor in self.tensors().values():  # in place: the buffers keep their addresses
+            tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -177,10 +254,6 @@ class LinearAttentionCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
-
-    @property
-    def is_compileable(self) -> bool:
         return False
 
     @property

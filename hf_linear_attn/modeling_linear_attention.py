@@ -340,7 +340,7 @@ class LinearAttention(AttentionProjections):
         else:
             y, last_inputs = causal_conv1d(x, weight, None if cache_layer is None else cache_layer.conv_inputs)
             if cache_layer is not None:
-                cache_layer.update_conv(last_inputs)
+                cache_layer.write("conv_inputs", last_inputs)
         sizes = [q.shape[2] * self.head_dim, k.shape[2] * self.head_dim, v.shape[2] * self.head_dim]
         return tuple(part.reshape(b, t, -1, self.head_dim) for part in y.split(sizes, dim=-1))
 
@@ -379,7 +379,8 @@ class LinearAttention(AttentionProjections):
             backend=self.config.linear_attention_backend,
         )
         if cache_layer is not None:
-            cache_layer.update_state(state, q.shape[1])
+            cache_layer.write("state", state)
+            cache_layer.advance(q.shape[1], q.device)
         return o
 
     def linear_forward(
@@ -403,6 +404,11 @@ class LinearAttention(AttentionProjections):
             v = v * keep.to(v.dtype)
             if log_decay is not None:
                 log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
+        if self._decode_step(q, cache_layer, cu_seqlens):
+            o = linear_decode_step(q_feat, k_feat, v, log_decay, cache_layer.state,
+                                   scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
+            cache_layer.advance(1, q.device)
+            return o
         o, state = linear_attention(
             q_feat, k_feat, v, log_decay,
             scale=self.feature_map_q.query_scale,
@@ -413,8 +419,17 @@ class LinearAttention(AttentionProjections):
             backend=self.config.linear_attention_backend,
         )
         if cache_layer is not None:
-            cache_layer.update_state(state, q.shape[1])
+            cache_layer.write("state", state)
+            cache_layer.advance(q.shape[1], q.device)
         return o
+
+    def _decode_step(self, q: torch.Tensor, cache_layer: LinearStateLayer | None, cu_seqlens) -> bool:
+        """Whether this call is one token after a filled cache with backend "auto": the lean fixed-shape step
+        (the ops' direct forms, reached with any other backend, are its twins)."""
+        return (
+            q.shape[1] == 1 and cache_layer is not None and cache_layer.state is not None and cu_seqlens is None
+            and self.config.linear_attention_backend == "auto"
+        )
 
     def window_forward(
         self,
@@ -440,18 +455,22 @@ class LinearAttention(AttentionProjections):
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         elif log_decay is not None:
             log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
+        q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(self.repeat_kv(k))  # [B, T, H, F]
+        if self._decode_step(q, cache_layer, None):
+            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask, cache_layer)
         state = None
-        if cache_layer is not None and cache_layer.window_keys is not None:
-            k = torch.cat([cache_layer.window_keys, k], dim=1)
-            v = torch.cat([cache_layer.window_values, v], dim=1)
+        if cache_layer is not None and cache_layer.state is not None:
+            # The retained tokens run in front of the new ones; their features were computed when they came in.
+            retained_k, retained_v, retained_feat, retained_mask = cache_layer.retained_window(window)
+            k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
+            k_feat = torch.cat([retained_feat, k_feat], dim=1)
             if log_decay is not None:
-                retained = log_decay.new_zeros(b, cache_layer.window_mask.shape[1], *log_decay.shape[2:])
+                retained = log_decay.new_zeros(b, retained_mask.shape[1], *log_decay.shape[2:])
                 log_decay = torch.cat([retained, log_decay], dim=1)
-            new_mask = torch.cat([cache_layer.window_mask, new_mask], dim=1)
+            new_mask = torch.cat([retained_mask, new_mask], dim=1)
             state = cache_layer.state
-        k_all, v_all = self.repeat_kv(k), self.repeat_kv(v)
         o, state = window_attention(
-            q, k_all, v_all, self.feature_map_q(q), self.feature_map_k(k_all), self.window_gate,
+            q, self.repeat_kv(k), self.repeat_kv(v), q_feat, k_feat, self.window_gate,
             window_size=window,
             num_sink_tokens=sinks,
             scale=self.head_dim**-0.5,
@@ -462,9 +481,87 @@ class LinearAttention(AttentionProjections):
             backend=self.config.linear_attention_backend,
         )
         if cache_layer is not None:
-            cache_layer.update_window(k, v, new_mask, window, sinks)
-            cache_layer.update_state(state, t)
+            cache_layer.write("state", state)
+            cache_layer.advance(t, q.device)
+            cache_layer.store_window(k, v, k_feat, new_mask, window, sinks)
         return o
+
+    def window_decode_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_feat: torch.Tensor,
+        k_feat: torch.Tensor,
+        log_decay: torch.Tensor | None,
+        real: torch.Tensor,
+        cache_layer: LinearStateLayer,
+    ) -> torch.Tensor:
+        """One token of the window hybrid from the cache, fixed-shape and in place: o [B, 1, H, V].
+
+        q [B, 1, H, D], k, v [B, 1, H_kv, D], q_feat, k_feat [B, 1, H, F], log_decay None / [B, 1, H] /
+        [B, 1, H, F] (0 at a pad), real bool [B, 1]. The token enters the ring slot of the one leaving the
+        window (position p − w); the state is decayed by a_p and takes the leaving token undecayed; then one row
+        of softmax scores against the R retained slots (masked, grouped by KV head: no repeat) and one read-out
+        of the state share the normaliser. The same sums as `window_attention` over the retained keys and the
+        new one (its "recurrent" form is the twin the tests hold this against).
+        """
+        b, _, heads, head_dim = q.shape
+        kv_heads = self.num_kv_heads
+        state = cache_layer.state  # [B, H, F, V + 1], fp32
+        dtype = state.dtype
+        leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
+            k, v, k_feat, real, self.config.window_size, self.config.num_sink_tokens)
+        if log_decay is not None:
+            state.mul_(log_decay[:, 0].to(dtype).exp().view(b, heads, -1, 1))
+        fold_k = leaving_feat[:, 0].to(dtype) * leaving_real.view(b, 1, 1)  # [B, H, F]
+        fold_v = F.pad(self.repeat_kv(leaving_v)[:, 0].to(dtype), (0, 1), value=1.0)  # [B, H, V + 1]
+        state.add_(fold_k[..., None] * fold_v[..., None, :])
+        # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R].
+        query = q.view(b, kv_heads, heads // kv_heads, head_dim).to(dtype)
+        scores = query @ cache_layer.window_keys.permute(0, 2, 3, 1).to(dtype) * self.head_dim**-0.5
+        scores = scores.masked_fill(~cache_layer.window_mask[:, None, None, :], -torch.inf)
+        top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(dtype).min)  # a pad's empty window: no nan
+        gamma = torch.sigmoid(self.window_gate.to(dtype)).view(kv_heads, -1, 1)
+        weights = (scores - top).exp() * gamma  # [B, H_kv, G, R]
+        numerator = weights @ cache_layer.window_values.transpose(1, 2).to(dtype)  # [B, H_kv, G, V]
+        denominator = weights.sum(-1, keepdim=True)
+        linear = (q_feat.view(b, heads, 1, -1).to(dtype) @ state).view(b, kv_heads, -1, v.shape[-1] + 1)
+        o = (numerator + linear[..., :-1]) / (denominator + linear[..., -1:])
+        o = o.reshape(b, 1, heads, -1).masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
+        cache_layer.advance(1, q.device)
+        return o.to(v.dtype)
+
+
+def linear_decode_step(
+    q_feat: torch.Tensor,
+    k_feat: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    state: torch.Tensor,
+    *,
+    scale: float,
+    normalize: bool,
+) -> torch.Tensor:
+    """One token of (decayed) linear attention, updating `state` in place: o [B, 1, H, V].
+
+    q_feat, k_feat [B, 1, H, K], v [B, 1, H, V], log_decay None / [B, 1, H] / [B, 1, H, K], state
+    [B, H, K, V (+ 1)] as `linear_attention` defines it. S ← a ⊙ S + φ(k) [v, 1]ᵀ, then one read-out
+    o = s φ(q)ᵀ S (divided by its normaliser column): the recurrence of `recurrent_linear_attention` for one
+    step, its twin.
+    """
+    b, _, heads, _ = q_feat.shape
+    dtype = state.dtype
+    values = v[:, 0].to(dtype)
+    if normalize:
+        values = F.pad(values, (0, 1), value=1.0)  # [B, H, V + 1]: the normaliser is the last column
+    if log_decay is not None:
+        state.mul_(log_decay[:, 0].to(dtype).exp().view(b, heads, -1, 1))
+    state.add_(k_feat[:, 0].to(dtype)[..., None] * values[..., None, :])
+    o = (q_feat.view(b, heads, 1, -1).to(dtype) * scale) @ state  # [B, H, 1, V (+ 1)]
+    if normalize:
+        o = o[..., :-1] / (o[..., -1:] + NORM_EPS)
+    return o.view(b, 1, heads, -1).to(v.dtype)
 
 
 def hybrid_decay_gate_bias(horizon: float = HYBRID_DECAY_HORIZON) -> float:
@@ -615,15 +712,19 @@ def _check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(f"input_ids holds the token id {bad}, outside [0, vocab_size) = [0, {vocab_size}).")
 
 
-def _validated_mask(attention_mask: torch.Tensor | None, batch: int, total: int, caching: bool) -> torch.Tensor | None:
+def _validated_mask(
+    attention_mask: torch.Tensor | None, batch: int, length: int, past: int | torch.Tensor, caching: bool
+) -> torch.Tensor | None:
     """The 2-D padding mask as bool [B, past + T] (True = real token), or None when nothing is padded.
 
     Any 0/1 pattern is allowed: left padding, right padding and holes (a pad between real tokens). A pad
     leaves every linear state unchanged and is masked as a key in the window and softmax layers; positions
-    count real tokens only. Under torch.compile / torch.export the mask is kept as given (no value checks)."""
+    count real tokens only. Under torch.compile / torch.export the mask is kept as given (no value checks), and
+    `past` (then a tensor, see `_past_length`) is not compared with its length."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, total):
+    total = past + length if isinstance(past, int) else attention_mask.shape[-1]
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, total) or total < length:
         raise ValueError(
             f"attention_mask must be a 2-D padding mask of shape [batch, past + seq_len] = {[batch, total]} "
             "(1 = real token, 0 = pad; with a cache it also covers the cached positions, as generate() passes "
@@ -674,6 +775,15 @@ def _one_cache(cache, past_key_values):
     if cache is not None and past_key_values is not None and cache is not past_key_values:
         raise ValueError("Pass the cache as `cache` or as `past_key_values`, not both.")
     return cache if cache is not None else past_key_values
+
+
+def _past_length(cache) -> int | torch.Tensor:
+    """Positions a cache has seen: an int, or while torch.compile traces a 0-d tensor when the cache counts in one
+    (reading it as an int would be a host sync and a graph break, and an int would recompile at every step)."""
+    counter = getattr(cache.layers[0], "seen", None)
+    if _tracing() and counter is not None:
+        return counter
+    return cache.get_seq_length()
 
 
 def _is_linear_attention_cache(cache) -> bool:
@@ -764,16 +874,16 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 "A cache cannot be filled under gradient checkpointing (the recomputation would advance it "
                 "twice); pass use_cache=False when training."
             )
-        past = 0 if cache is None else cache.get_seq_length()
-        mask = _validated_mask(attention_mask, b, past + t, caching=cache_requested)
+        past = 0 if cache is None else _past_length(cache)
+        mask = _validated_mask(attention_mask, b, t, past, caching=cache_requested)
         mask = None if mask is None else mask.to(inputs_embeds.device)
         cu_seqlens = None
         if position_ids is None:  # count real tokens only: a pad repeats its predecessor's position
             if mask is None:
-                position_ids = torch.arange(past, past + t, device=inputs_embeds.device).expand(b, t)
+                position_ids = (torch.arange(t, device=inputs_embeds.device) + past).expand(b, t)
             else:
                 position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
-        else:
+        elif not (t == 1 and _tracing()):  # (one token starts no second document; reading values would break a graph)
             cu_seqlens = _packed_boundaries(position_ids, mask)
         if cu_seqlens is not None and cache is not None:
             if cache_requested:
@@ -857,6 +967,12 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
             **{OUTPUT_CACHE_FIELD: getattr(outputs, OUTPUT_CACHE_FIELD)},
         )
         return output if return_dict else output.to_tuple()
+
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+        """The mask generate() passes when the cache is compileable: the 2-D padding mask as it is (generate would
+        otherwise build 4-D softmax masks, which this model does not take; a decode step reads only the mask's
+        last column and, without position_ids, its count of real tokens)."""
+        return attention_mask
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """Give generate() a LinearAttentionCache before the first forward (chunked prefill needs one), or

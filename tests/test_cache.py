@@ -315,3 +315,41 @@ def test_delta_cache_holds_the_state_and_the_last_conv_inputs():
     assert layer.conv_inputs[1, 1:].abs().sum() > 0
     layer.reset()
     assert layer.conv_inputs is None and layer.state is None
+
+
+@pytest.mark.parametrize("name", ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks",
+                                  *HYBRID_DECAY_VARIANTS])
+def test_lean_decode_step_equals_the_op_path(name):
+    """The fixed-shape one-token step (backend "auto") against the same step through the ops ("torch" backend, the
+    retained window in sequence order in front of the token): the same logits and the same cache, slot for slot,
+    through sinks filling, the window wrapping and left padding."""
+    lean = tiny_model(**VARIANTS[name])
+    ops = tiny_model(**VARIANTS[name], linear_attention_backend="torch")
+    ids, mask = left_pad(prompts([19, 6], seed=8))
+    caches = [LinearAttentionCache(m.config) for m in (lean, ops)]
+    with torch.no_grad():
+        for model, cache in zip((lean, ops), caches, strict=True):
+            model(ids[:, :3], attention_mask=mask[:, :3], cache=cache)
+        for i in range(3, ids.shape[1]):
+            a, b = (model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache).logits
+                    for model, cache in zip((lean, ops), caches, strict=True))
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert mine.tensors().keys() == theirs.tensors().keys()
+        for key, tensor in mine.tensors().items():
+            torch.testing.assert_close(tensor, theirs.tensors()[key], atol=1e-5, rtol=1e-4, msg=key)
+        assert mine.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
+
+
+def test_decode_steps_update_the_cache_in_place():
+    """After the first call, a decode step writes every buffer in place: same tensors, same addresses."""
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks-scalar-decay"])
+    ids = torch.randint(3, 128, (2, 12))
+    cache = LinearAttentionCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :4], cache=cache)
+        before = [{k: t.data_ptr() for k, t in layer.tensors().items()} for layer in cache.layers]
+        for i in range(4, 12):
+            model(ids[:, i : i + 1], cache=cache)
+    assert [{k: t.data_ptr() for k, t in layer.tensors().items()} for layer in cache.layers] == before
+    assert set(before[0]) == {"state", "window_keys", "window_values", "window_key_features", "window_mask"}
