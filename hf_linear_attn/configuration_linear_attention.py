@@ -114,6 +114,11 @@ class AttentionOptions:
         "(data-dependent per head, Mamba-2 / simple GLA); vector (data-dependent per key dimension, GLA). In the "
         "window hybrid the decay acts on the linear part, from when a key leaves the window.", choices=DECAYS)
     decay_low_rank_dim: int = _option(16, "Rank of the GLA low-rank gate projection (decay='vector').")
+    decay_horizon: int = _option(
+        2048, "Window hybrid with decay='scalar' or 'vector': the memory of the linear part when the model is "
+        "built (and converted): a = 1 - 1/decay_horizon for every token, which training then moves. A horizon "
+        "below the training rows' length keeps what the linear part sees at any position like what it saw in "
+        "training, so quality does not fall beyond the training length.")
     window_size: int = _option(
         0, "0 disables; otherwise exact softmax over the last window_size tokens (plus the num_sink_tokens first "
         "ones) and linear attention over older ones (LoLCATs), mixed through a learned per-head γ. "
@@ -146,6 +151,7 @@ class AttentionOptions:
         _check_bool("output_norm", self.output_norm)
         _check_choice("decay", self.decay, DECAYS)
         _check_int("decay_low_rank_dim", self.decay_low_rank_dim, 1)
+        _check_int("decay_horizon", self.decay_horizon, 2)
         _check_int("window_size", self.window_size, 0)
         _check_int("num_sink_tokens", self.num_sink_tokens, 0)
         _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)

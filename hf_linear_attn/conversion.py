@@ -6,9 +6,8 @@ their biases, Qwen3's q/k norms, RoPE settings, tied embeddings); only attention
 parameters (learned feature maps, the window mixing γ, decay gates, output norms) start from their
 documented initialisation (`LinearAttentionPreTrainedModel._init_weights`), except the short convolution
 (`conv_size`), which starts as the exact identity: the converted layer first sees the teacher's own q/k/v.
-A window hybrid's decay starts with long memory (data-dependent gates at a = 1 − 1/2048 per token, fixed decay
-γ_h = 1 − 2^(−8−h)), so a converted decayed hybrid starts close to the undecayed one and attention transfer
-learns where to forget.
+A window hybrid's decay starts with long memory (data-dependent gates at a = 1 − 1/`decay_horizon` per token,
+2048 by default; fixed decay γ_h = 1 − 2^(−8−h)), and attention transfer learns where to forget.
 
 Delta-rule conversions (`update_rule="delta"`, e.g. `**GATED_DELTANET_OPTIONS`) keep the teacher's q/k/v
 projections and RoPE; what is new starts as follows, and attention transfer (`training/distill.py`) trains it:

@@ -54,11 +54,6 @@ GATE_LOGIT_NORMALIZER = 16.0
 # lies beyond it: E = 8 starts at a 256-token horizon (4x the usual 64-token window; 9 heads reach 65536).
 RETNET_DECAY_EXPONENT = 5
 HYBRID_DECAY_EXPONENT = 8
-# Data-dependent decays of a window hybrid start at a = 1 - 1/HYBRID_DECAY_HORIZON for every token (the gate's
-# last projection zero, its bias set to match): a converted hybrid starts close to the undecayed one, with long
-# memory, and attention transfer learns where to forget.
-HYBRID_DECAY_HORIZON = 2048
-
 # transformers 5.24 renamed `past_key_values` to `cache` in model outputs and in generate()'s model kwargs;
 # use whichever name the installed release reads, or the cache is silently dropped between steps.
 OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -564,7 +559,7 @@ def linear_decode_step(
     return o.view(b, 1, heads, -1).to(v.dtype)
 
 
-def hybrid_decay_gate_bias(horizon: float = HYBRID_DECAY_HORIZON) -> float:
+def hybrid_decay_gate_bias(horizon: float) -> float:
     """The gate logit b with logsigmoid(b) / GATE_LOGIT_NORMALIZER = log(1 - 1/horizon), i.e. a = 1 - 1/horizon
     (about 4.85 for 2048)."""
     target = (1.0 - 1.0 / horizon) ** GATE_LOGIT_NORMALIZER  # sigmoid(b)
@@ -667,12 +662,13 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         elif isinstance(module, LinearAttention) and hasattr(module, "window_gate"):
             init.zeros_(module.window_gate)  # γ = 0.5
             if hasattr(module, "decay_proj"):
-                # Long memory at init (HYBRID_DECAY_HORIZON): a = sigmoid(bias)^(1/16) = 1 - 1/2048 for every token.
+                # Data-independent at init: a = sigmoid(bias)^(1/16) = 1 - 1/decay_horizon for every token (the
+                # gate's last projection zero, its bias set to match); attention transfer learns where to forget.
                 # Only the gate's last projection is zeroed: vector decay's low-rank input projection keeps its
                 # random init, so that the zeroed weights still receive gradients.
                 gate = module.decay_proj[-1] if isinstance(module.decay_proj, nn.Sequential) else module.decay_proj
                 init.zeros_(gate.weight)
-                init.constant_(gate.bias, hybrid_decay_gate_bias())
+                init.constant_(gate.bias, hybrid_decay_gate_bias(self.config.decay_horizon))
         if isinstance(module, LinearAttention) and hasattr(module, "qkv_conv"):
             # The short convolution starts near the identity (last tap 1, the others N(0, initializer_range)):
             # each token first sees its own q/k/v. Conversion sets the exact identity (`conversion.py`).

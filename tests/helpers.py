@@ -83,7 +83,7 @@ def tiny_model(seed: int = 0, **overrides) -> hf_linear_attn.LinearAttentionForC
     torch.manual_seed(seed)
     model = hf_linear_attn.LinearAttentionForCausalLM(tiny_config(**overrides))
     if model.config.window_size > 0:
-        # A hybrid's decay gate starts data-independent with a ≈ 1 − 1/2048 (its conversion init), which would
+        # A hybrid's decay gate starts data-independent with a = 1 − 1/decay_horizon (its conversion init), which would
         # hide a misplaced decay: give it random weights and a ≈ 0.9 on average, so every step's decay matters.
         with torch.no_grad():
             for module in model.modules():

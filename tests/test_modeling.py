@@ -447,15 +447,16 @@ def test_delta_rule_with_each_allowed_feature_map_and_decay_matches_the_oracle(f
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("horizon", [2048, 256])
 @pytest.mark.parametrize("window_size", [0, 6])
 @pytest.mark.parametrize("decay", ["fixed", "scalar", "vector"])
-def test_initial_decays(decay, window_size):
-    """At init a window hybrid remembers long: a = 1 − 1/2048 for every token with a data-dependent gate (its last
-    projection zero), γ_h = 1 − 2^(−8−h) fixed. Linear layers keep theirs: RetNet's 1 − 2^(−5−h), and gates of the
-    default init."""
+def test_initial_decays(decay, window_size, horizon):
+    """At init a window hybrid's data-dependent gate (its last projection zero) gives a = 1 − 1/decay_horizon for
+    every token; fixed decay is γ_h = 1 − 2^(−8−h). Linear layers keep theirs: RetNet's 1 − 2^(−5−h), and gates of
+    the default init."""
     torch.manual_seed(0)
-    model = LinearAttentionForCausalLM(
-        tiny_config(decay=decay, window_size=window_size, normalize=True, decay_low_rank_dim=4))
+    model = LinearAttentionForCausalLM(tiny_config(decay=decay, window_size=window_size, normalize=True,
+                                                   decay_low_rank_dim=4, decay_horizon=horizon))
     layer = model.model.layers[0].self_attn
     x = torch.randn(2, 7, model.config.hidden_size)
     log_decay = layer.log_decay(x)
@@ -465,7 +466,7 @@ def test_initial_decays(decay, window_size):
         gamma = 1 - 2.0 ** (-first - torch.arange(heads, dtype=torch.float64))
         torch.testing.assert_close(log_decay, gamma.log().float().expand(2, 7, heads), rtol=1e-6, atol=0)
     elif window_size:
-        torch.testing.assert_close(log_decay, torch.full_like(log_decay, math.log(1 - 1 / 2048)), rtol=1e-5, atol=0)
+        torch.testing.assert_close(log_decay, torch.full_like(log_decay, math.log(1 - 1 / horizon)), rtol=1e-5, atol=0)
         gate = layer.decay_proj if decay == "scalar" else layer.decay_proj[-1]
         assert not gate.weight.any()
         if decay == "vector":

@@ -69,6 +69,7 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     lora_alpha: float = 16.0
     kl_weight: float = field(default=1.0, metadata={"help": "Stage 2 loss: (1 - w) CE + w KL(teacher || model)."})
     eval_rows: int = 16
+    eval_block_size: int = field(default=256, metadata={"help": "Tokens per row of the short held-out perplexity."})
     long_contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096],
                                      metadata={"help": "Contexts of the held-out long-document perplexity."})
     long_scored_tokens: int = field(default=2048, metadata={"help": "Tokens scored per long context and model."})
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         passkey_models=["teacher", final_label],  # retrieval is the slow part: the teacher and the final model
         decode_contexts=args.decode_contexts, output_dir=str(out / "evaluation"),
     )
-    evaluate_data = DataArguments(block_size=args.block_size)
+    evaluate_data = DataArguments(block_size=args.eval_block_size)
     evaluation = evaluate_models(evaluate_args, evaluate_data)
     quality_table, decode_table = write_evaluation(evaluation, evaluate_args, evaluate_data)
 
