@@ -365,18 +365,8 @@ class LinearAttention(AttentionProjections):
             beta = beta * keep
             if log_decay is not None:
                 log_decay = log_decay * keep
-        o, state = delta_rule_attention(
-            q, k, v, beta, log_decay,
-            scale=self.key_dim**-0.5,
-            initial_state=None if cache_layer is None else cache_layer.state,
-            output_final_state=cache_layer is not None,
-            cu_seqlens=cu_seqlens,
-            backend=self.config.linear_attention_backend,
-        )
-        if cache_layer is not None:
-            cache_layer.write("state", state)
-            cache_layer.advance(q.shape[1], q.device)
-        return o
+        return self.recurrent_op(delta_rule_attention, q, k, v, beta, log_decay, scale=self.key_dim**-0.5,
+                                 cache_layer=cache_layer, cu_seqlens=cu_seqlens)
 
     def linear_forward(
         self,
@@ -404,10 +394,23 @@ class LinearAttention(AttentionProjections):
                                    scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
             cache_layer.advance(1, q.device)
             return o
-        o, state = linear_attention(
-            q_feat, k_feat, v, log_decay,
-            scale=self.feature_map_q.query_scale,
-            normalize=self.config.normalize,
+        return self.recurrent_op(linear_attention, q_feat, k_feat, v, log_decay,
+                                 scale=self.feature_map_q.query_scale, normalize=self.config.normalize,
+                                 cache_layer=cache_layer, cu_seqlens=cu_seqlens)
+
+    def recurrent_op(
+        self,
+        op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+        q: torch.Tensor,
+        *inputs: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+        **options,
+    ) -> torch.Tensor:
+        """`op(q, *inputs, **options)` (linear_attention or delta_rule_attention) started from the cached state and
+        with the config's backend; with a cache, the state it ends with is stored and the cache advanced."""
+        o, state = op(
+            q, *inputs, **options,
             initial_state=None if cache_layer is None else cache_layer.state,
             output_final_state=cache_layer is not None,
             cu_seqlens=cu_seqlens,
