@@ -246,12 +246,12 @@ def _check_pair(student: Any, teacher: Any) -> list[int]:
 def _kl_sum(student: LinearAttentionForCausalLM, hidden: torch.Tensor, teacher_log_probs: torch.Tensor) -> float:
     """Σ over positions of KL(teacher ‖ student) from the student's final normed hidden states [L, hidden] and
     the teacher's log-probabilities [L, vocab], a slice of positions at a time (fp32, summed in fp64)."""
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)  # read once, at the end (one host sync)
     for start in range(0, hidden.shape[0], KL_CHUNK):
         logits = student.lm_head(hidden[start:start + KL_CHUNK]).float()
         log_p = teacher_log_probs[start:start + KL_CHUNK]
-        total += (log_p.exp() * (log_p - F.log_softmax(logits, dim=-1))).sum().double().item()
-    return total
+        total += (log_p.exp() * (log_p - F.log_softmax(logits, dim=-1))).sum().double()
+    return total.item()
 
 
 def _tail(student: LinearAttentionForCausalLM, hidden: torch.Tensor, start: int) -> torch.Tensor:

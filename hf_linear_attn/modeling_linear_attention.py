@@ -449,6 +449,7 @@ class LinearAttention(AttentionProjections):
         """
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
+        masked = new_mask is not None  # else no mask reaches the op: "auto" then may pick the Triton kernels
         if new_mask is None:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         elif log_decay is not None:
@@ -466,6 +467,7 @@ class LinearAttention(AttentionProjections):
                 retained = log_decay.new_zeros(b, retained_mask.shape[1], *log_decay.shape[2:])
                 log_decay = torch.cat([retained, log_decay], dim=1)
             new_mask = torch.cat([retained_mask, new_mask], dim=1)
+            masked = True  # the retained slots may hold pads
             state = cache_layer.state
         o, state = window_attention(
             q, self.repeat_kv(k), self.repeat_kv(v), q_feat, k_feat, self.window_gate,
@@ -473,7 +475,7 @@ class LinearAttention(AttentionProjections):
             num_sink_tokens=sinks,
             scale=self.head_dim**-0.5,
             log_decay=log_decay,
-            key_padding_mask=new_mask,
+            key_padding_mask=new_mask if masked else None,
             initial_state=state,
             output_final_state=cache_layer is not None,
             backend=self.config.linear_attention_backend,

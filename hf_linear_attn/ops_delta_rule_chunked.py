@@ -47,9 +47,7 @@ per head, no T x T tensor. Arguments, shapes and dtypes are those of `ops_delta_
 import torch
 from torch import Tensor
 
-from .ops_common import accumulation_dtype
-
-CHUNK_SIZE = 64
+from .ops_common import CHUNK_SIZE, accumulation_dtype
 
 
 def _chunk_layout(length: int, bounds: list[int], device: torch.device) -> tuple[Tensor, Tensor, list[range]]:

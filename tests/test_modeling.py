@@ -500,3 +500,27 @@ def test_converted_hybrid_with_decay_starts_close_to_the_undecayed_one(decay):
         expected, got = plain(ids).logits, decayed(ids).logits
     difference = (got - expected).abs().max() / expected.abs().max()
     assert 0 < difference < 2e-3, difference
+
+
+def test_window_layers_pass_a_mask_to_the_op_only_when_something_is_padded(monkeypatch):
+    """No padding, no mask: on a GPU "auto" may then run the Triton window kernels (it avoids them for masks)."""
+    import hf_linear_attn.modeling_linear_attention as modeling
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["key_padding_mask"])
+        return window_attention(*args, **kwargs)
+
+    window_attention = modeling.window_attention
+    monkeypatch.setattr(modeling, "window_attention", spy)
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks"])
+    ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        assert seen and all(mask is None for mask in seen)
+        seen.clear()
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        model(ids, attention_mask=mask, use_cache=False)
+    assert seen and all(m is not None and not m[1, :3].any() for m in seen)
