@@ -104,8 +104,7 @@ def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> 
 def run_child(args: DecodeBenchmarkArguments) -> None:
     kind, length = args.child.split(":")
     model = build(kind, args)
-    baseline = rss_kib()
-    reset_peak_rss()
+    baseline = reset_peak_rss()
     prefill(model, new_cache(model), int(length), args.prefill_chunk)
     print(json.dumps({"peak_mib": (rss_kib("VmHWM") - baseline) / 1024}))
 

@@ -31,15 +31,17 @@ def rss_kib(field_name: str = "VmRSS") -> int:
     raise RuntimeError(f"{field_name} not in /proc/self/status")
 
 
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS, so the next reading is the peak of what runs in between."""
+def reset_peak_rss() -> int:
+    """Reset VmHWM to the current RSS and return it (KiB): a later `rss_kib("VmHWM")` minus this value is the
+    peak added by what ran in between, never negative (comparing with a VmRSS read before the reset could be,
+    when something frees memory in between)."""
     Path("/proc/self/clear_refs").write_text("5")
+    return rss_kib("VmHWM")
 
 
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     """(median seconds over `repeats` calls, peak MiB of RSS added while running them)."""
-    baseline = rss_kib()
-    reset_peak_rss()
+    baseline = reset_peak_rss()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
