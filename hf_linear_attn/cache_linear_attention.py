@@ -12,6 +12,12 @@ Per layer it holds what the next token needs and nothing that grows with the con
   slot S + q mod w), the feature-mapped keys φ(k) `[B, R, H, F]` (computed once per key: a cache belongs to
   one model state; after the feature maps change, start a new cache), and a bool mask `[B, R]` of which
   slots hold real keys;
+- window-hybrid layers with a sparse memory (`sparse_cache_size` = m > 0, `ops_sparse_memory`): `state` is
+  then the *all-folded* state (every key that has left the window, memory tokens included: what scores the
+  next leaving token), plus m slots per KV head: keys and values `[B, H_kv, m, D]` in the model dtype, key
+  features `[B, H, m, F]`, recall errors (fp32) and positions (long) `[B, H_kv, m]`, the log decay each slot
+  has accumulated since its token left the window (fp32 `[B, H, m, 1 | F]`, absent without decay) and a bool
+  mask `[B, H_kv, m]`;
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
   `DynamicLayer`), the only part whose size depends on the context.
 
@@ -29,10 +35,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from .ops_sparse_memory import SparseMemory
+
 NO_CROP = (
     "A linear-attention cache holds a recurrent state that cannot be rolled back to an earlier "
     "position, so it cannot be cropped (this also rules out assisted / speculative decoding)."
 )
+
+# The cache attribute holding each field of a `SparseMemory`.
+MEMORY_FIELDS = {field: f"memory_{field}" for field in SparseMemory._fields}
 
 
 class LinearStateLayer(CacheLayerMixin):
@@ -55,13 +66,21 @@ class LinearStateLayer(CacheLayerMixin):
         self.window_key_features: torch.Tensor | None = None
         self.window_mask: torch.Tensor | None = None
         self.conv_inputs: torch.Tensor | None = None
+        self.memory_keys: torch.Tensor | None = None
+        self.memory_values: torch.Tensor | None = None
+        self.memory_key_features: torch.Tensor | None = None
+        self.memory_scores: torch.Tensor | None = None
+        self.memory_positions: torch.Tensor | None = None
+        self.memory_log_decay: torch.Tensor | None = None
+        self.memory_mask: torch.Tensor | None = None
         # Positions seen (pads included), a 0-d tensor so that a compiled step reads and advances it without a
         # host sync or a recompilation; `get_seq_length()` reads it as an int.
         self.seen: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors this layer holds, by attribute name (only those that exist yet; not the position counter)."""
-        names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "conv_inputs")
+        names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "conv_inputs",
+                 *MEMORY_FIELDS.values())
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, fn) -> None:
@@ -154,13 +173,13 @@ class LinearStateLayer(CacheLayerMixin):
         """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
         `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`) replaces position p − w in ring slot
         S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
-        masked). Returns what the slot held before, the token leaving the window: key features `[B, 1, H, F]`,
-        values `[B, 1, H_kv, D]`, mask `[B, 1]` (real and not a sink: it folds into the state). Call before
+        masked). Returns what the slot held before, the token leaving the window: keys `[B, 1, H_kv, D]`, key
+        features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`, mask `[B, 1]` (real and not a sink: it folds into the state). Call before
         `advance`."""
         sinks = num_sink_tokens
         slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
-        leaving = (self.window_key_features.index_select(1, slot), self.window_values.index_select(1, slot),
-                   self.window_mask.index_select(1, slot))
+        leaving = (self.window_keys.index_select(1, slot), self.window_key_features.index_select(1, slot),
+                   self.window_values.index_select(1, slot), self.window_mask.index_select(1, slot))
         sink = real
         if sinks:
             filled = self.window_mask[:, :sinks].sum(-1, keepdim=True)  # [B, 1]: sinks so far, filled in order
@@ -174,6 +193,52 @@ class LinearStateLayer(CacheLayerMixin):
         self.window_key_features.index_copy_(1, slot, key_features)
         self.window_mask.index_copy_(1, slot, real & ~sink if sinks else real)
         return leaving
+
+    def sparse_memory(self, offset: torch.Tensor | int) -> SparseMemory | None:
+        """The memory slots (None before the first write), positions shifted by −offset into a call's index space."""
+        if self.memory_mask is None:
+            return None
+        memory = SparseMemory(**{field: getattr(self, name) for field, name in MEMORY_FIELDS.items()})
+        return memory._replace(positions=memory.positions - offset)
+
+    def store_memory(self, memory: SparseMemory, offset: torch.Tensor | int) -> None:
+        """Keep `memory` (a call's result, positions in its index space: shifted by +offset into positions)."""
+        memory = memory._replace(positions=memory.positions + offset)
+        for field, name in MEMORY_FIELDS.items():
+            if getattr(memory, field) is not None:
+                self.write(name, getattr(memory, field))
+
+    def push_memory_token(
+        self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, score: torch.Tensor,
+        position: torch.Tensor, real: torch.Tensor, log_decay: torch.Tensor | None,
+    ) -> None:
+        """One decode step of the memory, in place and fixed-shape. Every slot's accumulated log decay takes this
+        step's (log_decay None or `[B, H, 1 | F]`); then the token leaving the window (keys/values `[B, 1, H_kv, D]`,
+        key features `[B, 1, H, F]`, recall error score `[B, H_kv]`, its position (0-d), real `[B, 1]`: real and not
+        a sink) takes, per KV head, an empty slot or the slot of the lowest error (ties: the latest position) if
+        its own error is higher (a tie keeps the earlier token), starting with log decay 0."""
+        if log_decay is not None:
+            self.memory_log_decay.add_(log_decay[:, :, None, :])
+        held = torch.where(self.memory_mask, self.memory_scores, -torch.inf)  # [B, H_kv, m]
+        lowest = held == held.amin(-1, keepdim=True)
+        worst = torch.where(lowest, self.memory_positions, -1).argmax(-1, keepdim=True)  # [B, H_kv, 1]
+        enters = real[:, :, None] & (score[..., None] > held.gather(-1, worst))  # [B, H_kv, 1]
+        hit = enters & (torch.arange(held.shape[-1], device=held.device) == worst)  # [B, H_kv, m]
+        groups = self.memory_key_features.shape[1] // hit.shape[1]
+        hit_wide = hit.repeat_interleave(groups, dim=1)[..., None]  # [B, H, m, 1]
+        new = {
+            "memory_keys": (hit[..., None], keys.transpose(1, 2)),
+            "memory_values": (hit[..., None], values.transpose(1, 2)),
+            "memory_key_features": (hit_wide, key_features.transpose(1, 2)),
+            "memory_scores": (hit, score[..., None].to(self.memory_scores.dtype)),
+            "memory_positions": (hit, position),
+            "memory_mask": (hit, True),
+            "memory_log_decay": (hit_wide, 0.0),
+        }
+        for name, (where, value) in new.items():
+            buffer = getattr(self, name)
+            if buffer is not None:
+                buffer.copy_(torch.where(where, value, buffer))
 
     def get_seq_length(self) -> int:
         return 0 if self.seen is None else int(self.seen)
@@ -190,6 +255,8 @@ class LinearStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state = self.window_keys = self.window_values = self.window_key_features = self.window_mask = None
         self.conv_inputs = self.seen = None
+        for name in MEMORY_FIELDS.values():
+            setattr(self, name, None)
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -220,7 +287,7 @@ class LinearStateLayer(CacheLayerMixin):
 FINGERPRINT_FIELDS = (
     "num_hidden_layers", "softmax_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "feature_map", "feature_dim", "decay", "normalize", "window_size", "num_sink_tokens", "update_rule",
-    "conv_size",
+    "conv_size", "sparse_cache_size",
 )
 
 

@@ -124,6 +124,12 @@ class AttentionOptions:
         "ones) and linear attention over older ones (LoLCATs), mixed through a learned per-head γ. "
         "window_size + num_sink_tokens may not exceed max_position_embeddings.")
     num_sink_tokens: int = _option(0, "First tokens always attended with softmax (window hybrid only).")
+    sparse_cache_size: int = _option(
+        0, "Window hybrid only: 0 disables; otherwise m exact key/value pairs per KV head that have left the window "
+        "stay under softmax (a training-free sparse memory, LoLA-style): those the linear state recalls worst "
+        "(their value against the all-folded state's read-out), the rest stays in the linear part. The cache "
+        "grows by m slots per layer and KV head, constant in the context length. Setting it on a loaded "
+        "model's config takes effect at the next forward (with a new cache).")
     softmax_layers: list[int] = _option([], "Indices of the layers that keep full softmax attention.")
     linear_attention_backend: str = _option(
         "auto", "Backend of hf_linear_attn.linear_attention (or delta_rule_attention) used by the layers (auto "
@@ -163,6 +169,7 @@ class AttentionOptions:
         _check_bool("output_gate", self.output_gate)
         if self.update_rule == "delta":  # before the window checks: their advice would not apply
             self._check_delta_rule()
+        check_sparse_cache_size(self)
         if self.num_sink_tokens > 0 and self.window_size == 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "sink tokens need the window hybrid (window_size > 0)")
         if self.window_size > 0 and not self.normalize:
@@ -195,6 +202,17 @@ class AttentionOptions:
         if self.linear_attention_backend not in DELTA_BACKENDS:
             _fail("linear_attention_backend", self.linear_attention_backend, "update_rule='delta' runs on "
                   f"delta_rule_attention, whose backends are {', '.join(DELTA_BACKENDS)}")
+
+
+def check_sparse_cache_size(options: Any) -> None:
+    """`sparse_cache_size` of a config (or `AttentionOptions`): an int ≥ 0, and > 0 only with the window hybrid. The
+    model checks it again before every forward, since it may be set on a loaded model's config."""
+    value = options.sparse_cache_size
+    _check_int("sparse_cache_size", value, 0)
+    if value > 0 and options.window_size == 0:
+        rule = " (update_rule='delta' has no window)" if options.update_rule == "delta" else ""
+        _fail("sparse_cache_size", value, f"the sparse memory keeps tokens that have left the window: it needs the "
+              f"window hybrid (window_size > 0){rule}; 0 disables it")
 
 
 ATTENTION_OPTIONS = tuple(f.name for f in fields(AttentionOptions))
@@ -369,4 +387,4 @@ class LinearAttentionConfig(PretrainedConfig):
         return feature_output_dim(self.feature_map, self.head_dim, self.feature_dim)
 
 
-__all__ = ["ATTENTION_OPTIONS", "AttentionOptions", "LinearAttentionConfig"]
+__all__ = ["ATTENTION_OPTIONS", "AttentionOptions", "LinearAttentionConfig", "check_sparse_cache_size"]

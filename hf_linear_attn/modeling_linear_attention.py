@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from .cache_linear_attention import LinearAttentionCache, LinearStateLayer, config_fingerprint
-from .configuration_linear_attention import LinearAttentionConfig
+from .configuration_linear_attention import LinearAttentionConfig, check_sparse_cache_size
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
 from .ops import linear_attention, window_attention
 
@@ -44,6 +44,7 @@ from .ops_delta_rule import delta_rule_attention
 from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
 from .ops_delta_rule_triton import triton_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
+from .ops_sparse_memory import recall_error, sparse_window_attention
 from .ops_triton import HAS_TRITON  # noqa: F401
 
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
@@ -446,6 +447,9 @@ class LinearAttention(AttentionProjections):
         window_size positions) from the folded linear state (queries only for the new tokens), and the retained
         positions get log decay 0: their steps have already decayed that state. Afterwards the cache keeps the
         new sinks/window and the state of everything older, so memory stays constant.
+
+        With `sparse_cache_size` = m > 0 the hybrid runs with its sparse exact memory (`sparse_window_attention`):
+        the cache's state is then the all-folded one and its m memory slots per KV head carry on.
         """
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
@@ -469,8 +473,7 @@ class LinearAttention(AttentionProjections):
             new_mask = torch.cat([retained_mask, new_mask], dim=1)
             masked = True  # the retained slots may hold pads
             state = cache_layer.state
-        o, state = window_attention(
-            q, self.repeat_kv(k), self.repeat_kv(v), q_feat, k_feat, self.window_gate,
+        options = dict(
             window_size=window,
             num_sink_tokens=sinks,
             scale=self.head_dim**-0.5,
@@ -480,7 +483,19 @@ class LinearAttention(AttentionProjections):
             output_final_state=cache_layer is not None,
             backend=self.config.linear_attention_backend,
         )
+        if self.config.sparse_cache_size == 0:
+            o, state = window_attention(q, self.repeat_kv(k), self.repeat_kv(v), q_feat, k_feat, self.window_gate,
+                                        **options)
+        else:
+            # Memory positions live in the op's index space: input index i is position i + offset (the retained
+            # ring ends at the positions seen so far; sink slots lie in front of every token that can leave).
+            offset = 0 if cache_layer is None or cache_layer.seen is None else cache_layer.seen - (k.shape[1] - t)
+            memory = None if cache_layer is None else cache_layer.sparse_memory(offset)
+            o, state, memory = sparse_window_attention(q, k, v, q_feat, k_feat, self.window_gate, memory=memory,
+                                                       memory_size=self.config.sparse_cache_size, **options)
         if cache_layer is not None:
+            if self.config.sparse_cache_size:
+                cache_layer.store_memory(memory, offset)
             cache_layer.write("state", state)
             cache_layer.advance(t, q.device)
             cache_layer.store_window(k, v, k_feat, new_mask, window, sinks)
@@ -505,32 +520,62 @@ class LinearAttention(AttentionProjections):
         of softmax scores against the R retained slots (masked, grouped by KV head: no repeat) and one read-out
         of the state share the normaliser. The same sums as `window_attention` over the retained keys and the
         new one (its "recurrent" form is the twin the tests hold this against).
+
+        With a sparse memory (m > 0) the leaving token is first scored against the all-folded state, then offered
+        to the memory (`push_memory_token`); the softmax row also covers the m memory slots, and their decayed
+        terms leave the linear read-out (the same sums as `sparse_window_attention`).
         """
         b, _, heads, head_dim = q.shape
         kv_heads = self.num_kv_heads
         state = cache_layer.state  # [B, H, F, V + 1], fp32
         dtype = state.dtype
-        leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
+        leaving_k, leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
             k, v, k_feat, real, self.config.window_size, self.config.num_sink_tokens)
+        sparse = self.config.sparse_cache_size > 0
+        if sparse:  # scored against the all-folded state of the last step the token was in the window
+            error = recall_error(state, leaving_feat[:, 0], leaving_v[:, 0])
         if log_decay is not None:
             state.mul_(log_decay[:, 0].to(dtype).exp().view(b, heads, -1, 1))
         fold_k = leaving_feat[:, 0].to(dtype) * leaving_real.view(b, 1, 1)  # [B, H, F]
         fold_v = F.pad(self.repeat_kv(leaving_v)[:, 0].to(dtype), (0, 1), value=1.0)  # [B, H, V + 1]
         state.add_(fold_k[..., None] * fold_v[..., None, :])
-        # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R].
+        # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R] (and the memory's [B, H_kv, D, m]).
+        keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
+        mask = cache_layer.window_mask[:, None, None, :]
+        read = q_feat.view(b, heads, 1, -1).to(dtype)
+        linear = read @ state  # [B, H, 1, V + 1]
+        if sparse:
+            position = cache_layer.seen - self.config.window_size
+            cache_layer.push_memory_token(leaving_k, leaving_v, leaving_feat, error, position, leaving_real,
+                                          None if log_decay is None else log_decay[:, 0].view(b, heads, -1))
+            keys = torch.cat([keys, cache_layer.memory_keys.transpose(-1, -2)], dim=-1)
+            values = torch.cat([values, cache_layer.memory_values], dim=-2)
+            mask = torch.cat([mask.expand(-1, kv_heads, -1, -1), cache_layer.memory_mask[:, :, None]], dim=-1)
+            linear = linear - self.memory_linear_terms(read, cache_layer)
         query = q.view(b, kv_heads, heads // kv_heads, head_dim).to(dtype)
-        scores = query @ cache_layer.window_keys.permute(0, 2, 3, 1).to(dtype) * self.head_dim**-0.5
-        scores = scores.masked_fill(~cache_layer.window_mask[:, None, None, :], -torch.inf)
+        scores = query @ keys.to(dtype) * self.head_dim**-0.5
+        scores = scores.masked_fill(~mask, -torch.inf)
         top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(dtype).min)  # a pad's empty window: no nan
         gamma = torch.sigmoid(self.window_gate.to(dtype)).view(kv_heads, -1, 1)
-        weights = (scores - top).exp() * gamma  # [B, H_kv, G, R]
-        numerator = weights @ cache_layer.window_values.transpose(1, 2).to(dtype)  # [B, H_kv, G, V]
+        weights = (scores - top).exp() * gamma  # [B, H_kv, G, R (+ m)]
+        numerator = weights @ values.to(dtype)  # [B, H_kv, G, V]
         denominator = weights.sum(-1, keepdim=True)
-        linear = (q_feat.view(b, heads, 1, -1).to(dtype) @ state).view(b, kv_heads, -1, v.shape[-1] + 1)
+        linear = linear.view(b, kv_heads, -1, v.shape[-1] + 1)
         o = (numerator + linear[..., :-1]) / (denominator + linear[..., -1:])
         o = o.reshape(b, 1, heads, -1).masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
         cache_layer.advance(1, q.device)
         return o.to(v.dtype)
+
+    def memory_linear_terms(self, read: torch.Tensor, cache_layer: LinearStateLayer) -> torch.Tensor:
+        """The memory tokens' terms in the all-folded linear read-out: Σ_j d_j (φ(q)·φ(k_j)) [v_j, 1] over the
+        held slots, d_j their decay since leaving the window. read φ(q) [B, H, 1, F] -> [B, H, 1, V + 1]."""
+        features = cache_layer.memory_key_features.to(read.dtype)  # [B, H, m, F]
+        if cache_layer.memory_log_decay is not None:
+            features = features * cache_layer.memory_log_decay.exp()
+        held = cache_layer.memory_mask.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B, H, m]
+        weights = (read @ features.transpose(-1, -2)) * held[:, :, None]  # [B, H, 1, m]
+        values = F.pad(self.repeat_kv(cache_layer.memory_values, dim=1).to(read.dtype), (0, 1), value=1.0)
+        return weights @ values
 
 
 def linear_decode_step(
@@ -854,6 +899,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        check_sparse_cache_size(self.config)  # it may have been set on the loaded config
         if kwargs.get("output_attentions"):
             raise ValueError("output_attentions=True: linear attention has no attention weights to return.")
         if output_hidden_states is None:
