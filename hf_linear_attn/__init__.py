@@ -17,6 +17,7 @@ from .modeling_linear_attention import (
     LinearAttentionPreTrainedModel,
 )
 from .ops import delta_rule_attention, linear_attention, window_attention
+from .ops_sparse_memory import sparse_window_attention
 
 __version__ = "0.1.0"
 
@@ -37,5 +38,6 @@ __all__ = [
     "convert_to_linear_attention",
     "delta_rule_attention",
     "linear_attention",
+    "sparse_window_attention",
     "window_attention",
 ]

@@ -174,8 +174,8 @@ class LinearStateLayer(CacheLayerMixin):
         `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`) replaces position p − w in ring slot
         S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
         masked). Returns what the slot held before, the token leaving the window: keys `[B, 1, H_kv, D]`, key
-        features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`, mask `[B, 1]` (real and not a sink: it folds into the state). Call before
-        `advance`."""
+        features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`, mask `[B, 1]` (real and not a sink: it folds into the
+        state). Call before `advance`."""
         sinks = num_sink_tokens
         slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
         leaving = (self.window_keys.index_select(1, slot), self.window_key_features.index_select(1, slot),

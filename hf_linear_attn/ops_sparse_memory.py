@@ -108,7 +108,7 @@ def reference_sparse_window_attention(
     batch, length, heads, _ = q.shape
     kv_heads, value_dim = k.shape[2], v.shape[-1]
     groups, window = heads // kv_heads, window_size
-    dtype = accumulation_dtype(q, k, v, q_feat, k_feat)
+    dtype, out_dtype = accumulation_dtype(q, k, v, q_feat, k_feat), v.dtype
     q, k, v, q_feat, k_feat = (x.detach().to(dtype) for x in (q, k, v, q_feat, k_feat))
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
     steps = torch.zeros(batch, length, heads, 1, dtype=dtype) if log_decay is None else log_decay.detach().to(dtype)
@@ -146,9 +146,10 @@ def reference_sparse_window_attention(
                     errors.append((v[b, s, g] - read[:value_dim] / (read[value_dim] + NORM_EPS)).square().sum())
                 score[s] = torch.stack(errors).mean()
 
-            def memory(e: int) -> list[int]:
-                left = sorted((j for j in candidates if j <= e), key=lambda j: (-float(score[j]), j))
-                return left[:memory_size]
+            ranked = sorted(score, key=lambda j: (-float(score[j]), j))  # best first, ties to the earlier
+
+            def memory(e: int, ranked: list[int] = ranked) -> list[int]:
+                return [j for j in ranked if j <= e][:memory_size]  # M_e: the best m of the tokens s ≤ e
 
             kept = sorted(memory(length - 1 - window))
             final[b, g, : len(kept)] = torch.tensor(kept, dtype=torch.long)
@@ -165,7 +166,7 @@ def reference_sparse_window_attention(
                     values = torch.stack([torch.cat([v[b, i, g], ones]) for i in softmax_keys])
                     total = weights @ values + linear_sum(b, h, t, q_feat[b, t, h], linear_keys)
                     outputs[b, t, h] = total[:value_dim] / total[value_dim]
-    return outputs.to(v.dtype), final
+    return outputs.to(out_dtype), final
 
 
 def empty_memory(
