@@ -193,6 +193,8 @@ def test_set_on_a_loaded_config_it_takes_effect_and_old_caches_are_refused(tmp_p
         switched = model(ids, use_cache=False).logits
         expected = tiny_model(**WINDOW, decay="scalar", sparse_cache_size=3)(ids, use_cache=False).logits
         torch.testing.assert_close(switched, expected)
+        at_load = type(model).from_pretrained(tmp_path, sparse_cache_size=3).eval()
+        torch.testing.assert_close(at_load(ids, use_cache=False).logits, expected)
         with pytest.raises(ValueError, match="sparse_cache_size=0 .model: 3"):
             model(ids[:, :1], cache=old_cache)
         model.config.sparse_cache_size = -2
