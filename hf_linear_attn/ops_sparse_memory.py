@@ -328,11 +328,13 @@ def sparse_window_attention(
         keys = torch.cat([k_sink.transpose(1, 2), k[:, first:end].to(dtype).transpose(1, 2), col_keys], dim=2)
         values = torch.cat([v_sink.transpose(1, 2), v_ones[:, first:end].transpose(1, 2), col_values], dim=2)
         query = q[:, start - first_query : end - first_query].to(dtype).view(batch, rows, kv_heads, groups, -1)
-        logits = query.permute(0, 2, 3, 1, 4) @ keys[:, :, None].transpose(-1, -2) * scale  # [B, H_kv, G, C, K]
-        logits = logits.masked_fill(~allowed[:, :, None], -torch.inf)
+        query = query.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * rows, -1)  # [B, H_kv, G·C, D]
+        logits = (query @ keys.transpose(-1, -2)).view(batch, kv_heads, groups, rows, -1)  # [B, H_kv, G, C, K]
+        logits = (logits * scale).masked_fill(~allowed[:, :, None], -torch.inf)
         top = logits.amax(-1, keepdim=True)
         top = torch.where(top.isfinite(), top, 0.0)  # a pad query has an empty set: exp(−inf − 0) = 0
-        softmax = gamma * ((logits - top).exp() @ values[:, :, None])  # [B, H_kv, G, C, V + 1]
+        weights = (logits - top).exp().view(batch, kv_heads, groups * rows, -1)
+        softmax = gamma * (weights @ values).view(batch, kv_heads, groups, rows, -1)  # [B, H_kv, G, C, V + 1]
 
         # The members' terms in the all-folded linear part, decayed since they left.
         member_wide = member.repeat_interleave(groups, dim=1)  # [B, H, C, m + C]
@@ -342,8 +344,8 @@ def sparse_window_attention(
             weights = features @ col_features.transpose(-1, -2)  # [B, H, C, m + C]
         else:
             col_offsets = torch.cat([slot_offsets, prefix[:, :, (leaving + window).clamp(max=length - 1)]], dim=2)
-            exponent = prefix[:, :, start:end, None] - col_offsets[:, :, None]  # [B, H, C, m + C, 1 | F]
-            decay = torch.where(member_wide[..., None], exponent, -torch.inf).exp().to(dtype)
+            exponent = (prefix[:, :, start:end, None] - col_offsets[:, :, None]).to(dtype)  # [B, H, C, m + C, 1 | F]
+            decay = torch.where(member_wide[..., None], exponent, -torch.inf).exp()
             if decay.shape[-1] == 1:
                 weights = features @ col_features.transpose(-1, -2) * decay[..., 0]
             else:
