@@ -53,6 +53,9 @@ VARIANTS = {
     **{f"hedgehog-window-sinks-{decay}-decay": {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5,
                                                 "num_sink_tokens": 2, "decay": decay, "decay_low_rank_dim": 4}
        for decay in ("fixed", "scalar", "vector")},
+    "hedgehog-window-sinks-scalar-decay-sparse-memory": {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5,
+                                                        "num_sink_tokens": 2, "decay": "scalar",
+                                                        "sparse_cache_size": 2},
     "qwen3-like-hybrid": {"use_qk_norm": True, "attention_bias": True, "softmax_layers": [0],
                           "tie_word_embeddings": True},
     "delta": {"update_rule": "delta", "feature_map": "identity", "normalize": False},
