@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.softmax_layers_k > 0:
         models[f"stage 1 + {args.softmax_layers_k} softmax layers"] = select_layers(
             out, teacher, tokenizer, data, args.softmax_layers_k, args.ranking_rows)
+    # Freed here and loaded again by the evaluation (seconds): kept, it would sit idle through stage 2 beside the
+    # copy that stage 2 loads for its KL term (`training.finetune` takes the teacher by path).
     del teacher
 
     if args.recovery_steps > 0:
