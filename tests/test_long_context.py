@@ -312,10 +312,10 @@ def prefilled_cache_bytes(model, contexts) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layout_cache_bytes_equal_those_of_a_prefilled_hybrid_with_softmax_layers(options, dtype):
     model = tiny_model(vocab_size=VOCAB, num_hidden_layers=3, **options).to(dtype)
-    contexts = [5, 40]
+    contexts = [5, 40, 300]  # within and far beyond the window and convolution
     layout = cache_bytes_by_context(model, contexts)
     assert layout == prefilled_cache_bytes(model, contexts)
-    assert layout[1] > layout[0]  # the softmax layer's keys and values grow with the context
+    assert layout[2] > layout[1] > layout[0]  # the softmax layer's keys and values grow with the context
     rows = cache_memory(model.config.to_dict() | {"dtype": str(dtype).removeprefix("torch.")}, tuple(contexts))
     assert [r["linear_bytes"] for r in rows] == layout
 

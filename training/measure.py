@@ -85,20 +85,28 @@ def softmax_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
 
 def linear_cache_bytes(config: dict[str, Any], contexts: Iterable[int], dtype: torch.dtype) -> list[int]:
     """Per context length, the bytes of a `LinearAttentionCache` of one sequence for the attention layout of
-    `config` (a linear-attention config as a dict) with values of `dtype`. The layout (heads, head and feature
-    dimensions, window, sinks, decay, convolution, softmax layers) runs with tiny embeddings and MLPs, which the
-    cache does not depend on: this costs little whatever the model's size."""
+    `config` (a linear-attention config as a dict) with values of `dtype`.
+
+    The layout (heads, head and feature dimensions, window, sinks, decay, convolution, softmax layers) runs with
+    tiny embeddings and MLPs, which the cache does not depend on. A linear layer's cache has one size once its
+    window ring, sinks and convolution inputs are allocated, and a softmax layer's grows by one key and value a
+    token, so the bytes are affine in the context beyond a short one: the layout runs at `p` and `2p` tokens
+    (p covers the window, sinks and convolution) and longer contexts are extended from those two, so the cost
+    does not grow with the context."""
     layout = hf_linear_attn.LinearAttentionConfig.from_dict(
         {**config, "vocab_size": 16, "hidden_size": 16, "intermediate_size": 16, "tie_word_embeddings": False}
     )
     model = hf_linear_attn.LinearAttentionForCausalLM(layout).to(dtype).eval()
-    sizes = []
-    for tokens in contexts:
+
+    def measured(tokens: int) -> int:
         cache = hf_linear_attn.LinearAttentionCache(layout)
-        with torch.no_grad():
-            model(torch.zeros(1, tokens, dtype=torch.long), cache=cache, use_cache=True)
-        sizes.append(cache.nbytes())
-    return sizes
+        prefill(model, cache, tokens, chunk=tokens)
+        return cache.nbytes()
+
+    probe = layout.window_size + layout.num_sink_tokens + layout.conv_size + 1
+    base = measured(probe)
+    per_token = (measured(2 * probe) - base) // probe
+    return [measured(tokens) if tokens < probe else base + (tokens - probe) * per_token for tokens in contexts]
 
 
 def cache_bytes_by_context(model: PreTrainedModel, contexts: Iterable[int]) -> list[int]:
