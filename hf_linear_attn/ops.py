@@ -41,10 +41,10 @@ from .ops_common import (
     BACKENDS,
     check_4d_floating,
     check_cu_seqlens,
+    check_log_decay,
     check_qkv,
     check_sizes,
     checked_scale,
-    checks_values,
     pick_backend,
 )
 from .ops_delta_rule import delta_rule_attention
@@ -67,25 +67,6 @@ WINDOW_FORMS: dict[str, Callable[..., tuple[Tensor, Tensor | None]]] = {
     "triton": triton_window_attention,
 }
 CHUNKED = ("torch", "triton")  # the forms that need one query per key (ops pads the queries for them)
-
-
-def _check_log_decay(log_decay: Tensor, batch: int, length: int, heads: int, key_dim: int) -> None:
-    allowed = [(batch, length, heads), (batch, length, heads, key_dim)]
-    if not isinstance(log_decay, Tensor) or tuple(log_decay.shape) not in allowed:
-        raise ValueError(
-            f"log_decay must be None or a tensor of shape {allowed[0]} or {allowed[1]}, "
-            f"got {tuple(log_decay.shape) if isinstance(log_decay, Tensor) else type(log_decay).__name__}"
-        )
-    if not log_decay.is_floating_point():
-        raise ValueError(f"log_decay must have a floating-point dtype, got {log_decay.dtype}")
-    if not checks_values(log_decay):
-        return
-    if log_decay.isnan().any():
-        raise ValueError("log_decay must not contain nan (allowed: values in [−inf, 0]; −inf is a full reset)")
-    largest = log_decay.max().item()
-    if largest > 0:
-        raise ValueError(f"log_decay must be ≤ 0 (the log of a decay in [0, 1]; −inf is a full reset), "
-                         f"got max {largest:g}")
 
 
 def linear_attention(
@@ -130,7 +111,7 @@ def linear_attention(
     value_dim = v.shape[-1]
     scale = checked_scale(scale, key_dim**-0.5)
     if log_decay is not None:
-        _check_log_decay(log_decay, batch, length, heads, key_dim)
+        check_log_decay(log_decay, (batch, length, heads), (batch, length, heads, key_dim))
         if log_decay.dim() == 3:
             log_decay = log_decay[..., None]  # one decay shared by all K rows of the state
     states = batch
@@ -277,7 +258,7 @@ def window_attention(
         raise ValueError(f"num_sink_tokens must be an int ≥ 0, got {num_sink_tokens!r}")
     scale = checked_scale(scale, head_dim**-0.5)
     if log_decay is not None:
-        _check_log_decay(log_decay, batch, length, heads, q_feat.shape[-1])
+        check_log_decay(log_decay, (batch, length, heads), (batch, length, heads, q_feat.shape[-1]))
     if key_padding_mask is not None and (
         not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool
         or tuple(key_padding_mask.shape) != (batch, length)

@@ -192,6 +192,26 @@ def checks_values(x: Tensor) -> bool:
     return x.device.type == "cpu" or os.environ.get(CHECK_VALUES_ENV) == "1"
 
 
+def check_log_decay(log_decay: Tensor, *shapes: tuple[int, ...]) -> None:
+    """log_decay: a floating-point tensor of one of `shapes`, and (when `checks_values`) every value in
+    [−inf, 0], the log of a decay in [0, 1]."""
+    if not isinstance(log_decay, Tensor) or tuple(log_decay.shape) not in shapes:
+        raise ValueError(
+            f"log_decay must be None or a tensor of shape {' or '.join(str(shape) for shape in shapes)}, "
+            f"got {tuple(log_decay.shape) if isinstance(log_decay, Tensor) else type(log_decay).__name__}"
+        )
+    if not log_decay.is_floating_point():
+        raise ValueError(f"log_decay must have a floating-point dtype, got {log_decay.dtype}")
+    if not checks_values(log_decay):
+        return
+    if log_decay.isnan().any():
+        raise ValueError("log_decay must not contain nan (allowed: values in [−inf, 0]; −inf is a full reset)")
+    largest = log_decay.max().item()
+    if largest > 0:
+        raise ValueError(f"log_decay must be ≤ 0 (the log of a decay in [0, 1]; −inf is a full reset), "
+                         f"got max {largest:g}")
+
+
 def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
     """cu_seqlens [N + 1] of N sequences packed into a batch of one: shape and dtype always, values when checked."""
     if batch != 1:

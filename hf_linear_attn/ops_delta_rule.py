@@ -21,7 +21,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .ops_common import accumulation_dtype, check_cu_seqlens, check_qkv, checked_scale, checks_values, pick_backend
+from .ops_common import (
+    accumulation_dtype,
+    check_cu_seqlens,
+    check_log_decay,
+    check_qkv,
+    checked_scale,
+    checks_values,
+    pick_backend,
+)
 from .ops_delta_rule_chunked import chunk_delta_rule
 from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
 
@@ -142,14 +150,11 @@ def delta_rule_attention(
     scale = checked_scale(scale, key_dim**-0.5, positive=False)
     _check_per_token("beta", beta, (batch, length, heads))
     if log_decay is not None:
-        _check_per_token("log_decay", log_decay, (batch, length, heads))
+        check_log_decay(log_decay, (batch, length, heads))
     # Value checks read the data: only for CPU tensors, where they cost no device synchronisation.
     if checks_values(beta) and not ((beta >= 0) & (beta <= 1)).all():
         raise ValueError(f"beta must lie in [0, 1] (e.g. a sigmoid), got values in "
                          f"[{beta.min().item():g}, {beta.max().item():g}]")
-    if log_decay is not None and checks_values(log_decay) and not (log_decay <= 0).all():
-        raise ValueError(f"log_decay must be ≤ 0 (the log of a decay in [0, 1]; −inf resets), got max "
-                         f"{log_decay.max().item():g}")
     if checks_values(k):
         largest = k.float().square().sum(-1).max().sqrt().item()
         if not largest <= 1 + KEY_NORM_TOLERANCE:

@@ -48,7 +48,8 @@ def test_two_rank_gloo_ddp_trains_in_step_and_saves_a_loadable_checkpoint(tmp_pa
         assert torch.equal(tensor, rank0[name]), name
     (last,) = checkpoints.complete_checkpoints(out)
     assert last.name == "checkpoint-4"
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in last.iterdir()}
+    names = {p.name for p in last.iterdir()}  # each rank keeps its RNG state as JSON, none as a pickle
+    assert {"rng_state_0.json", "rng_state_1.json"} <= names and not any(n.startswith("random_states") for n in names)
     state = load_file(str(last / "model.safetensors"))
     assert state.keys() == rank0.keys()
     assert all(torch.equal(state[name], rank0[name]) for name in rank0)

@@ -278,6 +278,7 @@ def test_resume_after_sigkill_reproduces_the_loss_curve(tmp_path, dataset_cache)
     interrupted_at = max(r["step"] for r in read_log(killed))
     resume_from = checkpoints.complete_checkpoints(killed)[-1]
     assert 0 < checkpoints.read_trainer_state(resume_from)["global_step"] <= interrupted_at < 24
+    assert not list(resume_from.glob("random_states_*")) and (resume_from / "rng_state_0.json").is_file()
 
     resumed = run(*tiny_args(killed, dataset_cache, *common, "--resume_from_checkpoint", "latest"))
     uninterrupted = run(*tiny_args(tmp_path / "uninterrupted", dataset_cache, *common))
@@ -496,6 +497,15 @@ def test_a_damaged_checkpoint_is_named_and_latest_falls_back(three_checkpoints, 
     (out / "checkpoint-6" / "rng_state_0.json").write_text("{" + " " * (len(text) - 2) + "}")
     with pytest.raises(ValueError, match="rng_state_0.json is missing or damaged"):
         run(*common, "--resume_from_checkpoint", str(out / "checkpoint-6"))
+
+
+def test_a_resumed_checkpoint_is_verified_once(three_checkpoints, monkeypatch):
+    out, common = three_checkpoints
+    verified = []
+    check = checkpoints.checkpoint_problem
+    monkeypatch.setattr(checkpoints, "checkpoint_problem", lambda path: verified.append(path.name) or check(path))
+    assert run(*common, "--max_steps", "7", "--resume_from_checkpoint", "latest").global_step == 7
+    assert verified == ["checkpoint-6"]
 
 
 PAYLOAD = textwrap.dedent(

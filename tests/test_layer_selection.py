@@ -310,3 +310,28 @@ def test_bad_arguments_fail_before_any_work():
     for k in (0, LAYERS, 2.0):
         with pytest.raises(ValueError, match=r"choose an integer in \[1, 3\]"):
             select_softmax_layers(student, teacher, ids, k)
+
+
+def test_the_demo_restores_the_best_ranked_layers_of_stage1_and_writes_the_ranking_beside_them(tmp_path,
+                                                                                              dataset_cache):
+    """`training/demo.py` and `training/convert.py` share `restore_ranked_layers`: stage 1 with the best-ranked
+    layer restored, the ranking of the held-out rows of the data pipeline in softmax_layer_ranking.json."""
+    from training import demo
+    from training.data import DataArguments, build_datasets, byte_level_tokenizer
+
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=112,
+                                           num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=256)).eval()
+    converted(teacher).save_pretrained(tmp_path / "stage1")
+    tokenizer, data = byte_level_tokenizer(), DataArguments(block_size=32, cache_dir=str(dataset_cache))
+    folder = demo.select_layers(tmp_path, teacher, tokenizer, data, k=1, rows=2)
+
+    rows = torch.tensor(build_datasets(data, tokenizer)["validation"]["input_ids"][:2])
+    layers, ranking = select_softmax_layers(AutoModelForCausalLM.from_pretrained(tmp_path / "stage1"), teacher, rows, 1)
+    written = json.loads((folder / "softmax_layer_ranking.json").read_text())
+    assert list(written) == ["measure", "selected", "rows", "row_tokens", "ranking"]
+    assert written["selected"] == layers and (written["rows"], written["row_tokens"]) == (2, 32)
+    assert [entry["layer"] for entry in written["ranking"]] == [entry["layer"] for entry in ranking]
+    assert [entry["kl"] for entry in written["ranking"]] == pytest.approx([entry["kl"] for entry in ranking])
+    assert AutoModelForCausalLM.from_pretrained(folder).config.softmax_layers == layers

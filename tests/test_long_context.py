@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import WORDS, tiny_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from training import long_context as lc
 from training.data import byte_level_tokenizer
+from training.measure import cache_bytes, cache_bytes_by_context, cache_memory, new_cache, prefill
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 259  # the byte-level tokenizer's
@@ -287,8 +288,47 @@ def test_greedy_decoding_equals_the_argmax_of_full_forwards(window, tokenizer):
 def test_cache_bytes_constant_for_linear_growing_for_the_teacher_window_for_the_baseline():
     teacher = byte_llama()
     linear = tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8, num_sink_tokens=2)
-    teacher_bytes = [lc.cache_bytes_at(teacher, n, prefill_chunk=32) for n in (16, 64)]
+    teacher_bytes = lc.cache_bytes_at(teacher, [16, 64])
     assert teacher_bytes[1] == 4 * teacher_bytes[0] > 0
-    assert lc.cache_bytes_at(linear, 16, 32) == lc.cache_bytes_at(linear, 64, 32) > 0
+    assert lc.cache_bytes_at(linear, [16, 64])[0] == lc.cache_bytes_at(linear, [16, 64])[1] > 0
     baseline = lc.WindowBaseline(teacher, window=6, sinks=2)
-    assert lc.cache_bytes_at(baseline, 64, 32) == teacher_bytes[0] // 2  # 8 of 16 tokens
+    assert lc.cache_bytes_at(baseline, [64]) == [teacher_bytes[0] // 2]  # 8 of 16 tokens
+
+
+def prefilled_cache_bytes(model, contexts) -> list[int]:
+    """Bytes of the cache `generate()` would build, after a real chunked prefill of each context."""
+    sizes = []
+    for tokens in contexts:
+        cache = new_cache(model)
+        prefill(model, cache, tokens, chunk=16)
+        sizes.append(cache_bytes(cache))
+    return sizes
+
+
+@pytest.mark.parametrize("options", [
+    dict(window_size=8, num_sink_tokens=2, feature_map="hedgehog", decay="vector", softmax_layers=[1]),
+    dict(feature_map="elu", update_rule="delta", normalize=False, decay="scalar", conv_size=4, softmax_layers=[0]),
+], ids=["window-hybrid", "delta-rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layout_cache_bytes_equal_those_of_a_prefilled_hybrid_with_softmax_layers(options, dtype):
+    model = tiny_model(vocab_size=VOCAB, num_hidden_layers=3, **options).to(dtype)
+    contexts = [5, 40, 300]  # within and far beyond the window and convolution
+    layout = cache_bytes_by_context(model, contexts)
+    assert layout == prefilled_cache_bytes(model, contexts)
+    assert layout[2] > layout[1] > layout[0]  # the softmax layer's keys and values grow with the context
+    rows = cache_memory(model.config.to_dict() | {"dtype": str(dtype).removeprefix("torch.")}, tuple(contexts))
+    assert [r["linear_bytes"] for r in rows] == layout
+
+
+def byte_mistral(sliding_window: int) -> MistralForCausalLM:
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window)
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build", [byte_llama, lambda: byte_mistral(sliding_window=8)], ids=["llama", "sliding"])
+def test_layout_cache_bytes_equal_those_of_a_prefilled_softmax_model(build):
+    model = build()
+    contexts = [5, 40]
+    assert cache_bytes_by_context(model, contexts) == prefilled_cache_bytes(model, contexts)

@@ -3,7 +3,10 @@ the run's log, and the final model export.
 
 A checkpoint is written by `accelerator.save_state` (model and optimizer, sharded under FSDP / DeepSpeed),
 plus this module's JSON files: the LR scheduler (`scheduler.json`) and every random generator of each
-process (`rng_state_RANK.json`: Python, NumPy, torch CPU and each accelerator device), then
+process (`rng_state_RANK.json`: Python, NumPy, torch CPU and each accelerator device; the only RNG state a
+checkpoint keeps: `save_state` always pickles the same states into `random_states_RANK.pkl`, with no option to
+skip it, and that file is deleted before the commit, so `load_state` finds none and leaves the generators to the
+JSON), then
 `trainer_state.json` (step, tokens seen, the batch geometry, and the name and size of every file of the
 checkpoint) as its last file, all into a hidden temporary folder `OUTPUT_DIR/.tmp-checkpoint-STEP`. The
 main process then fsyncs every file and the folder and renames it to `checkpoint-STEP`: the rename is the
@@ -11,9 +14,10 @@ commit. A run killed at any moment leaves either the previous checkpoints or the
 each save only the newest `save_total_limit` checkpoints are kept, and leftovers of interrupted saves are
 removed.
 
-Resuming (`resolve_resume_checkpoint`, `load_checkpoint`) first verifies the checkpoint against its file
-list: a missing, truncated or unlisted file is named, and `--resume_from_checkpoint latest` falls back,
-with a warning, to the newest checkpoint that verifies. Nothing loaded can run code: this module's state
+Resuming verifies the checkpoint against its file list once, when `resolve_resume_checkpoint` names it (before
+any model is loaded; `load_checkpoint` then takes the folder it returned): a missing, truncated or unlisted file
+is named, and `--resume_from_checkpoint latest` falls back, with a warning, to the newest checkpoint that
+verifies. Nothing loaded can run code: this module's state
 is JSON, accelerate reads its tensors with safetensors or `torch.load(weights_only=True)`, and before
 anything is loaded every pickle in the checkpoint is checked to reference only the plain data types those
 loaders accept (`check_pickles`), so a crafted file is refused with an error rather than executed.
@@ -48,6 +52,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import RNG_STATE_NAME
 from transformers import PreTrainedTokenizerBase
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -149,8 +154,8 @@ def resolve_resume_checkpoint(output_dir: str | Path, value: str) -> Path:
 # Pickles ---------------------------------------------------------------------------------------------------------
 
 # What the pickles of a checkpoint may reference: tensors and their storages, plain containers, NumPy arrays
-# (accelerate's RNG states) and, in torch.distributed.checkpoint's `.metadata`, paths and its own dataclasses and
-# enums.
+# (accelerate's RNG states, in checkpoints written before they were deleted at save) and, in
+# torch.distributed.checkpoint's `.metadata`, paths and its own dataclasses and enums.
 _SAFE_GLOBALS = {
     ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("_codecs", "encode"), ("numpy", "ndarray"),
@@ -325,6 +330,7 @@ def save_checkpoint(
         shutil.rmtree(replaced, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(temporary))
+    (temporary / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl").unlink(missing_ok=True)  # the JSON's twin
     (temporary / RNG_FILE.format(accelerator.process_index)).write_text(json.dumps(rng_state()))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -345,12 +351,10 @@ def save_checkpoint(
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path, scheduler: Any = None) -> dict[str, Any]:
     """Restore everything `save_checkpoint` saved into the prepared objects, `scheduler` and the RNG states of
-    this process; returns the trainer state. Raises ValueError naming the file for a checkpoint that is
-    incomplete, damaged or holds a pickle that could run code, before anything is loaded."""
+    this process; returns the trainer state. `checkpoint` is what `resolve_resume_checkpoint` returned (verified
+    against its file list). Raises ValueError naming the file for a checkpoint that holds a pickle that could
+    run code, before anything is loaded, or whose state is damaged."""
     checkpoint = Path(checkpoint)
-    problem = checkpoint_problem(checkpoint)
-    if problem is not None:
-        raise ValueError(f"Cannot resume from {checkpoint}: {problem}.")
     check_pickles(checkpoint)
     try:
         accelerator.load_state(str(checkpoint))

@@ -29,10 +29,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
+from hf_linear_attn import LinearAttentionForCausalLM
 from hf_linear_attn.conversion import (
     DEFAULT_ATTENTION_OPTIONS,
     convert_to_linear_attention,
@@ -118,6 +120,32 @@ def replace_folder(new: Path, target: Path) -> None:
     shutil.rmtree(aside)
 
 
+@dataclass
+class RestoredLayers:
+    """A stage-1 checkpoint with the layers that matter most to softmax restored (`restore_ranked_layers`)."""
+
+    model: LinearAttentionForCausalLM
+    ranking: list[dict[str, Any]]  # every linear layer, by KL reduction (`select_softmax_layers`)
+    rows: torch.Tensor  # [N, T]: the held-out rows that ranked the layers
+
+    def write_ranking(self, folder: str | Path, **details: Any) -> Path:
+        """`folder/RANKING_FILE`: the model's softmax layers (`selected`), `details`, the rows' count and length,
+        and the ranking."""
+        return write_ranking(Path(folder) / RANKING_FILE, self.ranking, selected=self.model.config.softmax_layers,
+                             **details, rows=len(self.rows), row_tokens=int(self.rows.shape[1]))
+
+
+def restore_ranked_layers(ranking_model: str | Path, teacher: PreTrainedModel, tokenizer: Any,
+                          data_args: DataArguments, k: int, rows: int) -> RestoredLayers:
+    """Load the stage-1 checkpoint `ranking_model` (refusing missing or unexpected weights), rank its layers
+    against `teacher` on the first `rows` held-out rows of the data pipeline (`data_args`, tokenized by
+    `tokenizer`) and restore the `k` whose restoration alone brings it closest to the teacher, in place."""
+    held_out = torch.tensor(build_datasets(data_args, tokenizer)["validation"]["input_ids"][:rows])
+    student = load_teacher(str(ranking_model))
+    layers, ranking = select_softmax_layers(student, teacher.eval(), held_out, k)
+    return RestoredLayers(restore_softmax_layers(student, layers, inplace=True), ranking, held_out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, data_args = parse_args(argv)
     with exit_on_bad_input():
@@ -161,16 +189,15 @@ def convert(args: ConversionArguments, data_args: DataArguments | None = None) -
                          f"{len(tokenizer)} tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
-    ranking = None
+    restored = None
     if selection.auto_k is None:
         student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], **options)
     else:
-        rows = torch.tensor(build_datasets(data_args, tokenizer)["validation"]["input_ids"][: args.ranking_rows])
-        student = load_teacher(args.ranking_model)  # refuses a checkpoint with missing or unexpected weights
-        layers, ranking = select_softmax_layers(student, teacher.eval(), rows, selection.auto_k)
-        student = restore_softmax_layers(student, layers, inplace=True).to(DTYPES[args.dtype])
-        print(f"Softmax layers {student.config.softmax_layers}: chosen on {len(rows)} held-out rows of "
-              f"{rows.shape[1]} tokens (ranking in {RANKING_FILE})")
+        restored = restore_ranked_layers(args.ranking_model, teacher, tokenizer, data_args, selection.auto_k,
+                                         args.ranking_rows)
+        student = restored.model.to(DTYPES[args.dtype])
+        print(f"Softmax layers {student.config.softmax_layers}: chosen on {len(restored.rows)} held-out rows of "
+              f"{restored.rows.shape[1]} tokens (ranking in {RANKING_FILE})")
     student.config.base_model_name_or_path = args.model_name_or_path
 
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -179,9 +206,8 @@ def convert(args: ConversionArguments, data_args: DataArguments | None = None) -
     try:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if ranking is not None:
-            write_ranking(staging / RANKING_FILE, ranking, selected=student.config.softmax_layers,
-                          ranking_model=args.ranking_model, rows=len(rows), row_tokens=int(rows.shape[1]))
+        if restored is not None:
+            restored.write_ranking(staging, ranking_model=args.ranking_model)
         replace_folder(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -36,8 +36,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from hf_linear_attn.layer_selection import restore_softmax_layers, select_softmax_layers, write_ranking
-from training.data import DataArguments, build_datasets
+from training.convert import restore_ranked_layers
+from training.data import DataArguments
 from training.distill import DistillArguments, distill
 from training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
 from training.finetune import ModelArguments
@@ -95,16 +95,14 @@ def smollm2_folder() -> str:
 
 def select_layers(out: Path, teacher, tokenizer, data: DataArguments, k: int, rows: int) -> Path:
     """Restore the `k` layers of the stage-1 model (out/stage1) that matter most to softmax, ranked on `rows`
-    held-out rows; writes out/stage1-softmax with the ranking beside it and returns that folder."""
+    held-out rows (`training.convert.restore_ranked_layers`); writes out/stage1-softmax with the ranking beside
+    it and returns that folder."""
     print(f"[3/6] Ranking the layers of stage 1 on {rows} held-out rows of {data.block_size} tokens", flush=True)
-    held_out = torch.tensor(build_datasets(data, tokenizer)["validation"]["input_ids"][:rows])
-    stage1 = AutoModelForCausalLM.from_pretrained(out / "stage1").eval()
-    layers, ranking = select_softmax_layers(stage1, teacher, held_out, k)
-    restore_softmax_layers(stage1, layers, inplace=True).save_pretrained(out / "stage1-softmax")
+    restored = restore_ranked_layers(out / "stage1", teacher, tokenizer, data, k, rows)
+    restored.model.save_pretrained(out / "stage1-softmax")
     tokenizer.save_pretrained(out / "stage1-softmax")
-    write_ranking(out / "stage1-softmax" / "softmax_layer_ranking.json", ranking, selected=sorted(layers),
-                  rows=len(held_out), row_tokens=data.block_size)
-    print(f"    softmax layers {sorted(layers)}", flush=True)
+    restored.write_ranking(out / "stage1-softmax")
+    print(f"    softmax layers {restored.model.config.softmax_layers}", flush=True)
     return out / "stage1-softmax"
 
 
@@ -145,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.softmax_layers_k > 0:
         models[f"stage 1 + {args.softmax_layers_k} softmax layers"] = select_layers(
             out, teacher, tokenizer, data, args.softmax_layers_k, args.ranking_rows)
+    # Freed here and loaded again by the evaluation (seconds): kept, it would sit idle through stage 2 beside the
+    # copy that stage 2 loads for its KL term (`training.finetune` takes the teacher by path).
     del teacher
 
     if args.recovery_steps > 0:

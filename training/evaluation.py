@@ -8,7 +8,7 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
 - long-context held-out perplexity at each of `long_contexts` tokens, on long public-domain documents that no
   training stage reads (`training.long_context`; prepared once into `long_context_data` by
   `python -m training.long_context prepare`), and the bytes of the decoding cache after each of those contexts
-  (softmax layers counted);
+  (softmax layers counted; computed from the attention layout, `training.measure.cache_bytes_by_context`);
 - passkey retrieval at each of `passkey_lengths` tokens: `passkey_trials` trials with the needle's depth spread
   over the context, for each haystack (natural text, repeated filler) and variant (one key, or several keyed
   doors with one asked for), greedy decoding; for the models of `passkey_models` (default all), as it is the
@@ -42,7 +42,7 @@ from hf_linear_attn.conversion import load_teacher
 from training import long_context as lc
 from training.data import DataArguments, build_datasets, collate_rows
 from training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
-from training.measure import cache_memory, decode_profile
+from training.measure import cache_bytes_by_context, cache_memory, decode_profile
 from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
 from training.report import log_log_plot, machine, write_report
 
@@ -228,18 +228,20 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         for name, candidate in measured:
             quality.append({"model": name, "perplexity": perplexity(candidate, rows, args.eval_batch_size)})
             progress(f"{name}: short perplexity {quality[-1]['perplexity']:.2f}")
+            cache_bytes = dict(zip(args.long_contexts, lc.cache_bytes_at(candidate, args.long_contexts), strict=True))
             for row in lc.perplexity_by_context({name: candidate}, documents, args.long_contexts,
                                                 args.long_scored_tokens, log=progress):
-                row["cache_bytes"] = lc.cache_bytes_at(candidate, row["context"], args.prefill_chunk)
-                long_rows.append(row)
+                long_rows.append({**row, "cache_bytes": cache_bytes[row["context"]]})
             if name in passkey_models:
                 for (length, haystack, variant), setting_trials in passkey_sets.items():
                     accuracy = lc.passkey_accuracy(candidate, tokenizer, setting_trials)
                     passkey.append({"model": name, "length": length, "haystack": haystack, "variant": variant,
                                     "trials": len(setting_trials), "accuracy": accuracy})
                     progress(f"{name}: passkey @{length} {haystack}/{variant} {accuracy:.0%}")
-        for entry in decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk):
-            decode.append({"model": label, **entry})
+        profile = decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk)
+        for entry, cache_bytes in zip(profile, cache_bytes_by_context(model, args.decode_contexts), strict=True):
+            decode.append({"model": label, "context": entry["context"], "cache_bytes": cache_bytes,
+                           "ms_per_token": entry["ms_per_token"]})
         progress(f"{label}: done")
         del model, measured
 

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, HfArgumentParser, PreTrainedModel
 
-from training.measure import cache_bytes, new_cache, prefill
+from training.measure import cache_bytes_by_context
 
 DEFAULT_DATA_DIR = "outputs/long_context_data"
 PREPARE_COMMAND = "python -m training.long_context prepare"
@@ -276,14 +276,13 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokeniz
     return generated
 
 
-def cache_bytes_at(model, length: int, prefill_chunk: int = 1024) -> int:
-    """Bytes of the decoding cache after `length` tokens of context (prefilled in chunks; the token values do not
-    matter). For a `WindowBaseline`: the KV of `window + sinks` tokens, what a ring buffer would hold."""
+def cache_bytes_at(model, contexts: list[int]) -> list[int]:
+    """Bytes of the decoding cache after each of `contexts` tokens (`training.measure.cache_bytes_by_context`,
+    from the layout). For a `WindowBaseline`: the KV of at most `window + sinks` tokens, what a ring buffer would
+    hold."""
     if isinstance(model, WindowBaseline):
-        return cache_bytes_at(model.model, min(length, model.window + model.sinks), prefill_chunk)
-    cache = new_cache(model)
-    prefill(model, cache, length, prefill_chunk)
-    return cache_bytes(cache)
+        return cache_bytes_by_context(model.model, [min(n, model.window + model.sinks) for n in contexts])
+    return cache_bytes_by_context(model, contexts)
 
 
 # --------------------------------------------------------------------------------------------- perplexity

@@ -2,6 +2,7 @@
 
 API (what `training/distill.py` and other stages build on)::
 
+    check_train_arguments(args)                                 # before anything is loaded
     accelerator = make_accelerator(args)                        # before loading data and model
     rows = build_datasets(data_args, tokenizer, accelerator.main_process_first())  # training.data
     result = train(model, rows["train"], rows["validation"], args, accelerator,
@@ -28,7 +29,8 @@ API (what `training/distill.py` and other stages build on)::
 - `perplexity`: also report exp(eval loss) (for cross-entropy objectives).
 - A frozen teacher (distillation) is not the loop's business: let `loss_fn` close over it, on
   `accelerator.device`, in eval mode and without gradients.
-- `args.resume_from_checkpoint`: a checkpoint folder or `latest`; `make_accelerator` resets accelerate's
+- `args`: as `check_train_arguments` left them; it turns `resume_from_checkpoint` (a checkpoint folder or
+  `latest`) into the verified checkpoint folder that `train` loads. `make_accelerator` resets accelerate's
   process-wide settings, so one process can run several stages one after the other.
 
 The loop: AdamW (no weight decay on biases and norms), a `transformers` LR schedule with warm-up,
@@ -67,7 +69,6 @@ from training.checkpoints import (
     PreviousRun,
     check_output_dir,
     load_checkpoint,
-    resolve_resume_checkpoint,
     save_checkpoint,
 )
 from training.data import collate_rows
@@ -337,7 +338,8 @@ def train(
     perplexity: bool = True,
     tracker_config: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """Train `model` in place (see the module docstring). Call on every process."""
+    """Train `model` in place (see the module docstring), `args` checked by `check_train_arguments`. Call on
+    every process."""
     if trainable is not None:
         select_trainable(model, trainable)
     output_dir = Path(args.output_dir)
@@ -370,8 +372,7 @@ def train(
 
     global_step, tokens_seen = 0, 0
     if args.resume_from_checkpoint:
-        state = load_checkpoint(accelerator, resolve_resume_checkpoint(output_dir, args.resume_from_checkpoint),
-                                scheduler)
+        state = load_checkpoint(accelerator, args.resume_from_checkpoint, scheduler)  # verified by the check
         global_step, tokens_seen = state["global_step"], state["tokens_seen"]
         if state["geometry"] != geometry:
             logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: the data order differs "

@@ -1,6 +1,8 @@
 """Inference measurements shared by `benchmarks/bench_decode.py`, `training/evaluate.py` and the training
-scripts: cache bytes and per-token decode latency after a context, for a linear-attention model or any
-transformers causal LM with a `DynamicCache`, and the cache memory of a linear-attention layout.
+scripts: per-token decode latency after a context, for a linear-attention model or any transformers causal LM
+with a `DynamicCache`, and cache bytes by context. The bytes come from the attention layout (`cache_memory`,
+`cache_bytes_by_context`): exactly what a prefilled cache holds (tests/test_long_context.py checks it), at a
+fraction of the cost of a prefill of the model.
 
 They live in the installed package (not in `benchmarks/`) because the evaluation and the training runs
 record them too; they need only torch, transformers and `hf_linear_attn`.
@@ -9,10 +11,12 @@ record them too; they need only torch, transformers and `hf_linear_attn`.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_linear_attn
 
@@ -58,35 +62,67 @@ def decode_times(model: PreTrainedModel, cache, logits: torch.Tensor, steps: int
 
 
 def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chunk: int) -> list[dict[str, Any]]:
-    """Per context length: the cache bytes after prefilling it and the median ms of `steps` decode steps."""
+    """Per context length: the median ms of `steps` decode steps after prefilling it (the cache bytes at a
+    context are `cache_bytes_by_context`'s, from the layout, without a prefill)."""
     rows = []
     for context in contexts:
         cache = new_cache(model)
         logits = prefill(model, cache, context, chunk)
-        bytes_after_prefill = cache_bytes(cache)
         ms = 1000 * sorted(decode_times(model, cache, logits, steps))[steps // 2]
-        rows.append({"context": context, "cache_bytes": bytes_after_prefill, "ms_per_token": ms})
+        rows.append({"context": context, "ms_per_token": ms})
     return rows
 
 
-def cache_memory(config: dict[str, Any], contexts: tuple[int, ...] = CACHE_CONTEXTS) -> list[dict[str, int]]:
-    """Per context length, measured: `linear_bytes`, the cache bytes of one sequence with the attention
-    layout of `config` (a linear-attention config as a dict), and `softmax_bytes`, those of the key/value
-    cache of a softmax model of the same shape (2 x layers x KV heads x head_dim x tokens).
+def softmax_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of the key/value cache that `DynamicCache(config=config)` holds after `tokens` tokens of one
+    sequence: per layer 2 x KV heads x head_dim x the tokens it keeps (all of them; at most `sliding_window - 1`,
+    the most transformers' `DynamicSlidingWindowLayer` keeps, in a sliding-window layer) x bytes per value."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return sum(per_token * (min(tokens, layer.sliding_window - 1) if isinstance(layer, DynamicSlidingWindowLayer)
+                            else tokens) for layer in DynamicCache(config=config).layers)
 
-    The layout (heads, head and feature dimensions, window, decay, softmax layers) runs with tiny
-    embeddings and MLPs, so this costs little whatever the model's size."""
-    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
+
+def linear_cache_bytes(config: dict[str, Any], contexts: Iterable[int], dtype: torch.dtype) -> list[int]:
+    """Per context length, the bytes of a `LinearAttentionCache` of one sequence for the attention layout of
+    `config` (a linear-attention config as a dict) with values of `dtype`.
+
+    The layout (heads, head and feature dimensions, window, sinks, decay, convolution, softmax layers) runs with
+    tiny embeddings and MLPs, which the cache does not depend on. A linear layer's cache has one size once its
+    window ring, sinks and convolution inputs are allocated, and a softmax layer's grows by one key and value a
+    token, so the bytes are affine in the context beyond a short one: the layout runs at `p` and `2p` tokens
+    (p covers the window, sinks and convolution) and longer contexts are extended from those two, so the cost
+    does not grow with the context."""
     layout = hf_linear_attn.LinearAttentionConfig.from_dict(
         {**config, "vocab_size": 16, "hidden_size": 16, "intermediate_size": 16, "tie_word_embeddings": False}
     )
     model = hf_linear_attn.LinearAttentionForCausalLM(layout).to(dtype).eval()
-    item = torch.empty((), dtype=dtype).element_size()
-    rows = []
-    for tokens in contexts:
+
+    def measured(tokens: int) -> int:
         cache = hf_linear_attn.LinearAttentionCache(layout)
-        with torch.no_grad():
-            model(torch.zeros(1, tokens, dtype=torch.long), cache=cache, use_cache=True)
-        softmax = 2 * layout.num_hidden_layers * layout.num_key_value_heads * layout.head_dim * tokens * item
-        rows.append({"tokens": tokens, "linear_bytes": cache.nbytes(), "softmax_bytes": softmax})
-    return rows
+        prefill(model, cache, tokens, chunk=tokens)
+        return cache.nbytes()
+
+    probe = layout.window_size + layout.num_sink_tokens + layout.conv_size + 1
+    base = measured(probe)
+    per_token = (measured(2 * probe) - base) // probe
+    return [measured(tokens) if tokens < probe else base + (tokens - probe) * per_token for tokens in contexts]
+
+
+def cache_bytes_by_context(model: PreTrainedModel, contexts: Iterable[int]) -> list[int]:
+    """Per context length, the bytes of the decoding cache (`new_cache(model)`) after that many tokens of one
+    sequence, computed from the model's attention layout and dtype rather than by a prefill of the model."""
+    contexts = list(contexts)
+    if isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
+        return linear_cache_bytes(model.config.to_dict(), contexts, model.dtype)
+    return [softmax_cache_bytes(model.config, tokens, model.dtype) for tokens in contexts]
+
+
+def cache_memory(config: dict[str, Any], contexts: tuple[int, ...] = CACHE_CONTEXTS) -> list[dict[str, int]]:
+    """Per context length: `linear_bytes`, the cache bytes of one sequence with the attention layout of `config`
+    (a linear-attention config as a dict, in its own dtype; `linear_cache_bytes`), and `softmax_bytes`, those of
+    the key/value cache of a softmax model of the same shape (2 x layers x KV heads x head_dim x tokens)."""
+    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
+    shape = hf_linear_attn.LinearAttentionConfig.from_dict(config)
+    return [{"tokens": tokens, "linear_bytes": linear, "softmax_bytes": softmax_cache_bytes(shape, tokens, dtype)}
+            for tokens, linear in zip(contexts, linear_cache_bytes(config, contexts, dtype), strict=True)]
