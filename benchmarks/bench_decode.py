@@ -88,9 +88,9 @@ LAYOUTS = {
 
 # generate() settings of each timed variant, per model: the cache kind and whether the decode step is compiled.
 GENERATE_VARIANTS = {
-    "linear": {"eager": {}, "compiled": {"compile": True}},
+    "linear": {"eager": {}, "compiled": {"compiled": True}},
     "llama": {"eager": {}, "static": {"cache_implementation": "static"},
-              "compiled": {"cache_implementation": "static", "compile": True}},
+              "compiled": {"cache_implementation": "static", "compiled": True}},
 }
 
 
@@ -181,14 +181,15 @@ def mixed_prompts(context: int, batch: int, vocab_size: int) -> tuple[torch.Tens
 
 @torch.no_grad()
 def time_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, steps: int,
-                  settings: dict) -> tuple[torch.Tensor, list[float], int]:
-    """Greedy `generate()` of `steps` + 1 tokens after the prompts (the first comes from the prefill). Returns the
-    new tokens `[B, steps + 1]`, the seconds of each of the `steps` decode steps and the graphs dynamo compiled
-    meanwhile. `settings`: `cache_implementation`, and `compile` (a backend name) for compiled decode steps."""
-    kwargs = {"cache_implementation": settings.get("cache_implementation")}
-    if "compile" in settings:
+                  cache_implementation: str | None = None,
+                  compile_backend: str | None = None) -> tuple[torch.Tensor, list[float], int]:
+    """Greedy `generate()` of `steps` + 1 tokens after the prompts (the first comes from the prefill), its decode
+    steps compiled with `compile_backend` if given. Returns the new tokens `[B, steps + 1]`, the seconds of each
+    of the `steps` decode steps and the graphs dynamo compiled meanwhile."""
+    kwargs = {"cache_implementation": cache_implementation}
+    if compile_backend:
         # fullgraph: a graph break raises. generate() compiles only on accelerators unless told otherwise.
-        kwargs["compile_config"] = CompileConfig(fullgraph=True, backend=settings["compile"], mode="default")
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, backend=compile_backend, mode="default")
         kwargs["compile_config"]._compile_all_devices = True
     clock = StepClock()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -210,23 +211,25 @@ def generate_rows(kind: str, model: torch.nn.Module, args: DecodeBenchmarkArgume
             for variant, settings in GENERATE_VARIANTS[kind].items():
                 if variant != "eager" and not args.compile:
                     continue
-                if "compile" in settings:
-                    settings = {**settings, "compile": args.compile_backend}
+                compiled = settings.get("compiled", False)
+                if compiled:
                     torch._dynamo.reset()  # each shape compiles afresh, never near dynamo's recompile limit
-                _, _, warmup_graphs = time_generate(model, ids, mask, args.warmup_tokens, settings)
-                tokens, times, timed_graphs = time_generate(model, ids, mask, args.new_tokens, settings)
+                run = dict(cache_implementation=settings.get("cache_implementation"),
+                           compile_backend=args.compile_backend if compiled else None)
+                _, _, warmup_graphs = time_generate(model, ids, mask, args.warmup_tokens, **run)
+                tokens, times, timed_graphs = time_generate(model, ids, mask, args.new_tokens, **run)
                 if eager_tokens is None:
                     eager_tokens = tokens
                 elif not torch.equal(tokens, eager_tokens):
-                    row, step = (tokens != eager_tokens).nonzero()[0].tolist()
+                    first, step = (tokens != eager_tokens).nonzero()[0].tolist()
                     raise RuntimeError(
                         f"{kind} {variant} decoded other greedy tokens than eager (context {context}, batch {batch}): "
-                        f"first difference in row {row} at step {step}: {tokens[row].tolist()} vs "
-                        f"{eager_tokens[row].tolist()}")
+                        f"first difference in row {first} at step {step}: {tokens[first].tolist()} vs "
+                        f"{eager_tokens[first].tolist()}")
                 ms = 1000 * statistics.median(times)
                 row = {"model": kind, "variant": variant, "batch": batch, "context": context, "ms_per_step": ms,
                        "tokens_per_s": 1000 * batch / ms}
-                if "compile" in settings:
+                if compiled:
                     row.update(graphs=warmup_graphs, graphs_while_timed=timed_graphs)
                 rows.append(row)
                 check = "same greedy tokens as eager" if variant != "eager" else "reference tokens"
