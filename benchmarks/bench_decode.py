@@ -1,17 +1,30 @@
-"""Decode scaling: per-token latency and cache bytes after growing contexts, linear attention vs Llama.
+"""Decode speed: per-token latency and cache bytes after growing contexts, and `generate()` tokens/s compiled
+and batched, linear attention vs Llama (the teacher's shape).
 
 Both models have identical dimensions (default: 4 layers, hidden 256, 4 heads, SwiGLU 688, vocab
 32000) and run in the same process, one after the other, so their ratios are measured side by
-side. For every context length the context is prefilled in chunks (so prefill memory stays
-bounded), then `--new_tokens` tokens are decoded one at a time with the cache and the median
-time per token is reported. Peak RSS added by the prefill is measured in a child process per model
-and length (`--peak_memory`, Linux /proc).
+side ("× Llama": Llama's time per token over the model's, above 1 when faster).
+
+Scaling (always, batch 1, eager): for every context length the context is prefilled in chunks (so
+prefill memory stays bounded), then `--new_tokens` tokens are decoded one at a time with the cache
+and the median time per token is reported. Peak RSS added by the prefill is measured in a child
+process per model and length (`--peak_memory`, Linux /proc). Report `decode.*`.
+
+Generate (with `--compile` or `--batch_size`): greedy `generate()` on a left-padded batch of random
+prompts whose lengths spread over 3/4 to 5/4 of the context (exactly the context at batch 1); the
+median time between steps (a streamer timestamps each) gives tokens/s. Variants: the linear model
+eager and, with `--compile`, with its decode step compiled (`compile_config`: the cache is fixed-shape);
+Llama eager (dynamic cache), and with `--compile` eager on a static cache and compiled on it. Each is
+timed after a warm-up `generate()` that does the compiling; every variant of a model must decode the
+eager tokens (else the script fails). Report `decode_generate.*`.
 
     python benchmarks/bench_decode.py                                # 256, 1K, 8K
     python benchmarks/bench_decode.py --contexts 256 1024 8192 65536 --peak_memory
     python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384   # converted SmolLM2-135M shape
+    python benchmarks/bench_decode.py --contexts 1024 --compile      # eager vs torch.compile, batch 1
+    python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 --batch_size 1 8
 
-Prints a table, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
+Prints the tables, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
 """
 
 from __future__ import annotations
@@ -26,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from common import reset_peak_rss, rss_kib
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 import hf_linear_attn
 from training.measure import cache_bytes, decode_times, new_cache, prefill
@@ -54,6 +68,12 @@ class DecodeBenchmarkArguments:
     num_sink_tokens: int = 0
     models: list[str] = field(default_factory=lambda: ["linear", "llama"], metadata={"help": "linear and/or llama."})
     peak_memory: bool = field(default=False, metadata={"help": "Also measure prefill peak RSS (child processes)."})
+    compile: bool = field(default=False, metadata={
+        "help": "Also time generate() with torch.compile'd decode steps (Llama on a static cache, eager on it too)."})
+    compile_backend: str = field(default="inductor", metadata={
+        "help": "torch.compile backend of --compile ('aot_eager' checks the graph capture without generating code)."})
+    batch_size: list[int] = field(default_factory=list, metadata={
+        "help": "Batch sizes of the generate() runs (left-padded prompts of mixed lengths); --compile alone: 1."})
     output_dir: str = "outputs/bench_decode"
     child: str = field(default="", metadata={"help": "Internal: 'MODEL:LENGTH' runs one prefill and prints JSON."})
 
@@ -66,11 +86,34 @@ LAYOUTS = {
 }
 
 
-def apply_layout(args: DecodeBenchmarkArguments) -> None:
+# generate() settings of each timed variant, per model: the cache kind and whether the decode step is compiled.
+GENERATE_VARIANTS = {
+    "linear": {"eager": {}, "compiled": {"compiled": True}},
+    "llama": {"eager": {}, "static": {"cache_implementation": "static"},
+              "compiled": {"cache_implementation": "static", "compiled": True}},
+}
+
+
+def check_args(args: DecodeBenchmarkArguments) -> None:
+    """Apply `--layout` and refuse bad values before anything runs."""
     if args.layout and args.layout not in LAYOUTS:
         raise ValueError(f"--layout must be one of {sorted(LAYOUTS)} or empty; got {args.layout!r}")
     for name, value in LAYOUTS.get(args.layout, {}).items():
         setattr(args, name, value)
+    if not args.models or set(args.models) - set(GENERATE_VARIANTS):
+        raise ValueError(f"--models must be some of {sorted(GENERATE_VARIANTS)}; got {args.models}")
+    if not args.contexts or min(args.contexts) < 1:
+        raise ValueError(f"--contexts must be positive token counts; got {args.contexts}")
+    if args.new_tokens < 1 or args.warmup_tokens < 1:
+        raise ValueError(f"--new_tokens and --warmup_tokens must be at least 1; got {args.new_tokens}, "
+                         f"{args.warmup_tokens}")
+    if args.batch_size and min(args.batch_size) < 1:
+        raise ValueError(f"--batch_size must be positive; got {args.batch_size}")
+    if args.compile and args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"--compile_backend must be one of {torch._dynamo.list_backends(exclude_tags=())}; "
+                         f"got {args.compile_backend!r}")
+    if args.compile and not args.batch_size:
+        args.batch_size = [1]
 
 
 def build(kind: str, args: DecodeBenchmarkArguments) -> torch.nn.Module:
@@ -78,7 +121,7 @@ def build(kind: str, args: DecodeBenchmarkArguments) -> torch.nn.Module:
     dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                 num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
                 num_key_value_heads=args.num_key_value_heads or args.num_attention_heads,
-                max_position_embeddings=max(args.contexts) + args.new_tokens + args.warmup_tokens + 16)
+                max_position_embeddings=max(args.contexts) * 5 // 4 + args.new_tokens + args.warmup_tokens + 16)
     if kind == "linear":
         config = hf_linear_attn.LinearAttentionConfig(
             **dims, feature_map=args.feature_map, feature_dim=args.feature_dim or None,
@@ -93,7 +136,7 @@ def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> 
     """MiB of peak RSS added by prefilling `length` tokens, measured in a fresh child process."""
     cmd = [sys.executable, __file__, "--child", f"{kind}:{length}"]
     for name, value in asdict(args).items():
-        if name in ("child", "peak_memory", "contexts", "models"):
+        if name in ("child", "peak_memory", "contexts", "models", "compile", "compile_backend", "batch_size"):
             continue
         cmd += [f"--{name}", str(value)]
     cmd += ["--contexts", str(length)]
@@ -109,34 +152,141 @@ def run_child(args: DecodeBenchmarkArguments) -> None:
     print(json.dumps({"peak_mib": (rss_kib("VmHWM") - baseline) / 1024}))
 
 
+class StepClock(BaseStreamer):
+    """A `generate()` streamer that only notes when tokens arrive: the prompt, then once per step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def mixed_prompts(context: int, batch: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` random prompts (seeded) of lengths spread evenly over 3/4 to 5/4 of `context` (`context` itself
+    when `batch` is 1), left-padded: token ids `[B, T]` (pads 0) and attention mask `[B, T]`."""
+    generator = torch.Generator().manual_seed(context)
+    lengths = [context] if batch == 1 else [context * (3 * (batch - 1) + 2 * i) // (4 * (batch - 1))
+                                            for i in range(batch)]
+    ids = torch.zeros(batch, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, -length:] = torch.randint(3, vocab_size, (length,), generator=generator)
+        mask[row, -length:] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def time_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, steps: int,
+                  cache_implementation: str | None = None,
+                  compile_backend: str | None = None) -> tuple[torch.Tensor, list[float], int]:
+    """Greedy `generate()` of `steps` + 1 tokens after the prompts (the first comes from the prefill), its decode
+    steps compiled with `compile_backend` if given. Returns the new tokens `[B, steps + 1]`, the seconds of each
+    of the `steps` decode steps and the graphs dynamo compiled meanwhile."""
+    kwargs = {"cache_implementation": cache_implementation}
+    if compile_backend:
+        # fullgraph: a graph break raises. generate() compiles only on accelerators unless told otherwise.
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, backend=compile_backend, mode="default")
+        kwargs["compile_config"]._compile_all_devices = True
+    clock = StepClock()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps + 1, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, streamer=clock, **kwargs)
+    step_times = [b - a for a, b in zip(clock.times[1:-1], clock.times[2:], strict=True)]
+    return out[:, ids.shape[1]:], step_times, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
+def generate_rows(kind: str, model: torch.nn.Module, args: DecodeBenchmarkArguments) -> list[dict]:
+    """One row per context, batch size and variant of `kind` (`GENERATE_VARIANTS`): median ms per decode step,
+    tokens/s, and for compiled variants the graphs compiled by the warm-up and while timed (0 unless a step
+    recompiles). Raises when a variant's greedy tokens differ from eager's."""
+    rows = []
+    for context in args.contexts:
+        for batch in args.batch_size:
+            ids, mask = mixed_prompts(context, batch, args.vocab_size)
+            eager_tokens = None
+            for variant, settings in GENERATE_VARIANTS[kind].items():
+                if variant != "eager" and not args.compile:
+                    continue
+                compiled = settings.get("compiled", False)
+                if compiled:
+                    torch._dynamo.reset()  # each shape compiles afresh, never near dynamo's recompile limit
+                run = dict(cache_implementation=settings.get("cache_implementation"),
+                           compile_backend=args.compile_backend if compiled else None)
+                _, _, warmup_graphs = time_generate(model, ids, mask, args.warmup_tokens, **run)
+                tokens, times, timed_graphs = time_generate(model, ids, mask, args.new_tokens, **run)
+                if eager_tokens is None:
+                    eager_tokens = tokens
+                elif not torch.equal(tokens, eager_tokens):
+                    first, step = (tokens != eager_tokens).nonzero()[0].tolist()
+                    raise RuntimeError(
+                        f"{kind} {variant} decoded other greedy tokens than eager (context {context}, batch {batch}): "
+                        f"first difference in row {first} at step {step}: {tokens[first].tolist()} vs "
+                        f"{eager_tokens[first].tolist()}")
+                ms = 1000 * statistics.median(times)
+                row = {"model": kind, "variant": variant, "batch": batch, "context": context, "ms_per_step": ms,
+                       "tokens_per_s": 1000 * batch / ms}
+                if compiled:
+                    row.update(graphs=warmup_graphs, graphs_while_timed=timed_graphs)
+                rows.append(row)
+                check = "same greedy tokens as eager" if variant != "eager" else "reference tokens"
+                print(f"  {kind:<6} {variant:<8} batch {batch:>2} context {context:>6}: {ms:.2f} ms/step, "
+                      f"{row['tokens_per_s']:.1f} tokens/s ({check})", flush=True)
+                if timed_graphs:
+                    print(f"  warning: {kind} {variant} compiled {timed_graphs} graph(s) while timed: it recompiles "
+                          "during decoding (raise --warmup_tokens if the warm-up was too short)", flush=True)
+    return rows
+
+
+def scaling_row(kind: str, model: torch.nn.Module, length: int, args: DecodeBenchmarkArguments) -> dict:
+    """Batch 1, eager: chunked prefill of `length` tokens, then the median ms of `new_tokens` decode steps."""
+    cache = new_cache(model)
+    start = time.perf_counter()
+    logits = prefill(model, cache, length, args.prefill_chunk)
+    prefill_s = time.perf_counter() - start
+    decode_times(model, cache, logits, args.warmup_tokens)
+    before = cache_bytes(cache)
+    times = decode_times(model, cache, logits, args.new_tokens)
+    row = {"model": kind, "context": length, "prefill_s": prefill_s,
+           "ms_per_token": 1000 * statistics.median(times), "cache_bytes": before}
+    if args.peak_memory:
+        row["prefill_peak_mib"] = peak_prefill_rss(kind, length, args)
+    print(f"  {kind:<6} context {length:>6}: {row['ms_per_token']:.2f} ms/token, "
+          f"cache {before / 2**20:.2f} MiB, prefill {prefill_s:.1f} s", flush=True)
+    return row
+
+
 def main(argv: list[str]) -> int:
     (args,) = HfArgumentParser(DecodeBenchmarkArguments).parse_args_into_dataclasses(argv)
-    apply_layout(args)
+    check_args(args)
     if args.child:
         run_child(args)
         return 0
     print(f"{machine()}; {args.num_hidden_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads")
-    rows = []
+    rows, generated = [], []
     for kind in args.models:
         model = build(kind, args)
-        for length in args.contexts:
-            cache = new_cache(model)
-            start = time.perf_counter()
-            logits = prefill(model, cache, length, args.prefill_chunk)
-            prefill_s = time.perf_counter() - start
-            decode_times(model, cache, logits, args.warmup_tokens)
-            before = cache_bytes(cache)
-            times = decode_times(model, cache, logits, args.new_tokens)
-            row = {"model": kind, "context": length, "prefill_s": prefill_s,
-                   "ms_per_token": 1000 * statistics.median(times), "cache_bytes": before}
-            if args.peak_memory:
-                row["prefill_peak_mib"] = peak_prefill_rss(kind, length, args)
-            rows.append(row)
-            print(f"  {kind:<6} context {length:>6}: {row['ms_per_token']:.2f} ms/token, "
-                  f"cache {before / 2**20:.2f} MiB, prefill {prefill_s:.1f} s", flush=True)
+        rows += [scaling_row(kind, model, length, args) for length in args.contexts]
+        if args.batch_size:
+            generated += generate_rows(kind, model, args)
     report(rows, args)
+    if generated:
+        report_generate(generated, args)
     return 0
+
+
+def speed_vs_llama(rows: list[dict], time_key: str, match: tuple[str, ...]) -> None:
+    """Set each non-Llama row's `vs_llama`: Llama's `time_key` over the row's, Llama's row matching it in the
+    `match` keys (absent without such a row)."""
+    llama = {tuple(r[k] for k in match): r[time_key] for r in rows if r["model"] == "llama"}
+    for r in rows:
+        key = tuple(r[k] for k in match)
+        if r["model"] != "llama" and key in llama:
+            r["vs_llama"] = llama[key] / r[time_key]
 
 
 def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
@@ -144,7 +294,8 @@ def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
     for r in rows:
         r["latency_ratio"] = r["ms_per_token"] / first[r["model"]]
         r["cache_mib"] = r["cache_bytes"] / 2**20
-    columns = {"model": "model", "context": "context", "ms_per_token": "ms/token",
+    speed_vs_llama(rows, "ms_per_token", ("context",))
+    columns = {"model": "model", "context": "context", "ms_per_token": "ms/token", "vs_llama": "× Llama",
                "latency_ratio": f"÷ at {args.contexts[0]}", "cache_mib": "cache MiB", "cache_bytes": "cache bytes",
                "prefill_s": "prefill s"}
     if args.peak_memory:
@@ -153,6 +304,39 @@ def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
     plot = log_log_plot(rows, "context", "context tokens",
                         [("ms_per_token", "ms per decoded token"), ("cache_mib", "cache MiB")])
     write_report(rows, columns, args.output_dir, "decode", plot, meta={"args": asdict(args)})
+
+
+def report_generate(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
+    """The generate() table: tokens/s, "× Llama" against Llama's same variant (eager vs eager, compiled vs
+    compiled), "× eager" against the same model's eager run; a bar chart of tokens/s."""
+    rows.sort(key=lambda r: (r["context"], r["batch"], r["model"]))
+    speed_vs_llama(rows, "ms_per_step", ("context", "batch", "variant"))
+    eager = {(r["model"], r["context"], r["batch"]): r["ms_per_step"] for r in rows if r["variant"] == "eager"}
+    for r in rows:
+        r["vs_eager"] = eager[r["model"], r["context"], r["batch"]] / r["ms_per_step"]
+    columns = {"model": "model", "variant": "variant", "batch": "batch", "context": "context",
+               "ms_per_step": "ms/step", "tokens_per_s": "tokens/s", "vs_llama": "× Llama", "vs_eager": "× eager"}
+    if args.compile:
+        columns.update(graphs="graphs compiled", graphs_while_timed="recompiles while timed")
+
+    def plot(plt):
+        groups = list(dict.fromkeys((r["context"], r["batch"]) for r in rows))
+        bars = list(dict.fromkeys((r["model"], r["variant"]) for r in rows))
+        width = 0.8 / len(bars)
+        fig, ax = plt.subplots(figsize=(min(12, max(6, 0.4 * len(groups) * len(bars))), 4))
+        for i, (model, variant) in enumerate(bars):
+            speed = {(r["context"], r["batch"]): r["tokens_per_s"] for r in rows
+                     if (r["model"], r["variant"]) == (model, variant)}
+            ax.bar([g + i * width for g in range(len(groups))], [speed.get(g, 0) for g in groups], width,
+                   label=f"{model} {variant}")
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
+                      [f"context {c:,}\nbatch {b}" for c, b in groups])
+        ax.set(ylabel="generated tokens/s", yscale="log")
+        ax.legend()
+        fig.tight_layout()
+        return fig
+
+    write_report(rows, columns, args.output_dir, "decode_generate", plot, meta={"args": asdict(args)})
 
 
 if __name__ == "__main__":

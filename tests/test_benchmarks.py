@@ -21,6 +21,34 @@ def test_decode_benchmark_runs_and_reports_constant_cache(tmp_path):
     assert "| linear | 80 |" in result.stdout
 
 
+def test_decode_benchmark_compiles_and_batches_generate(tmp_path):
+    """--compile with dynamo's aot_eager backend (the graph capture without inductor's C++ build, which
+    tests/test_compile.py runs once): every variant decodes the eager tokens, the warm-up compiles and the timed
+    run does not recompile; a left-padded batch of mixed lengths runs next to batch 1."""
+    result = run_script("bench_decode.py", "--contexts", "24", "--new_tokens", "3", "--warmup_tokens", "2",
+                        "--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
+                        "--num_hidden_layers", "1", "--vocab_size", "64", "--window_size", "4", "--num_sink_tokens",
+                        "1", "--feature_map", "hedgehog", "--feature_dim", "8", "--compile", "--compile_backend",
+                        "aot_eager", "--batch_size", "1", "3", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "decode_generate.json").read_text())["rows"]
+    assert {(r["model"], r["variant"], r["batch"]) for r in rows} == {
+        (model, variant, batch) for batch in (1, 3) for model, variant in
+        [("linear", "eager"), ("linear", "compiled"), ("llama", "eager"), ("llama", "static"), ("llama", "compiled")]}
+    assert all(r["tokens_per_s"] > 0 and r["context"] == 24 for r in rows)
+    assert all("vs_llama" in r for r in rows if r["model"] == "linear")
+    compiled = [r for r in rows if r["variant"] == "compiled"]
+    assert all(r["graphs"] >= 1 and r["graphs_while_timed"] == 0 for r in compiled)
+    assert result.stdout.count("same greedy tokens as eager") == 6
+    assert (tmp_path / "decode.json").exists()  # the batch-1 eager scaling table is written too
+
+
+def test_decode_benchmark_refuses_bad_arguments_before_running(tmp_path):
+    result = run_script("bench_decode.py", "--batch_size", "0", "--output_dir", str(tmp_path))
+    assert result.returncode != 0 and "--batch_size must be positive" in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_op_benchmark_runs_and_computes_speedups(tmp_path):
     result = run_script("bench_ops.py", "--lengths", "70", "130", "--decays", "none", "vector", "--heads", "2",
                         "--head_dim", "8", "--repeats", "1", "--output_dir", str(tmp_path))
