@@ -80,6 +80,8 @@ bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/bench_ops.py
 	$(PY) benchmarks/bench_decode.py --contexts 256 1024 4096 16384 65536 --peak_memory
+	$(PY) benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --compile \
+		--output_dir outputs/bench_decode_smollm2
 	$(PY) benchmarks/bench_decode.py --models linear --contexts 1024 1048576 --prefill_chunk 8192 \
 		--hidden_size 64 --num_attention_heads 2 --intermediate_size 128 --num_hidden_layers 2 \
 		--vocab_size 256 --peak_memory --output_dir outputs/bench_prefill_1m
