@@ -15,6 +15,8 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
   expensive part;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
   (`training.measure`).
+With `sparse_cache_sizes`, every model (each a window hybrid) is measured again with a sparse exact memory of
+each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M".
 It returns the rows (`Evaluation`); `write_evaluation` writes them as tables (Markdown, JSON, plots of
 perplexity and cache bytes against context) and, with `update_model_cards`, into every linear-attention
 checkpoint evaluated (`evaluation.json`) with a model card (`README.md`) that shows them.
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
@@ -76,6 +78,9 @@ class EvaluateArguments:
     passkey_variants: list[str] = field(default_factory=lambda: list(VARIANTS),
                                         metadata={"help": "single (one key) and/or multi (keyed doors)."})
     passkey_keys: int = field(default=4, metadata={"help": "Doors of the multi-key variant."})
+    sparse_cache_sizes: list[int] = field(default_factory=list, metadata={
+        "help": "Also measure every window-hybrid model with a sparse exact memory of each size (training-free; "
+                "labelled 'LABEL + memory M')."})
     passkey_models: list[str] | None = field(default=None, metadata={
         "help": "Labels that get the passkey trials (teacher, SWA(W)+S sinks, model labels); default: all."})
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
@@ -97,7 +102,7 @@ class Evaluation:
     passkey: list[dict[str, Any]]  # per model, length, haystack and variant: trials, accuracy
     decode: list[dict[str, Any]]  # per model and context: cache_bytes, ms_per_token
     models: dict[str, str]  # label -> path of the models given
-    linear: list[str]  # the labels of the linear-attention checkpoints among them
+    linear: list[str]  # the labels of the linear-attention checkpoints among them (not their memory variants)
     eval_rows: int  # short held-out rows scored
 
 
@@ -116,6 +121,25 @@ def parse_models(entries: list[str]) -> dict[str, str]:
 
 def baseline_label(args: EvaluateArguments) -> str:
     return f"SWA({args.baseline_window})+{args.baseline_sinks} sinks"
+
+
+def memory_label(label: str, size: int) -> str:
+    """The label of model `label` measured with a sparse exact memory of `size` tokens."""
+    return f"{label} + memory {size}"
+
+
+def check_memory_models(models: dict[str, str], sizes: list[int]) -> None:
+    """ValueError unless every size is ≥ 1 and every model is a window hybrid, so that `sparse_cache_size`
+    applies (read from each checkpoint's config, before any model is loaded)."""
+    if not sizes:
+        return
+    if any(size < 1 for size in sizes) or len(set(sizes)) < len(sizes):
+        raise ValueError(f"sparse_cache_sizes must be distinct sizes ≥ 1, got {sizes}")
+    for label, path in models.items():
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "window_size", 0) < 1:
+            raise ValueError(f"sparse_cache_sizes: model {label!r} ({path}) is no window hybrid (window_size > 0), "
+                             "so it has no sparse memory to switch on; drop the sizes or the model")
 
 
 def packed_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,8 +205,10 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     long texts in `args.long_context_data`: the message names the prepare command) before loading any model."""
     models = parse_models(args.models)
     labels = [*(["teacher"] if args.teacher else []),
-              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models]
+              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
+              *(memory_label(label, size) for label in models for size in args.sparse_cache_sizes)]
     check_arguments(args, labels)
+    check_memory_models(models, args.sparse_cache_sizes)
     passkey_settings = [(length, haystack, variant) for length in args.passkey_lengths
                         for haystack in args.passkey_haystacks for variant in args.passkey_variants
                         ] if args.passkey_trials else []
@@ -213,7 +239,10 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     candidates: list[tuple[str, Callable[[], PreTrainedModel]]] = []
     if args.teacher:
         candidates.append(("teacher", lambda: load_teacher(args.teacher, **load_kwargs)))
-    candidates += [(label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)) for label, path in models.items()]
+    for label, path in models.items():
+        candidates.append((label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)))
+        candidates += [(memory_label(label, size), lambda p=path, m=size: AutoModelForCausalLM.from_pretrained(
+            p, sparse_cache_size=m)) for size in args.sparse_cache_sizes]
 
     start = time.perf_counter()
     progress = lambda line: log(f"  [{time.perf_counter() - start:5.0f} s] {line}")  # noqa: E731
@@ -223,8 +252,8 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         measured: list[tuple[str, Any]] = [(label, model)]
         if label == "teacher" and args.baseline_window > 0:
             measured.append((baseline_label(args), lc.WindowBaseline(model, args.baseline_window, args.baseline_sinks)))
-        if isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
-            linear_labels.append(label)
+        if label in models and isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
+            linear_labels.append(label)  # a checkpoint: it gets the record and model card
         for name, candidate in measured:
             quality.append({"model": name, "perplexity": perplexity(candidate, rows, args.eval_batch_size)})
             progress(f"{name}: short perplexity {quality[-1]['perplexity']:.2f}")

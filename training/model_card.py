@@ -17,8 +17,8 @@ the source model (read locally or from the Hub).
 Writing a card runs no model: it renders what the runs recorded. The memory table is measured, not
 estimated, by `training.measure.cache_memory` (a model with this checkpoint's attention layout and tiny
 embeddings and MLPs runs at two short contexts; every cache part is constant or linear in the tokens, so
-longer contexts follow from those two, as its tests check against real prefills) when `write_training_summary` or the evaluation
-records a run; a checkpoint with neither record gets no table.
+longer contexts follow from those two, as its tests check against real prefills) when
+`write_training_summary` or the evaluation records a run; a checkpoint with neither record gets no table.
 """
 
 from __future__ import annotations
