@@ -217,14 +217,15 @@ def test_each_linear_checkpoint_gets_the_numbers_in_its_model_card(evaluated):
 
 def test_a_sparse_memory_variant_is_measured_as_the_model_with_sparse_cache_size_set(evaluated, tmp_path):
     root, _, _, documents = evaluated
-    argv = ["--models", f"narrow={root / 'narrow'}", "--sparse_cache_sizes", "3", "--block_size", str(BLOCK),
+    argv = ["--models", f"narrow={root / 'narrow'}", f"wide={root / 'wide'}", "--sparse_cache_sizes", "3",
+            "--memory_models", "narrow", "--block_size", str(BLOCK),
             "--max_eval_rows", "2", "--long_context_data", str(root / "texts"), "--document_tokens", "512",
             "--documents_per_source", "2", "--long_contexts", "64", "--long_scored_tokens", str(SCORED),
             "--passkey_lengths", "400", "--passkey_trials", "0", "--decode_contexts", "40", "--decode_tokens", "1",
             "--update_model_cards", "false", "--output_dir", str(tmp_path / "out")]
     assert evaluate.main(argv) == 0
     long_rows = {r["model"]: r for r in json.loads((tmp_path / "out" / "evaluation.json").read_text())["long_context"]}
-    assert sorted(long_rows) == ["narrow", "narrow + memory 3"]
+    assert sorted(long_rows) == ["narrow", "narrow + memory 3", "wide"]
     windows = lc.perplexity_windows(documents, 64, SCORED)
     with_memory = AutoModelForCausalLM.from_pretrained(root / "narrow", sparse_cache_size=3).eval()
     assert long_rows["narrow + memory 3"]["perplexity"] == pytest.approx(
@@ -263,6 +264,7 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
     (["--long_contexts", "1"], "long_contexts must be"),
     (["--models", "teacher=x"], "labels must differ"),
     (["--models", "m=x", "--sparse_cache_sizes", "0"], "sparse_cache_sizes must be distinct sizes ≥ 1"),
+    (["--models", "m=x", "--sparse_cache_sizes", "4", "--memory_models", "n"], r"memory_models \['n'\] are not"),
 ])
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra, message):
     write_long_texts(tmp_path / "texts")

@@ -39,7 +39,7 @@ from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from training.convert import restore_ranked_layers
 from training.data import DataArguments
 from training.distill import DistillArguments, distill
-from training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
+from training.evaluation import EvaluateArguments, evaluate_models, memory_label, write_evaluation
 from training.finetune import ModelArguments
 from training.finetune import run as finetune
 from training.hub import HubArguments
@@ -78,6 +78,9 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     passkey_haystacks: list[str] = field(default_factory=lambda: ["natural"])
     passkey_variants: list[str] = field(default_factory=lambda: ["single"])
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
+    memory_sizes: list[int] = field(default_factory=list, metadata={
+        "help": "Also evaluate the final model with a sparse exact memory of each size (training-free: its config's "
+                "sparse_cache_size switched on), passkey included."})
     prompt: str = "The hacker's favourite programming language is"
 
 
@@ -175,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         long_contexts=args.long_contexts, long_scored_tokens=args.long_scored_tokens,
         passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
         passkey_haystacks=args.passkey_haystacks, passkey_variants=args.passkey_variants,
-        passkey_models=["teacher", final_label],  # retrieval is the slow part: the teacher and the final model
+        sparse_cache_sizes=args.memory_sizes, memory_models=[final_label],
+        # Retrieval is the slow part: the teacher and the final model (with each memory size).
+        passkey_models=["teacher", final_label, *(memory_label(final_label, m) for m in args.memory_sizes)],
         decode_contexts=args.decode_contexts, output_dir=str(out / "evaluation"),
     )
     evaluate_data = DataArguments(block_size=args.eval_block_size)

@@ -15,8 +15,8 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
   expensive part;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
   (`training.measure`).
-With `sparse_cache_sizes`, every model (each a window hybrid) is measured again with a sparse exact memory of
-each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M".
+With `sparse_cache_sizes`, the models of `memory_models` (default all; window hybrids) are measured again with a
+sparse exact memory of each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M".
 It returns the rows (`Evaluation`); `write_evaluation` writes them as tables (Markdown, JSON, plots of
 perplexity and cache bytes against context) and, with `update_model_cards`, into every linear-attention
 checkpoint evaluated (`evaluation.json`) with a model card (`README.md`) that shows them.
@@ -79,8 +79,10 @@ class EvaluateArguments:
                                         metadata={"help": "single (one key) and/or multi (keyed doors)."})
     passkey_keys: int = field(default=4, metadata={"help": "Doors of the multi-key variant."})
     sparse_cache_sizes: list[int] = field(default_factory=list, metadata={
-        "help": "Also measure every window-hybrid model with a sparse exact memory of each size (training-free; "
+        "help": "Also measure the models of memory_models with a sparse exact memory of each size (training-free; "
                 "labelled 'LABEL + memory M')."})
+    memory_models: list[str] | None = field(default=None, metadata={
+        "help": "Labels of the models (window hybrids) measured with each of sparse_cache_sizes; default: all."})
     passkey_models: list[str] | None = field(default=None, metadata={
         "help": "Labels that get the passkey trials (teacher, SWA(W)+S sinks, model labels); default: all."})
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
@@ -204,11 +206,16 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     docstring), printing progress through `log`. Raises ValueError (bad arguments) or FileNotFoundError (no
     long texts in `args.long_context_data`: the message names the prepare command) before loading any model."""
     models = parse_models(args.models)
+    with_memory = {label: models[label] for label in (models if args.memory_models is None else args.memory_models)
+                   if label in models}
     labels = [*(["teacher"] if args.teacher else []),
               *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
-              *(memory_label(label, size) for label in models for size in args.sparse_cache_sizes)]
+              *(memory_label(label, size) for label in with_memory for size in args.sparse_cache_sizes)]
     check_arguments(args, labels)
-    check_memory_models(models, args.sparse_cache_sizes)
+    unknown = sorted(set(args.memory_models or []) - set(models))
+    if unknown:
+        raise ValueError(f"memory_models {unknown} are not among --models {list(models)}")
+    check_memory_models(with_memory, args.sparse_cache_sizes)
     passkey_settings = [(length, haystack, variant) for length in args.passkey_lengths
                         for haystack in args.passkey_haystacks for variant in args.passkey_variants
                         ] if args.passkey_trials else []
@@ -242,7 +249,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     for label, path in models.items():
         candidates.append((label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)))
         candidates += [(memory_label(label, size), lambda p=path, m=size: AutoModelForCausalLM.from_pretrained(
-            p, sparse_cache_size=m)) for size in args.sparse_cache_sizes]
+            p, sparse_cache_size=m)) for size in args.sparse_cache_sizes if label in with_memory]
 
     start = time.perf_counter()
     progress = lambda line: log(f"  [{time.perf_counter() - start:5.0f} s] {line}")  # noqa: E731
