@@ -15,6 +15,7 @@ see the same keys. The repository's docs/design.md derives the rule.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -623,25 +624,29 @@ def causal_softmax_attention(
     attention_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal softmax attention: q [B, H, T, D] against k, v [B, H, past + T, D] -> [B, H, T, D].
+    """Causal softmax attention: q [B, H, T, D] against k, v [B, H_kv, past + T, D] -> [B, H, T, D].
 
+    H is a multiple of H_kv (grouped-query attention: SDPA shares each key/value head without copying it).
     attention_mask: None or bool [B, past + T] (True = real key). cu_seqlens: None or [N + 1] boundaries of
     packed documents (no past): attention stays inside each document.
     """
     t, total = q.shape[2], k.shape[2]
+    sdpa = functools.partial(F.scaled_dot_product_attention, enable_gqa=q.shape[1] != k.shape[1])
     if cu_seqlens is not None:
         document = torch.bucketize(torch.arange(t, device=q.device), cu_seqlens[1:], right=True)  # [T]
         allowed = (document[:, None] == document[None, :]).tril()  # block-diagonal causal [T, T]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return sdpa(q, k, v, attn_mask=allowed)
     if attention_mask is None and total == t:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sdpa(q, k, v, is_causal=True)
+    if attention_mask is None and t == 1:  # one decode step sees every cached key: no mask to build
+        return sdpa(q, k, v)
     query_pos = torch.arange(total - t, total, device=q.device)[:, None]
     allowed = torch.arange(total, device=q.device) <= query_pos  # [T, past + T], causal
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, None, :]  # [B, 1, T, past + T]
         # A pad query may have no real key to its left; let it see itself so softmax stays finite.
         allowed = allowed | (torch.arange(total, device=q.device) == query_pos)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    return sdpa(q, k, v, attn_mask=allowed)
 
 
 class SoftmaxAttention(AttentionProjections):
@@ -665,8 +670,7 @@ class SoftmaxAttention(AttentionProjections):
         q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, ·, T, D]
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)  # [B, H_kv, past + T, D]
-        o = causal_softmax_attention(q, self.repeat_kv(k, dim=1), self.repeat_kv(v, dim=1), attention_mask,
-                                     cu_seqlens)
+        o = causal_softmax_attention(q, k, v, attention_mask, cu_seqlens)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 

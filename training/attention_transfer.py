@@ -99,8 +99,7 @@ class AttentionTransfer:
         with torch.no_grad():
             q, k, v = layer.project(inputs["hidden_states"], inputs["position_embeddings"])
             teacher = causal_softmax_attention(
-                q.transpose(1, 2), layer.repeat_kv(k).transpose(1, 2), layer.repeat_kv(v).transpose(1, 2),
-                mask, inputs["cu_seqlens"],
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, inputs["cu_seqlens"]
             ).transpose(1, 2)
         self._teachers[index] = (teacher, mask)
 
