@@ -13,11 +13,13 @@ Per layer it holds what the next token needs and nothing that grows with the con
   one model state; after the feature maps change, start a new cache), and a bool mask `[B, R]` of which
   slots hold real keys;
 - window-hybrid layers with a sparse memory (`sparse_cache_size` = m > 0, `ops_sparse_memory`): `state` is
-  then the *all-folded* state (every key that has left the window, memory tokens included: what scores the
-  next leaving token), plus m slots per KV head: keys and values `[B, H_kv, m, D]` in the model dtype, key
-  features `[B, H, m, F]`, recall errors (fp32) and positions (long) `[B, H_kv, m]`, the log decay each slot
-  has accumulated since its token left the window (fp32 `[B, H, m, 1 | F]`, absent without decay) and a bool
-  mask `[B, H_kv, m]`;
+  then the actual linear state (the keys folded at past block ends, decayed to the last position), the ring
+  holds w = window_size + R positions (R = `MEMORY_BLOCK_SIZE`: the tokens that left the window during the
+  current block stay raw until it ends) with their log decays (fp32 `window_log_decay` `[B, S + w, H, 1 | F]`,
+  absent without decay), plus m slots per KV head: keys and values `[B, H_kv, m, D]` in the model dtype, key
+  features `[B, H, m, F]`, recall errors (fp32) and absolute positions (long) `[B, H_kv, m]`, the log decay each
+  slot has accumulated since its token left the window (fp32 `[B, H, m, 1 | F]`, absent without decay) and a
+  bool mask `[B, H_kv, m]`;
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
   `DynamicLayer`), the only part whose size depends on the context.
 
@@ -65,6 +67,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.window_values: torch.Tensor | None = None
         self.window_key_features: torch.Tensor | None = None
         self.window_mask: torch.Tensor | None = None
+        self.window_log_decay: torch.Tensor | None = None
         self.conv_inputs: torch.Tensor | None = None
         self.memory_keys: torch.Tensor | None = None
         self.memory_values: torch.Tensor | None = None
@@ -79,7 +82,8 @@ class LinearStateLayer(CacheLayerMixin):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors this layer holds, by attribute name (only those that exist yet; not the position counter)."""
-        names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "conv_inputs",
+        names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "window_log_decay",
+                 "conv_inputs",
                  *MEMORY_FIELDS.values())
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
@@ -129,6 +133,13 @@ class LinearStateLayer(CacheLayerMixin):
         return tuple(ordered(x) for x in (self.window_keys, self.window_values, self.window_key_features,
                                           self.window_mask))
 
+    def retained_log_decay(self, window_size: int) -> torch.Tensor:
+        """The retained slots' log decays `[B, R, H, 1 | F]` (fp32, 0 at the sink slots) in the order of
+        `retained_window` (sparse memory only: they decay the folds of the tokens that left during a block)."""
+        sinks = self.window_log_decay.shape[1] - window_size
+        shift = -(self.get_seq_length() % window_size)
+        return torch.cat([self.window_log_decay[:, :sinks], self.window_log_decay[:, sinks:].roll(shift, dims=1)], 1)
+
     def store_window(
         self,
         keys: torch.Tensor,
@@ -137,18 +148,22 @@ class LinearStateLayer(CacheLayerMixin):
         mask: torch.Tensor,
         window_size: int,
         num_sink_tokens: int,
+        log_decay: torch.Tensor | None = None,
     ) -> None:
         """Keep, of keys/values `[B, L, H_kv, D]`, key features `[B, L, H, F]` and mask `[B, L]` (the retained
         tokens in sequence order, if any, followed by the new ones), the sinks (first `num_sink_tokens` real
         tokens) in the sink slots and the last `window_size` positions (pads included, as masked slots: the
         window counts positions, so a decode step sees a hole where the full forward does) in the ring, whose
         slot S + q mod w holds position q. A sink is kept in its sink slot only (its ring slot is masked).
-        Everything else has been folded into the state by the caller. Call after `advance`."""
+        Everything else has been folded into the state by the caller. With log_decay (`[B, L, H]` or `[B, L, H, F]`,
+        sparse memory only) the ring also keeps each position's log decay. Call after `advance`."""
         batch, length = mask.shape
         sinks, window = num_sink_tokens, window_size
         rank = mask.long().cumsum(-1) - 1
         is_sink = mask & (rank < sinks)
         ring = (keys, values, key_features, mask & ~is_sink)
+        if log_decay is not None:
+            ring = (*ring, (log_decay if log_decay.dim() == 4 else log_decay[..., None]).float())
         if length < window:  # fewer positions than the window: empty (masked) slots stand for those before
             ring = tuple(torch.cat([x.new_zeros(batch, window - length, *x.shape[2:]), x], dim=1) for x in ring)
         shift = self.get_seq_length() % window  # the last w positions end at p − 1 (p = positions seen now)
@@ -163,19 +178,24 @@ class LinearStateLayer(CacheLayerMixin):
             sink_slots.append(torch.where(found.view(shape), picked, 0.0))
         sink_slots.append(key_features.new_zeros(batch, sinks, *key_features.shape[2:]))  # a sink never folds
         names = ("window_keys", "window_values", "window_key_features", "window_mask")
-        for name, sink_part, ring_part in zip(names, (*sink_slots, found), ring, strict=True):
+        sink_slots.append(found)
+        if log_decay is not None:
+            names = (*names, "window_log_decay")
+            sink_slots.append(ring[-1].new_zeros(batch, sinks, *ring[-1].shape[2:]))
+        for name, sink_part, ring_part in zip(names, sink_slots, ring, strict=True):
             self.write(name, torch.cat([sink_part, ring_part], dim=1))
 
     def push_window_token(
         self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, real: torch.Tensor,
-        window_size: int, num_sink_tokens: int,
+        window_size: int, num_sink_tokens: int, log_decay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
         `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`) replaces position p − w in ring slot
         S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
         masked). Returns what the slot held before, the token leaving the window: keys `[B, 1, H_kv, D]`, key
         features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`, mask `[B, 1]` (real and not a sink: it folds into the
-        state). Call before `advance`."""
+        state). With log_decay (`[B, 1, H]` or `[B, 1, H, F]`, sparse memory only) its slot's log decay is written too.
+        Call before `advance`."""
         sinks = num_sink_tokens
         slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
         leaving = (self.window_keys.index_select(1, slot), self.window_key_features.index_select(1, slot),
@@ -192,53 +212,24 @@ class LinearStateLayer(CacheLayerMixin):
         self.window_values.index_copy_(1, slot, values)
         self.window_key_features.index_copy_(1, slot, key_features)
         self.window_mask.index_copy_(1, slot, real & ~sink if sinks else real)
+        if log_decay is not None:
+            self.window_log_decay.index_copy_(1, slot, log_decay.view(self.window_log_decay[:, :1].shape).float())
         return leaving
 
-    def sparse_memory(self, offset: torch.Tensor | int) -> SparseMemory | None:
-        """The memory slots (None before the first write), positions shifted by −offset into a call's index space."""
+    def sparse_memory(self) -> SparseMemory | None:
+        """The memory slots (None before the first write; positions absolute)."""
         if self.memory_mask is None:
             return None
-        memory = SparseMemory(**{field: getattr(self, name) for field, name in MEMORY_FIELDS.items()})
-        return memory._replace(positions=memory.positions - offset)
+        return SparseMemory(**{field: getattr(self, name) for field, name in MEMORY_FIELDS.items()})
 
-    def store_memory(self, memory: SparseMemory, offset: torch.Tensor | int) -> None:
-        """Keep `memory` (a call's result, positions in its index space: shifted by +offset into positions)."""
-        memory = memory._replace(positions=memory.positions + offset)
+    def store_memory(self, memory: SparseMemory, where: torch.Tensor | None = None) -> None:
+        """Keep `memory` (in place after the first write); with `where` (a bool 0-d tensor, the decode step's
+        block end) only if it holds, without a host sync."""
         for field, name in MEMORY_FIELDS.items():
-            if getattr(memory, field) is not None:
-                self.write(name, getattr(memory, field))
-
-    def push_memory_token(
-        self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, score: torch.Tensor,
-        position: torch.Tensor, real: torch.Tensor, log_decay: torch.Tensor | None,
-    ) -> None:
-        """One decode step of the memory, in place and fixed-shape. Every slot's accumulated log decay takes this
-        step's (log_decay None or `[B, H, 1 | F]`); then the token leaving the window (keys/values `[B, 1, H_kv, D]`,
-        key features `[B, 1, H, F]`, recall error score `[B, H_kv]`, its position (0-d), real `[B, 1]`: real and not
-        a sink) takes, per KV head, an empty slot or the slot of the lowest error (ties: the latest position) if
-        its own error is higher (a tie keeps the earlier token), starting with log decay 0."""
-        if log_decay is not None:
-            self.memory_log_decay.add_(log_decay[:, :, None, :])
-        held = torch.where(self.memory_mask, self.memory_scores, -torch.inf)  # [B, H_kv, m]
-        lowest = held == held.amin(-1, keepdim=True)
-        worst = torch.where(lowest, self.memory_positions, -1).argmax(-1, keepdim=True)  # [B, H_kv, 1]
-        enters = real[:, :, None] & (score[..., None] > held.gather(-1, worst))  # [B, H_kv, 1]
-        hit = enters & (torch.arange(held.shape[-1], device=held.device) == worst)  # [B, H_kv, m]
-        groups = self.memory_key_features.shape[1] // hit.shape[1]
-        hit_wide = hit.repeat_interleave(groups, dim=1)[..., None]  # [B, H, m, 1]
-        new = {
-            "memory_keys": (hit[..., None], keys.transpose(1, 2)),
-            "memory_values": (hit[..., None], values.transpose(1, 2)),
-            "memory_key_features": (hit_wide, key_features.transpose(1, 2)),
-            "memory_scores": (hit, score[..., None].to(self.memory_scores.dtype)),
-            "memory_positions": (hit, position),
-            "memory_mask": (hit, True),
-            "memory_log_decay": (hit_wide, 0.0),
-        }
-        for name, (where, value) in new.items():
-            buffer = getattr(self, name)
-            if buffer is not None:
-                buffer.copy_(torch.where(where, value, buffer))
+            value = getattr(memory, field)
+            if value is not None:
+                current = getattr(self, name)
+                self.write(name, value if where is None else torch.where(where, value.to(current.dtype), current))
 
     def get_seq_length(self) -> int:
         return 0 if self.seen is None else int(self.seen)
@@ -254,6 +245,7 @@ class LinearStateLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state = self.window_keys = self.window_values = self.window_key_features = self.window_mask = None
+        self.window_log_decay = None
         self.conv_inputs = self.seen = None
         for name in MEMORY_FIELDS.values():
             setattr(self, name, None)

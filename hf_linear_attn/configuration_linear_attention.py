@@ -126,9 +126,10 @@ class AttentionOptions:
     num_sink_tokens: int = _option(0, "First tokens always attended with softmax (window hybrid only).")
     sparse_cache_size: int = _option(
         0, "Window hybrid only: 0 disables; otherwise m exact key/value pairs per KV head that have left the window "
-        "stay under softmax (a training-free sparse memory, LoLA-style): those the linear state recalls worst "
-        "(their value against the all-folded state's read-out), the rest stays in the linear part. The cache "
-        "grows by m slots per layer and KV head, constant in the context length. Setting it on a loaded "
+        "stay under softmax (a training-free sparse memory, LoLA's re-scoring): those the current linear state "
+        "recalls worst, re-chosen every MEMORY_BLOCK_SIZE = 64 positions; the rest is folded into the linear "
+        "part. The cache grows by m slots and 64 window positions per layer and KV head, constant in the "
+        "context. Setting it on a loaded "
         "model's config takes effect at the next forward (with a new cache).")
     softmax_layers: list[int] = _option([], "Indices of the layers that keep full softmax attention.")
     linear_attention_backend: str = _option(

@@ -45,7 +45,7 @@ from .ops_delta_rule import delta_rule_attention
 from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
 from .ops_delta_rule_triton import triton_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
-from .ops_sparse_memory import recall_error, sparse_window_attention
+from .ops_sparse_memory import MEMORY_BLOCK_SIZE, block_end, sparse_window_attention
 from .ops_triton import HAS_TRITON  # noqa: F401
 
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
@@ -449,11 +449,15 @@ class LinearAttention(AttentionProjections):
         positions get log decay 0: their steps have already decayed that state. Afterwards the cache keeps the
         new sinks/window and the state of everything older, so memory stays constant.
 
-        With `sparse_cache_size` = m > 0 the hybrid runs with its sparse exact memory (`sparse_window_attention`):
-        the cache's state is then the all-folded one and its m memory slots per KV head carry on.
+        With `sparse_cache_size` = m > 0 the hybrid runs with its sparse exact memory (`sparse_window_attention`,
+        blocks of MEMORY_BLOCK_SIZE absolute positions): the cache's ring then holds window_size + R positions with
+        their log decays (passed in front as they are: they decay the folds at the block end), and its m memory
+        slots per KV head carry on.
         """
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
+        sparse = self.config.sparse_cache_size > 0
+        ring = window + MEMORY_BLOCK_SIZE if sparse else window  # the raw positions a cache keeps
         masked = new_mask is not None  # else no mask reaches the op: "auto" then may pick the Triton kernels
         if new_mask is None:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
@@ -465,11 +469,15 @@ class LinearAttention(AttentionProjections):
         state = None
         if cache_layer is not None and cache_layer.state is not None:
             # The retained tokens run in front of the new ones; their features were computed when they came in.
-            retained_k, retained_v, retained_feat, retained_mask = cache_layer.retained_window(window)
+            retained_k, retained_v, retained_feat, retained_mask = cache_layer.retained_window(ring)
             k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
             k_feat = torch.cat([retained_feat, k_feat], dim=1)
             if log_decay is not None:
-                retained = log_decay.new_zeros(b, retained_mask.shape[1], *log_decay.shape[2:])
+                if sparse:
+                    retained = cache_layer.retained_log_decay(ring).to(log_decay.dtype)
+                    retained = retained if log_decay.dim() == 4 else retained[..., 0]
+                else:  # their steps have already decayed the state
+                    retained = log_decay.new_zeros(b, retained_mask.shape[1], *log_decay.shape[2:])
                 log_decay = torch.cat([retained, log_decay], dim=1)
             new_mask = torch.cat([retained_mask, new_mask], dim=1)
             masked = True  # the retained slots may hold pads
@@ -484,22 +492,23 @@ class LinearAttention(AttentionProjections):
             output_final_state=cache_layer is not None,
             backend=self.config.linear_attention_backend,
         )
-        if self.config.sparse_cache_size == 0:
+        if not sparse:
             o, state = window_attention(q, self.repeat_kv(k), self.repeat_kv(v), q_feat, k_feat, self.window_gate,
                                         **options)
         else:
-            # Memory positions live in the op's index space: input index i is position i + offset (the retained
-            # ring ends at the positions seen so far; sink slots lie in front of every token that can leave).
-            offset = 0 if cache_layer is None or cache_layer.seen is None else cache_layer.seen - (k.shape[1] - t)
-            memory = None if cache_layer is None else cache_layer.sparse_memory(offset)
+            # Input index i is absolute position i + start (the retained ring ends at the positions seen so far).
+            start = 0 if state is None else cache_layer.get_seq_length() - (k.shape[1] - t)
+            memory = None if cache_layer is None else cache_layer.sparse_memory()
+            del options["backend"]  # the blocked op reads the state directly: no linear-attention backend
             o, state, memory = sparse_window_attention(q, k, v, q_feat, k_feat, self.window_gate, memory=memory,
-                                                       memory_size=self.config.sparse_cache_size, **options)
+                                                       memory_size=self.config.sparse_cache_size,
+                                                       block_size=MEMORY_BLOCK_SIZE, start_position=start, **options)
         if cache_layer is not None:
-            if self.config.sparse_cache_size:
-                cache_layer.store_memory(memory, offset)
+            if sparse:
+                cache_layer.store_memory(memory)
             cache_layer.write("state", state)
             cache_layer.advance(t, q.device)
-            cache_layer.store_window(k, v, k_feat, new_mask, window, sinks)
+            cache_layer.store_window(k, v, k_feat, new_mask, ring, sinks, log_decay if sparse else None)
         return o
 
     def window_decode_step(
@@ -522,37 +531,43 @@ class LinearAttention(AttentionProjections):
         of the state share the normaliser. The same sums as `window_attention` over the retained keys and the
         new one (its "recurrent" form is the twin the tests hold this against).
 
-        With a sparse memory (m > 0) the leaving token is first scored against the all-folded state, then offered
-        to the memory (`push_memory_token`); the softmax row also covers the m memory slots, and their decayed
-        terms leave the linear read-out (the same sums as `sparse_window_attention`).
+        With a sparse memory (m > 0) the ring holds window_size + R positions (R = MEMORY_BLOCK_SIZE); the softmax
+        row covers the sinks, the ring slots from the block start's window on and the m memory slots, the linear
+        part reads the state; and at a block end (without a Python branch: computed at every step, kept where the
+        step ends a block) the memory and the R tokens that left during the block are re-scored (`block_end`).
         """
         b, _, heads, head_dim = q.shape
         kv_heads = self.num_kv_heads
         state = cache_layer.state  # [B, H, F, V + 1], fp32
         dtype = state.dtype
-        leaving_k, leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
-            k, v, k_feat, real, self.config.window_size, self.config.num_sink_tokens)
+        sinks, window = self.config.num_sink_tokens, self.config.window_size
         sparse = self.config.sparse_cache_size > 0
-        if sparse:  # scored against the all-folded state of the last step the token was in the window
-            error = recall_error(state, leaving_feat[:, 0], leaving_v[:, 0])
+        ring = window + MEMORY_BLOCK_SIZE if sparse else window
+        position = cache_layer.seen  # 0-d: this token's position
+        leaving_k, leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
+            k, v, k_feat, real, ring, sinks, log_decay if sparse else None)
         if log_decay is not None:
             state.mul_(log_decay[:, 0].to(dtype).exp().view(b, heads, -1, 1))
-        fold_k = leaving_feat[:, 0].to(dtype) * leaving_real.view(b, 1, 1)  # [B, H, F]
-        fold_v = F.pad(self.repeat_kv(leaving_v)[:, 0].to(dtype), (0, 1), value=1.0)  # [B, H, V + 1]
-        state.add_(fold_k[..., None] * fold_v[..., None, :])
+        mask = cache_layer.window_mask
+        if sparse:  # nothing leaves into the state until the block ends; the ring masks what left before it
+            if cache_layer.memory_log_decay is not None:
+                cache_layer.memory_log_decay.add_(log_decay[:, 0].float().view(b, heads, 1, -1))
+            slots = torch.arange(ring, device=q.device)
+            slot_positions = position - (position - slots) % ring
+            current = slot_positions >= position - position % MEMORY_BLOCK_SIZE - window
+            mask = torch.cat([mask[:, :sinks], mask[:, sinks:] & current], dim=1)
+        else:
+            fold_k = leaving_feat[:, 0].to(dtype) * leaving_real.view(b, 1, 1)  # [B, H, F]
+            fold_v = F.pad(self.repeat_kv(leaving_v)[:, 0].to(dtype), (0, 1), value=1.0)  # [B, H, V + 1]
+            state.add_(fold_k[..., None] * fold_v[..., None, :])
         # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R] (and the memory's [B, H_kv, D, m]).
         keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
-        mask = cache_layer.window_mask[:, None, None, :]
-        read = q_feat.view(b, heads, 1, -1).to(dtype)
-        linear = read @ state  # [B, H, 1, V + 1]
+        mask = mask[:, None, None, :]
+        linear = q_feat.view(b, heads, 1, -1).to(dtype) @ state  # [B, H, 1, V + 1]
         if sparse:
-            position = cache_layer.seen - self.config.window_size
-            cache_layer.push_memory_token(leaving_k, leaving_v, leaving_feat, error, position, leaving_real,
-                                          None if log_decay is None else log_decay[:, 0].view(b, heads, -1))
             keys = torch.cat([keys, cache_layer.memory_keys.transpose(-1, -2)], dim=-1)
             values = torch.cat([values, cache_layer.memory_values], dim=-2)
             mask = torch.cat([mask.expand(-1, kv_heads, -1, -1), cache_layer.memory_mask[:, :, None]], dim=-1)
-            linear = linear - self.memory_linear_terms(read, cache_layer)
         query = q.view(b, kv_heads, heads // kv_heads, head_dim).to(dtype)
         scores = query @ keys.to(dtype) * self.head_dim**-0.5
         scores = scores.masked_fill(~mask, -torch.inf)
@@ -564,19 +579,38 @@ class LinearAttention(AttentionProjections):
         linear = linear.view(b, kv_heads, -1, v.shape[-1] + 1)
         o = (numerator + linear[..., :-1]) / (denominator + linear[..., -1:])
         o = o.reshape(b, 1, heads, -1).masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
+        if sparse:
+            self.memory_block_end(cache_layer, position, ring)
         cache_layer.advance(1, q.device)
         return o.to(v.dtype)
 
-    def memory_linear_terms(self, read: torch.Tensor, cache_layer: LinearStateLayer) -> torch.Tensor:
-        """The memory tokens' terms in the all-folded linear read-out: Σ_j d_j (φ(q)·φ(k_j)) [v_j, 1] over the
-        held slots, d_j their decay since leaving the window. read φ(q) [B, H, 1, F] -> [B, H, 1, V + 1]."""
-        features = cache_layer.memory_key_features.to(read.dtype)  # [B, H, m, F]
-        if cache_layer.memory_log_decay is not None:
-            features = features * cache_layer.memory_log_decay.exp()
-        held = cache_layer.memory_mask.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B, H, m]
-        weights = (read @ features.transpose(-1, -2)) * held[:, :, None]  # [B, H, 1, m]
-        values = F.pad(self.repeat_kv(cache_layer.memory_values, dim=1).to(read.dtype), (0, 1), value=1.0)
-        return weights @ values
+    def memory_block_end(self, cache_layer: LinearStateLayer, position: torch.Tensor, ring: int) -> None:
+        """After the query at `position` (0-d): if it ends a block, re-score the memory and the R ring tokens that
+        left the window during the block (the oldest R slots, positions position − ring + 1 ..), keep the best m
+        and fold the rest into the state, in place (computed at every step, kept only at a block end)."""
+        sinks, window, block = self.config.num_sink_tokens, self.config.window_size, MEMORY_BLOCK_SIZE
+        order = sinks + (position + 1 + torch.arange(ring, device=position.device)) % ring  # oldest first
+        candidates = order[:block]
+
+        def ring_part(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(1, candidates).transpose(1, 2)  # [B, ·, R, ...]
+
+        since = None  # log decay since leaving: Σ over the slots from u + W + 1 on (oldest first)
+        if cache_layer.window_log_decay is not None:
+            steps = F.pad(cache_layer.window_log_decay.index_select(1, order), (0, 0, 0, 0, 0, 1))
+            since = steps.flip(1).cumsum(1).flip(1)[:, window + 1 : window + 1 + block].transpose(1, 2)
+        memory = cache_layer.sparse_memory()
+        memory = memory._replace(values=F.pad(memory.values, (0, 1), value=1.0))
+        b, kv_heads = memory.mask.shape[:2]
+        positions = (position - ring + 1 + torch.arange(block, device=position.device)).expand(b, kv_heads, -1)
+        state, memory = block_end(
+            cache_layer.state, memory, ring_part(cache_layer.window_keys),
+            F.pad(ring_part(cache_layer.window_values), (0, 1), value=1.0), ring_part(cache_layer.window_key_features),
+            positions, since, cache_layer.window_mask.index_select(1, candidates)[:, None].expand(-1, kv_heads, -1),
+        )
+        ends = (position + 1) % block == 0
+        cache_layer.state.copy_(torch.where(ends, state, cache_layer.state))
+        cache_layer.store_memory(memory._replace(values=memory.values[..., :-1]), where=ends)
 
 
 def linear_decode_step(

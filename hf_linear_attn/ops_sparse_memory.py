@@ -1,62 +1,58 @@
 """The sparse exact memory of the window hybrid (`sparse_cache_size` = m > 0): a few keys that have left the
-window stay under softmax, chosen by how badly the linear state recalls them (LoLA-style, training-free).
+window stay under softmax, re-chosen at the end of every block by how badly the current linear state recalls
+them (LoLA's self-recall error, training-free).
 
-The rule, per batch row and KV head g (W = window_size, h runs over the G query heads of group g):
+The rule, per batch row and KV head g (W = window_size, R = block_size, MEMORY_BLOCK_SIZE = 64 by default; h runs
+over the G query heads of group g; positions are absolute, counted from the first token the cache has seen):
 
-- A real, non-sink token s leaves the window at step s + W (query s + W is the first one it is not in the
-  window of).
-- Its recall error, fixed when it leaves:
-      r_s = mean_h ‖v_s − N_h(s) / (D_h(s) + NORM_EPS)‖²,
-      [N_h(s), D_h(s)] = φ_h(k_s)ᵀ A_h(s + W − 1),
-  where A_h(t) = Π_{i ≤ t} a_i ⊙ S_0 + Σ_j d_tj ⊙ φ_h(k_j) [v_j, 1]ᵀ over the real non-sink keys j ≤ t − W (those
-  that have left by query t; S_0 the initial state) is the *all-folded* linear state, as if no token were ever
-  kept, at the last step s is still in the window; d_tj = Π_{i = j + W + 1}^{t} a_i. An empty state reads 0.
-- M_e, the memory once the tokens up to e have left: the m real non-sink tokens s ≤ e with the largest r_s,
-  ties to the earlier position (so a token pushed out never returns).
-- Query t attends with softmax (scores scale · q_t·k_i, weight γ = sigmoid(window_gate), one max c_t over the
-  whole softmax set, no decay) to sinks ∪ window_t ∪ M_{t − W}; every other key that has left the window is in
-  the linear part with the decay d_tj it has without the memory. So the linear part is the all-folded one minus
-  the memory tokens' decayed terms:
+- Absolute blocks of R positions: block b covers positions [bR, (b + 1)R). Let t0 be the start of query t's block.
+  A real, non-sink token j leaves the window at step j + W; sinks never leave.
+- Query t attends with softmax (scores scale · q_t·k_i, weight γ = sigmoid(window_gate), one max and one
+  normaliser shared with the linear part, no decay on the softmax part) to sinks ∪ every real token in
+  [t0 − W, t] (the window, extended back to the block start's window: tokens that left the window during the
+  current block stay exact until the block ends) ∪ M_b (the memory, ≤ m tokens, fixed during the block). Its
+  linear part reads only the linear state at the block start, decayed to t:
+      (Π_{i=t0}^{t} a_i ⊙ φ(q_t))ᵀ S(t0),
+  S(t0) the state after query t0 − 1, holding every real non-sink key j < t0 − W not in M_b with the decay
+  d_{t0−1, j} = Π_{i=j+W+1}^{t0−1} a_i (the decay clock of a key starts when it leaves the window, as in
+  `window_attention`), so every key j of the linear part reaches query t with d_tj = Π_{i=j+W+1}^{t} a_i.
+- At the end of each block (after query e = t0 + R − 1) the candidates are M_b ∪ the real non-sink tokens that
+  left the window during the block (j ∈ [t0 − W, t0 + R − W)). Each candidate's recall error is
+      r_j = mean_h ‖v_j − N_h / (D_h + NORM_EPS)‖²,   [N_h, D_h] = φ_h(k_j)ᵀ S_h,
+  S = Π_{i=t0}^{e} a_i ⊙ S(t0), the linear state at that moment without any candidate (an empty state reads 0).
+  The m candidates with the largest r stay (ties to the earlier position) as M_{b+1}; every other candidate is
+  folded into S with the decay it would have had if folded when it left the window, d_ej. Each KV head picks
+  its own m.
+- Pads contribute nothing and are never kept; pad queries output 0.
 
-      o_t = (γ Σ_{sinks ∪ window_t ∪ M_{t−W}} e^{s_ti − c_t} [v_i, 1]
-             + (q_feat_t ⊙ Π_{i≤t} a_i)ᵀ S_0 + Σ_{j ≤ t−W, j ∉ M_{t−W}} (d_tj ⊙ q_feat_t)·φ(k_j) [v_j, 1])  → num / den
-
-  Pads contribute nothing and are never kept; pad queries output 0.
-
-Scoring against the all-folded state rather than the state without the memory tokens (LoLA's choice) makes every
-score a read-out of one causal linear attention, computed for all tokens in parallel and independent of which
-tokens were kept; the memory then follows from the scores alone.
+So at every query the softmax set and the linear part partition the real keys up to t, and the rule is
+deterministic in absolute positions: a full forward, a chunked prefill with any chunk size and token-by-token
+decode give the same outputs and the same memory.
 
 `reference_sparse_window_attention` builds each query's sets literally from this rule (the oracle);
-`sparse_window_attention` is the fast path for a whole sequence or for a chunk behind a cache's retained tokens;
-`recall_error` scores one leaving token against a cache's all-folded state (the decode step).
+`sparse_window_attention` is the fast path for a whole sequence or for a chunk behind a cache's retained tokens
+(a loop over blocks: within a block the linear part is one read of S(t0)); `recall_error` and `select_memory`
+are the block end both it and the decode step run.
 """
 
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import linear_attention
-from .ops_common import (
-    CHUNK_SIZE,
-    NORM_EPS,
-    accumulation_dtype,
-    divide_at_real_queries,
-    log_decay_floor,
-    window_linear_inputs,
-    window_token_masks,
-)
+from .ops_common import NORM_EPS, accumulation_dtype, divide_at_real_queries, log_decay_floor, window_token_masks
+
+# R: the memory is re-chosen at the end of every block of this many absolute positions.
+MEMORY_BLOCK_SIZE = 64
 
 
 class SparseMemory(NamedTuple):
-    """The m memory slots of every batch row and KV head (empty slots have mask False).
+    """The m memory slots of every batch row and KV head, in position order, empty slots (mask False) last.
 
     keys [B, H_kv, m, D], values [B, H_kv, m, V] (the raw keys after RoPE and values); key_features [B, H, m, F]
-    (φ_h(k) for the G query heads of each KV head); scores [B, H_kv, m] (r, fp32); positions [B, H_kv, m] (long;
-    only their order matters); log_decay None (no decay) or [B, H, m, 1 | F]: log of the decay accumulated
-    since the token left the window (fp32); mask [B, H_kv, m] bool.
+    (φ_h(k) for the G query heads of each KV head); scores [B, H_kv, m] (r at the last block end, fp32);
+    positions [B, H_kv, m] (absolute, long); log_decay None (no decay) or [B, H, m, 1 | F]: log of the decay
+    accumulated since the token left the window (fp32); mask [B, H_kv, m] bool.
     """
 
     keys: Tensor
@@ -69,16 +65,31 @@ class SparseMemory(NamedTuple):
 
 
 def recall_error(state: Tensor, key_features: Tensor, values: Tensor) -> Tensor:
-    """r of tokens read against all-folded states: mean over the G heads of a group of ‖v − N / (D + NORM_EPS)‖².
+    """r of C candidates read against the linear state: mean over the G heads of a group of ‖v − N/(D + NORM_EPS)‖².
 
-    state [B, H, F, V + 1] (the last column the normaliser z); key_features [B, H, F]; values [B, H_kv, V].
-    Returns [B, H_kv] in the state's dtype.
+    state [B, H, F, V + 1] (the last column the normaliser); key_features [B, H, C, F]; values [B, H_kv, C, V].
+    Returns [B, H_kv, C] in the state's dtype.
     """
-    batch, kv_heads, value_dim = values.shape
-    read = (key_features[:, :, None, :].to(state.dtype) @ state)[:, :, 0]  # [B, H, V + 1]
+    batch, kv_heads, count, value_dim = values.shape
+    read = key_features.to(state.dtype) @ state  # [B, H, C, V + 1]
     predicted = read[..., :value_dim] / (read[..., value_dim:] + NORM_EPS)
     error = (values.to(state.dtype).repeat_interleave(state.shape[1] // kv_heads, dim=1) - predicted).square()
-    return error.sum(-1).view(batch, kv_heads, -1).mean(-1)
+    return error.sum(-1).view(batch, kv_heads, -1, count).mean(2)
+
+
+def select_memory(scores: Tensor, positions: Tensor, valid: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The block end's choice: of C candidates (scores, positions, valid [B, H_kv, C]) the `size` valid ones with
+    the largest score, ties to the earlier position. Returns keep [B, H_kv, size] (candidate indices, in position
+    order, empty slots last), its mask [B, H_kv, size] and fold [B, H_kv, C] (the valid candidates not kept)."""
+    last = torch.iinfo(torch.long).max
+    order = torch.where(valid, positions, last).argsort(dim=-1, stable=True)  # position order, invalid last
+    ranked = torch.where(valid, scores, -torch.inf).gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    top = order.gather(-1, ranked.indices[..., :size])
+    keep_mask = valid.gather(-1, top)
+    keep = top.gather(-1, torch.where(keep_mask, positions.gather(-1, top), last).argsort(dim=-1, stable=True))
+    keep_mask = valid.gather(-1, keep)
+    fold = valid & ~torch.zeros_like(valid).scatter(-1, keep, keep_mask)
+    return keep, keep_mask, fold
 
 
 def reference_sparse_window_attention(
@@ -94,20 +105,23 @@ def reference_sparse_window_attention(
     num_sink_tokens: int,
     memory_size: int,
     scale: float,
+    block_size: int = MEMORY_BLOCK_SIZE,
+    start_position: int = 0,
     key_padding_mask: Tensor | None = None,
     initial_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The rule, literally: per row, KV head and query the explicit sets, every sum a Python loop. Tiny inputs only.
 
     q [B, T, H, D]; k [B, T, H_kv, D]; v [B, T, H_kv, V]; q_feat, k_feat [B, T, H, F]; window_gate [H];
-    log_decay None, [B, T, H] or [B, T, H, F]; key_padding_mask None or bool [B, T]; initial_state None or the
-    all-folded state [B, H, F, V + 1] before the sequence. Returns o [B, T, H, V] (in v's dtype) and the
-    positions held in memory after the last query's evictions, M_{T−1−W}: [B, H_kv, m] ascending, −1 in empty
-    slots.
+    log_decay None, [B, T, H] or [B, T, H, F]; key_padding_mask None or bool [B, T]; input index i is absolute
+    position i + start_position; initial_state None or a linear state [B, H, F, V + 1] before the sequence (keys
+    that left before it, decayed to index −1; the memory starts empty). Returns o [B, T, H, V] (in v's dtype)
+    and the positions (input indices) held in memory after the last block end: [B, H_kv, m] ascending, −1 in
+    empty slots.
     """
     batch, length, heads, _ = q.shape
     kv_heads, value_dim = k.shape[2], v.shape[-1]
-    groups, window = heads // kv_heads, window_size
+    groups, window, size = heads // kv_heads, window_size, memory_size
     dtype, out_dtype = accumulation_dtype(q, k, v, q_feat, k_feat), v.dtype
     q, k, v, q_feat, k_feat = (x.detach().to(dtype) for x in (q, k, v, q_feat, k_feat))
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
@@ -130,42 +144,35 @@ def reference_sparse_window_attention(
         return total
 
     outputs = torch.zeros(batch, length, heads, value_dim, dtype=dtype)
-    final = torch.full((batch, kv_heads, memory_size), -1, dtype=torch.long)
+    final = torch.full((batch, kv_heads, size), -1, dtype=torch.long)
     for b in range(batch):
-        candidates = [j for j in range(length) if real[b, j] and not sink[b, j]]
+        leaves = [j for j in range(length) if real[b, j] and not sink[b, j]]  # the tokens that can leave
         for g in range(kv_heads):
             group = range(g * groups, (g + 1) * groups)
-            score = {}
-            for s in candidates:
-                if s + window - 1 >= length:
-                    continue  # leaves after the sequence: never needed
-                t = s + window - 1
-                errors = []
-                for h in group:
-                    read = linear_sum(b, h, t, k_feat[b, s, h], [j for j in candidates if j <= t - window])
-                    errors.append((v[b, s, g] - read[:value_dim] / (read[value_dim] + NORM_EPS)).square().sum())
-                score[s] = torch.stack(errors).mean()
-
-            ranked = sorted(score, key=lambda j: (-float(score[j]), j))  # best first, ties to the earlier
-
-            def memory(e: int, ranked: list[int] = ranked) -> list[int]:
-                return [j for j in ranked if j <= e][:memory_size]  # M_e: the best m of the tokens s ≤ e
-
-            kept = sorted(memory(length - 1 - window))
-            final[b, g, : len(kept)] = torch.tensor(kept, dtype=torch.long)
+            memory: list[int] = []
             for t in range(length):
-                if not real[b, t]:
-                    continue
-                kept = memory(t - window)
-                window_keys = [i for i in range(t + 1) if real[b, i] and (sink[b, i] or t - i < window)]
-                softmax_keys = window_keys + kept
-                linear_keys = [j for j in candidates if j <= t - window and j not in kept]
-                for h in group:
-                    scores = torch.stack([scale * q[b, t, h] @ k[b, i, g] for i in softmax_keys])
-                    weights = gamma[h] * (scores - scores.max()).exp()
-                    values = torch.stack([torch.cat([v[b, i, g], ones]) for i in softmax_keys])
-                    total = weights @ values + linear_sum(b, h, t, q_feat[b, t, h], linear_keys)
-                    outputs[b, t, h] = total[:value_dim] / total[value_dim]
+                t0 = t - (t + start_position) % block_size  # the block start, as an input index
+                folded = [j for j in leaves if j < t0 - window and j not in memory]
+                if real[b, t]:
+                    softmax_keys = [i for i in range(t + 1) if real[b, i] and (sink[b, i] or i >= t0 - window)]
+                    softmax_keys += memory
+                    for h in group:
+                        scores = torch.stack([scale * q[b, t, h] @ k[b, i, g] for i in softmax_keys])
+                        weights = gamma[h] * (scores - scores.max()).exp()
+                        values = torch.stack([torch.cat([v[b, i, g], ones]) for i in softmax_keys])
+                        total = weights @ values + linear_sum(b, h, t, q_feat[b, t, h], folded)
+                        outputs[b, t, h] = total[:value_dim] / total[value_dim]
+                if (t + start_position + 1) % block_size == 0:  # the block ends: re-score, keep the best m
+                    candidates = memory + [j for j in leaves if t0 - window <= j < t0 + block_size - window]
+                    score = {}
+                    for j in candidates:
+                        errors = []
+                        for h in group:
+                            read = linear_sum(b, h, t, k_feat[b, j, h], folded)
+                            errors.append((v[b, j, g] - read[:value_dim] / (read[value_dim] + NORM_EPS)).square().sum())
+                        score[j] = float(torch.stack(errors).mean())
+                    memory = sorted(sorted(candidates, key=lambda j: (-score[j], j))[:size])
+            final[b, g, : len(memory)] = torch.tensor(memory, dtype=torch.long)
     return outputs.to(out_dtype), final
 
 
@@ -185,10 +192,45 @@ def empty_memory(
     )
 
 
-def _take(x: Tensor, index: Tensor) -> Tensor:
+def take(x: Tensor, index: Tensor) -> Tensor:
     """x [B, N, C, ...] gathered along dim 2 by index [B, N', C'] (N = N' or a multiple: groups of heads)."""
     index = index.repeat_interleave(x.shape[1] // index.shape[1], dim=1)
     return x.gather(2, index.view(*index.shape, *[1] * (x.dim() - 3)).expand(*index.shape, *x.shape[3:]))
+
+
+def block_end(
+    state: Tensor, memory: SparseMemory, keys: Tensor, values: Tensor, key_features: Tensor, positions: Tensor,
+    log_decay: Tensor | None, valid: Tensor,
+) -> tuple[Tensor, SparseMemory]:
+    """The end of a block: the candidates are the memory's m slots and C tokens that left the window during the
+    block (keys [B, H_kv, C, D], values [B, H_kv, C, V + 1] (a ones column last), key_features [B, H, C, F],
+    positions [B, H_kv, C], log_decay None or [B, H, C, 1 | F] since they left, valid [B, H_kv, C]); the memory's
+    values carry the ones column too. All are scored against `state` [B, H, F, V + 1] (the state without them,
+    decayed to the block end); the best m stay, the others are folded into the state with their decay.
+    Returns the new state and memory (its values with the ones column, its scores in the state's dtype)."""
+    cat = torch.cat
+    col = SparseMemory(
+        keys=cat([memory.keys, keys], 2), values=cat([memory.values, values], 2),
+        key_features=cat([memory.key_features, key_features], 2), scores=None,
+        positions=cat([memory.positions, positions], 2),
+        log_decay=None if log_decay is None else cat([memory.log_decay, log_decay], 2),
+        mask=cat([memory.mask, valid], 2),
+    )
+    value_dim = values.shape[-1] - 1
+    with torch.no_grad():
+        scores = recall_error(state, col.key_features, col.values[..., :value_dim])  # [B, H_kv, m + C]
+    keep, keep_mask, fold = select_memory(scores, col.positions, col.mask, memory.mask.shape[-1])
+    groups = state.shape[1] // keys.shape[1]
+    weights = col.key_features.to(state.dtype) * fold.repeat_interleave(groups, dim=1)[..., None]
+    if col.log_decay is not None:
+        weights = weights * col.log_decay.to(state.dtype).exp()
+    state = state + weights.transpose(-1, -2) @ col.values.to(state.dtype).repeat_interleave(groups, dim=1)
+    memory = SparseMemory(
+        keys=take(col.keys, keep), values=take(col.values, keep), key_features=take(col.key_features, keep),
+        scores=scores.gather(-1, keep), positions=col.positions.gather(-1, keep),
+        log_decay=None if col.log_decay is None else take(col.log_decay, keep), mask=keep_mask,
+    )
+    return state, memory
 
 
 def sparse_window_attention(
@@ -203,88 +245,63 @@ def sparse_window_attention(
     num_sink_tokens: int,
     memory_size: int,
     scale: float,
+    block_size: int = MEMORY_BLOCK_SIZE,
+    start_position: int = 0,
     log_decay: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
     initial_state: Tensor | None = None,
     memory: SparseMemory | None = None,
     output_final_state: bool = False,
-    backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None, SparseMemory | None]:
     """The window hybrid with a sparse exact memory of `memory_size` tokens per KV head (the module's rule).
 
-    q [B, T_q, H, D] (queries at the last T_q ≤ T positions); k [B, T, H_kv, D]; v [B, T, H_kv, V]; q_feat
-    [B, T_q, H, F]; k_feat [B, T, H, F]; window_gate [H]; log_decay None, [B, T, H] or [B, T, H, F] (0 at the
-    positions in front of the queries); key_padding_mask None or bool [B, T]. The tokens in front of the queries
-    are a cache's retained ones (sinks, then the last window_size positions): everything older is in
-    initial_state, the all-folded state [B, H, F, V + 1] (the state the hybrid without memory carries), and in
-    `memory`, whose positions must lie before every in-front token's index (they may be negative).
+    q [B, T_q, H, D] (queries at the last T_q ≤ T inputs); k [B, T, H_kv, D]; v [B, T, H_kv, V]; q_feat
+    [B, T_q, H, F]; k_feat [B, T, H, F]; window_gate [H]; log_decay None, [B, T, H] or [B, T, H, F];
+    key_padding_mask None or bool [B, T]; input index i is absolute position i + start_position. The inputs in
+    front of the queries are a cache's retained ones (sinks, then the last W + R positions, their real log
+    decays: they decay the folds of the tokens that left during the current block); `initial_state` [B, H, F,
+    V + 1] is the linear state decayed to the last of them, and `memory` the memory of the current block (its
+    log decay accumulated to the same step). Retained tokens that left the window before the current block are
+    already in one of the two and are ignored.
 
-    Runs two chunked linear attentions over the delayed keys (`linear_attention`, the given backend): the
-    all-folded linear part at the queries, and every score (queries φ(k) delayed by W − 1, normalised, without
-    gradient). Then blocks of CHUNK_SIZE queries, in order: the candidates of a block are the m slots of the
-    memory it starts with and the C tokens that leave during it; one stable sort by score per block ranks them,
-    and a cumulative count of those already left at each query gives the members of M_{t−W}. Each query's
-    softmax runs over sinks, its window range and its members (one max); the members' decayed linear terms are
-    subtracted from the all-folded linear part. Work O(T · (W + S + m + C)) per head (vector decay: times F).
+    A loop over the blocks (cut at absolute multiples of R): per block one softmax over sinks, the block's
+    extended window and the memory, one read of the state decayed within the block, and at a block end the
+    re-scoring (`block_end`). Work O(T · (S + W + R + m)) per head.
 
-    Returns o [B, T_q, H, V] in v's dtype; if output_final_state, the all-folded state after the input and the
-    memory M_{T−1−W} (positions in this call's index space), else None, None.
+    Returns o [B, T_q, H, V] in v's dtype; if output_final_state, the linear state decayed to the last input
+    and the memory, else None, None.
     """
     if isinstance(memory_size, bool) or not isinstance(memory_size, int) or memory_size < 1:
         raise ValueError(f"memory_size must be an int ≥ 1, got {memory_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int ≥ 1, got {block_size!r}")
     batch, queries, heads, head_dim = q.shape
     length, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     if heads % kv_heads or v.shape[:3] != k.shape[:3] or k_feat.shape[:3] != (batch, length, heads):
         raise ValueError(f"sparse_window_attention takes k, v [B, T, H_kv, ·] with H_kv dividing the H of q and "
                          f"k_feat [B, T, H, F]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"k_feat {tuple(k_feat.shape)}")
-    size, window, first_query = memory_size, window_size, length - queries
-    groups = heads // kv_heads
+    window, first_query, block = window_size, length - queries, block_size
+    groups, feature_dim = heads // kv_heads, k_feat.shape[-1]
     dtype = accumulation_dtype(q, k, v, q_feat, k_feat)
     device = q.device
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, device)
+    leaves = real & ~sink
 
     v_ones = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # [B, T, H_kv, V + 1]
-    v_wide = v_ones.repeat_interleave(groups, dim=2)  # [B, T, H, V + 1]
-    k_older, v_older = window_linear_inputs(k_feat.to(dtype), v_wide, real, sink, window)
-    linear, state = linear_attention(
-        F.pad(q_feat, (0, 0, 0, 0, first_query, 0)), k_older, v_older, log_decay, scale=1.0,
-        initial_state=initial_state, output_final_state=output_final_state, backend=backend,
-    )  # the all-folded linear part, [B, T, H, V + 1]
-
-    # r of token s: the normalised read of the all-folded state at index s + W − 1 with φ(k_s).
-    scores = torch.full((batch, length, kv_heads), -torch.inf, dtype=dtype, device=device)
-    scored = length - window + 1  # tokens s ≤ T − W leave by the next query: their scores are known now
-    if scored > 0:
-        with torch.no_grad():
-            probe = F.pad(k_feat.to(dtype), (0, 0, 0, 0, window - 1, 0))[:, :length]
-            read, _ = linear_attention(
-                probe, k_older, v_older[..., :value_dim], log_decay, scale=1.0, normalize=True,
-                initial_state=initial_state, backend=backend,
-            )
-            error = (v_wide[:, :scored, :, :value_dim] - read[:, window - 1 :]).square().sum(-1)  # [B, T', H]
-            scores[:, :scored] = error.view(batch, scored, kv_heads, groups).mean(-1)
-    index = torch.arange(length, device=device)
-    candidate = real & ~sink & (index >= first_query - window) & (index < scored)  # [B, T]
-
-    # Prefix sums of the log decay (float64: a difference of two is the decay between them, exact enough at any
-    # length); the decay of slot j at query t is exp(prefix_t − offset_j).
-    prefix = None
+    steps = None  # [B, H, T, 1 | F], raised to the floor: sums of it stay finite
     if log_decay is not None:
         steps = log_decay if log_decay.dim() == 4 else log_decay[..., None]
-        prefix = steps.clamp(min=log_decay_floor(dtype)).double().cumsum(1).transpose(1, 2)  # [B, H, T, 1 | F]
-
+        steps = steps.to(dtype).clamp(min=log_decay_floor(dtype)).transpose(1, 2)
+    if initial_state is None:
+        state = torch.zeros(batch, heads, feature_dim, value_dim + 1, dtype=dtype, device=device)
+    else:
+        state = initial_state.to(dtype)
     if memory is None:
-        memory = empty_memory(batch, kv_heads, heads, size, head_dim, value_dim, k_feat.shape[-1],
-                              None if prefix is None else prefix.shape[-1], dtype, device)
-    # Slots in position order, empty ones last: ties in the sort below then go to the earlier column.
-    order = torch.where(memory.mask, memory.positions, torch.iinfo(torch.long).max).argsort(dim=-1, stable=True)
-    slot_keys, slot_values, slot_features = (_take(x.to(dtype), order) for x in memory[:3])
-    slot_values = F.pad(slot_values, (0, 1), value=1.0)
-    slot_scores, slot_positions, slot_mask = (_take(x, order) for x in (memory.scores, memory.positions,
-                                                                         memory.mask))
-    slot_scores = slot_scores.to(dtype)
-    slot_offsets = None if prefix is None else -_take(memory.log_decay.double(), order)  # [B, H, m, 1 | F]
+        memory = empty_memory(batch, kv_heads, heads, memory_size, head_dim, value_dim, feature_dim,
+                              None if steps is None else steps.shape[-1], dtype, device)
+    memory = memory._replace(keys=memory.keys.to(dtype), values=with_ones(memory.values.to(dtype)),
+                             key_features=memory.key_features.to(dtype))
 
     num_sinks = min(num_sink_tokens, length)
     sink_pos = torch.argsort(sink.to(torch.int8), dim=-1, descending=True, stable=True)[:, :num_sinks]  # [B, S]
@@ -292,41 +309,24 @@ def sparse_window_attention(
     k_sink = k.to(dtype).gather(1, sink_pos[:, :, None, None].expand(-1, -1, kv_heads, head_dim))
     v_sink = v_ones.gather(1, sink_pos[:, :, None, None].expand(-1, -1, kv_heads, value_dim + 1))
     gamma = torch.sigmoid(window_gate.to(dtype)).view(kv_heads, groups, 1, 1)
-    in_window = real & ~sink
 
     blocks = []
-    for start in range(first_query, length, CHUNK_SIZE):
-        end = min(start + CHUNK_SIZE, length)
+    start = first_query
+    while start < length:
+        block_start = start - (start + start_position) % block  # input index of the block start (may be < 0)
+        end = min(block_start + block, length)
         rows = end - start
         t = torch.arange(start, end, device=device)[:, None]  # [C, 1]
 
-        # The candidates: the memory slots, then the tokens leaving at these queries (token t − W at query t).
-        leaving = (t[:, 0] - window).clamp(min=0)  # [C]
-        joins = candidate[:, leaving] & (t[:, 0] >= window)  # [B, C]
-        col_scores = torch.cat([slot_scores, scores[:, leaving].transpose(1, 2)], dim=-1)  # [B, H_kv, m + C]
-        col_ok = torch.cat([slot_mask, joins[:, None].expand(-1, kv_heads, -1)], dim=-1)
-        left = torch.cat([torch.ones(rows, size, dtype=torch.bool, device=device),
-                          torch.ones(rows, rows, dtype=torch.bool, device=device).tril()], dim=-1)  # [C, m + C]
-        available = col_ok[:, :, None, :] & left  # [B, H_kv, C, m + C]: left by query t
-        ranking = torch.where(col_ok, col_scores, -torch.inf).sort(dim=-1, descending=True, stable=True).indices
-        ranked = available.gather(-1, ranking[:, :, None, :].expand_as(available))
-        member = torch.empty_like(available).scatter_(
-            -1, ranking[:, :, None, :].expand_as(available), ranked & (ranked.cumsum(-1) <= size))
-
-        col_keys = torch.cat([slot_keys, k[:, leaving].to(dtype).transpose(1, 2)], dim=2)  # [B, H_kv, m + C, D]
-        col_values = torch.cat([slot_values, v_ones[:, leaving].transpose(1, 2)], dim=2)  # [B, H_kv, m + C, V + 1]
-        col_features = torch.cat([slot_features, k_feat[:, leaving].to(dtype).transpose(1, 2)], dim=2)
-        col_positions = torch.cat([slot_positions, leaving.expand(batch, kv_heads, -1)], dim=-1)
-
-        # Softmax over sinks, the window range and the members, one max.
-        first = max(0, start - window + 1)
+        # Softmax over sinks, the extended window [block_start − W, t] and the memory, one max.
+        first = max(0, block_start - window)
         i = torch.arange(first, end, device=device)
-        in_range = in_window[:, None, first:end] & (i <= t) & (t - i < window)  # [B, C, L]
+        in_range = leaves[:, None, first:end] & (i <= t)  # [B, C, L]
         sink_allowed = sink_ok[:, None, :] & (sink_pos[:, None, :] <= t)  # [B, C, S]
         allowed = torch.cat([torch.cat([sink_allowed, in_range], dim=-1)[:, None].expand(-1, kv_heads, -1, -1),
-                             member], dim=-1)  # [B, H_kv, C, S + L + m + C]
-        keys = torch.cat([k_sink.transpose(1, 2), k[:, first:end].to(dtype).transpose(1, 2), col_keys], dim=2)
-        values = torch.cat([v_sink.transpose(1, 2), v_ones[:, first:end].transpose(1, 2), col_values], dim=2)
+                             memory.mask[:, :, None, :].expand(-1, -1, rows, -1)], dim=-1)  # [B, H_kv, C, K]
+        keys = torch.cat([k_sink.transpose(1, 2), k[:, first:end].to(dtype).transpose(1, 2), memory.keys], dim=2)
+        values = torch.cat([v_sink.transpose(1, 2), v_ones[:, first:end].transpose(1, 2), memory.values], dim=2)
         query = q[:, start - first_query : end - first_query].to(dtype).view(batch, rows, kv_heads, groups, -1)
         query = query.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * rows, -1)  # [B, H_kv, G·C, D]
         logits = (query @ keys.transpose(-1, -2)).view(batch, kv_heads, groups, rows, -1)  # [B, H_kv, G, C, K]
@@ -336,43 +336,47 @@ def sparse_window_attention(
         weights = (logits - top).exp().view(batch, kv_heads, groups * rows, -1)
         softmax = gamma * (weights @ values).view(batch, kv_heads, groups, rows, -1)  # [B, H_kv, G, C, V + 1]
 
-        # The members' terms in the all-folded linear part, decayed since they left.
-        member_wide = member.repeat_interleave(groups, dim=1)  # [B, H, C, m + C]
+        # Linear part: one read of the state, decayed within the block to each query.
         features = q_feat[:, start - first_query : end - first_query].to(dtype).transpose(1, 2)  # [B, H, C, F]
-        col_offsets = None
-        if prefix is None:
-            weights = features @ col_features.transpose(-1, -2)  # [B, H, C, m + C]
-        else:
-            col_offsets = torch.cat([slot_offsets, prefix[:, :, (leaving + window).clamp(max=length - 1)]], dim=2)
-            exponent = (prefix[:, :, start:end, None] - col_offsets[:, :, None]).to(dtype)  # [B, H, C, m + C, 1 | F]
-            decay = torch.where(member_wide[..., None], exponent, -torch.inf).exp()
-            if decay.shape[-1] == 1:
-                weights = features @ col_features.transpose(-1, -2) * decay[..., 0]
-            else:
-                weights = torch.einsum("bhtf,bhcf,bhtcf->bhtc", features, col_features, decay)
-        removed = (weights * member_wide) @ col_values.repeat_interleave(groups, dim=1)  # [B, H, C, V + 1]
-        total = softmax.reshape(batch, heads, rows, -1) + linear[:, start:end].transpose(1, 2) - removed
+        if steps is not None:
+            decayed = steps[:, :, start:end].cumsum(2)  # [B, H, C, 1 | F]: log Π_{i=start}^{t} a_i
+            features = features * decayed.exp()
+        total = softmax.reshape(batch, heads, rows, -1) + features @ state  # [B, H, C, V + 1]
+        if steps is not None:  # the state and the memory's decay clocks move on to end − 1
+            state = state * decayed[:, :, -1, :, None].exp()
+            memory = memory._replace(log_decay=memory.log_decay + decayed[:, :, -1:])
         blocks.append(divide_at_real_queries(total[..., :value_dim], total[..., value_dim:],
                                              real[:, None, start:end, None]))
 
-        # The memory after this block's last query: its members, in position order.
-        last = member[:, :, -1]  # [B, H_kv, m + C]
-        keep = last.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :size]  # [B, H_kv, m]
-        slot_mask = last.gather(-1, keep)
-        slot_scores, slot_positions = col_scores.gather(-1, keep), col_positions.gather(-1, keep)
-        slot_keys, slot_values, slot_features = (_take(x, keep) for x in (col_keys, col_values, col_features))
-        if col_offsets is not None:
-            slot_offsets = _take(col_offsets, keep)
+        if end == block_start + block:  # the block ends here: tokens [block_start − W, end − W) left during it
+            low, high = max(0, block_start - window), max(0, end - window)
+            since = None  # log of the decay since leaving, Σ_{i=j+W+1}^{end−1}: suffix sums over the block
+            if steps is not None:
+                tail = torch.nn.functional.pad(steps[:, :, low + window + 1 : end], (0, 0, 0, 1))
+                since = tail.flip(2).cumsum(2).flip(2)[:, :, : high - low]
+            positions = torch.arange(low, high, device=device) + start_position
+            state, memory = block_end(
+                state, memory, k[:, low:high].to(dtype).transpose(1, 2), v_ones[:, low:high].transpose(1, 2),
+                k_feat[:, low:high].to(dtype).transpose(1, 2), positions.expand(batch, kv_heads, -1), since,
+                leaves[:, None, low:high].expand(-1, kv_heads, -1),
+            )
+        start = end
     o = torch.cat(blocks, dim=2).transpose(1, 2).to(v.dtype)  # [B, T_q, H, V]
     if not output_final_state:
         return o, None, None
     final = SparseMemory(
-        keys=slot_keys.to(k.dtype), values=slot_values[..., :value_dim].to(v.dtype),
-        key_features=slot_features.to(k_feat.dtype), scores=slot_scores.float(), positions=slot_positions,
-        log_decay=None if prefix is None else (prefix[:, :, -1:] - slot_offsets).float(), mask=slot_mask,
+        keys=memory.keys.to(k.dtype), values=memory.values[..., :value_dim].to(v.dtype),
+        key_features=memory.key_features.to(k_feat.dtype), scores=memory.scores.float(),
+        positions=memory.positions, log_decay=None if memory.log_decay is None else memory.log_decay.float(),
+        mask=memory.mask,
     )
     return o, state, final
 
 
-__all__ = ["SparseMemory", "empty_memory", "recall_error", "reference_sparse_window_attention",
-           "sparse_window_attention"]
+def with_ones(values: Tensor) -> Tensor:
+    """values [..., V] with a ones column appended: [..., V + 1]."""
+    return torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
+
+
+__all__ = ["MEMORY_BLOCK_SIZE", "SparseMemory", "block_end", "empty_memory", "recall_error",
+           "reference_sparse_window_attention", "select_memory", "sparse_window_attention"]

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from helpers import left_pad, prompts, tiny_model
 
-from hf_linear_attn import LinearAttentionCache, LinearAttentionConfig, ops_sparse_memory
+from hf_linear_attn import LinearAttentionCache, LinearAttentionConfig, modeling_linear_attention
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from hf_linear_attn.ops_sparse_memory import reference_sparse_window_attention, sparse_window_attention
 
+BLOCK = 4  # R in the tests: block ends at lengths the oracle and the tiny model can afford
 WINDOW = dict(feature_map="hedgehog", feature_dim=8, window_size=5, num_sink_tokens=2, decay_low_rank_dim=4)
 
 
@@ -41,48 +42,51 @@ def held_positions(memory):
 @pytest.mark.parametrize("decay", [None, "scalar", "vector"])
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_path_matches_the_rule(monkeypatch, decay, sinks, dtype):
-    # Blocks of 4 queries: the memory carried between blocks is exercised at a length the oracle can afford.
-    monkeypatch.setattr(ops_sparse_memory, "CHUNK_SIZE", 4)
+@pytest.mark.parametrize("start", [0, 3])
+def test_fast_path_matches_the_rule(decay, sinks, dtype, start):
+    # 23 inputs: five block ends and a partial last block (blocks cut at start + index multiples of 4).
     inputs = op_inputs(23, decay=decay, dtype=dtype)
     mask = torch.ones(2, 23, dtype=torch.bool)
     mask[1, :6] = False  # left padding
-    options = dict(window_size=4, num_sink_tokens=sinks, memory_size=3, scale=0.4, key_padding_mask=mask)
+    options = dict(window_size=4, num_sink_tokens=sinks, memory_size=3, scale=0.4, key_padding_mask=mask,
+                   block_size=BLOCK, start_position=start)
     expected, positions = reference_sparse_window_attention(**inputs, **options)
     o, state, memory = sparse_window_attention(**inputs, output_final_state=True, **options)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(o, expected, atol=tolerance, rtol=tolerance)
     assert o.dtype == dtype and (o[1, :6] == 0).all()  # pad queries output 0
-    assert torch.equal(held_positions(memory), positions)
+    assert torch.equal(held_positions(memory), torch.where(positions >= 0, positions + start, -1))
     assert (positions >= 0).all()  # every slot used: the memory matters here
 
 
 def test_initial_state_and_a_memory_larger_than_the_tokens_that_left():
     inputs = op_inputs(11, decay="scalar", seed=3)
     state = torch.rand(2, 4, 6, 6)
-    options = dict(window_size=4, num_sink_tokens=1, memory_size=20, scale=0.4, initial_state=state)
+    options = dict(window_size=4, num_sink_tokens=1, memory_size=20, scale=0.4, initial_state=state,
+                   block_size=BLOCK)
     expected, positions = reference_sparse_window_attention(**inputs, **options)
     o, _, memory = sparse_window_attention(**inputs, output_final_state=True, **options)
     torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(held_positions(memory), positions)
-    assert memory.mask.sum(-1).eq(11 - 4 - 1).all()  # every non-sink token that left (6) is held
+    # Block ends after queries 3 and 7: tokens 0 .. 3 have left by the second, token 0 is the sink.
+    assert memory.mask.sum(-1).eq(3).all()
 
 
 def test_a_memory_holding_everything_is_causal_softmax_attention():
     """No initial state and m ≥ T: nothing stays in the linear part, and γ cancels: exact softmax attention."""
     inputs = op_inputs(70, decay="vector", seed=1)
-    o, _, _ = sparse_window_attention(**inputs, window_size=6, num_sink_tokens=2, memory_size=70, scale=0.3)
+    o, _, _ = sparse_window_attention(**inputs, window_size=6, num_sink_tokens=2, memory_size=70, scale=0.3,
+                                      block_size=BLOCK)
     q, k, v = (x.transpose(1, 2) for x in (inputs["q"], inputs["k"], inputs["v"]))
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                               is_causal=True, scale=0.3).transpose(1, 2)
     torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_full_resets_match_the_rule_and_gradients_stay_finite(monkeypatch):
-    monkeypatch.setattr(ops_sparse_memory, "CHUNK_SIZE", 4)
+def test_full_resets_match_the_rule_and_gradients_stay_finite():
     inputs = op_inputs(23, decay="vector", seed=2)
     inputs["log_decay"][:, 12] = -torch.inf  # a full reset of the linear part (the memory keeps its tokens)
-    options = dict(window_size=4, num_sink_tokens=1, memory_size=3, scale=0.4)
+    options = dict(window_size=4, num_sink_tokens=1, memory_size=3, scale=0.4, block_size=BLOCK)
     expected, _ = reference_sparse_window_attention(**inputs, **options)
     for x in inputs.values():
         x.requires_grad_()
@@ -93,11 +97,14 @@ def test_full_resets_match_the_rule_and_gradients_stay_finite(monkeypatch):
         assert x.grad is not None and x.grad.isfinite().all(), name
 
 
-def test_op_refuses_bad_memory_sizes():
+def test_op_refuses_bad_memory_and_block_sizes():
     inputs = op_inputs(8)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="memory_size"):
             sparse_window_attention(**inputs, window_size=4, num_sink_tokens=0, memory_size=bad, scale=0.4)
+        with pytest.raises(ValueError, match="block_size"):
+            sparse_window_attention(**inputs, window_size=4, num_sink_tokens=0, memory_size=2, scale=0.4,
+                                    block_size=bad)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,11 +112,17 @@ def test_op_refuses_bad_memory_sizes():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """The model runs with R = BLOCK: its tiny prompts then cross several block ends."""
+    monkeypatch.setattr(modeling_linear_attention, "MEMORY_BLOCK_SIZE", BLOCK)
+
+
 def memories(cache):
     """Per linear layer: (held positions ascending, their scores) — what the memory holds."""
     out = []
     for layer in cache.layers:
-        memory = layer.sparse_memory(0)
+        memory = layer.sparse_memory()
         order = torch.where(memory.mask, memory.positions, torch.iinfo(torch.long).max).argsort(-1)
         out.append((held_positions(memory), memory.scores.gather(-1, order) * memory.mask.gather(-1, order)))
     return out
@@ -122,11 +135,13 @@ def test_chunked_prefill_and_decode_match_the_full_forward(decay):
     with torch.no_grad():
         whole = LinearAttentionCache(model.config)
         full = model(ids, attention_mask=mask, cache=whole).logits
-        for chunk in (1, 3, 17):  # chunk 1: the one-token decode step after the first token
+        for chunk in (1, 3, 17, 70):  # chunk 1: the one-token decode step after the first token
             cache = LinearAttentionCache(model.config)
             logits = torch.cat([model(ids[:, s : s + chunk], attention_mask=mask[:, : s + chunk], cache=cache).logits
                                 for s in range(0, ids.shape[1], chunk)], dim=1)
             torch.testing.assert_close(logits, full, atol=2e-5, rtol=2e-5)
+            for layer, whole_layer in zip(cache.layers, whole.layers, strict=True):
+                torch.testing.assert_close(layer.state, whole_layer.state, atol=1e-5, rtol=1e-5)
             pairs = zip(memories(cache), memories(whole), strict=True)
             for (positions, scores), (expected_positions, expected_scores) in pairs:
                 assert torch.equal(positions, expected_positions)
@@ -143,15 +158,15 @@ def test_the_memory_changes_the_outputs_and_m_zero_never_reaches_it(monkeypatch)
         def unreachable(*args, **kwargs):
             raise AssertionError("the sparse memory ran with sparse_cache_size = 0")
 
-        from hf_linear_attn import modeling_linear_attention
-
         monkeypatch.setattr(modeling_linear_attention, "sparse_window_attention", unreachable)
-        monkeypatch.setattr(modeling_linear_attention, "recall_error", unreachable)
-        monkeypatch.setattr(LinearStateLayer, "push_memory_token", unreachable)
+        monkeypatch.setattr(modeling_linear_attention, "block_end", unreachable)
+        monkeypatch.setattr(LinearStateLayer, "store_memory", unreachable)
         cache = LinearAttentionCache(model.config)
         plain = model(ids, attention_mask=mask, cache=cache).logits
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert not any(name.startswith("memory_") for layer in cache.layers for name in layer.tensors())
+    assert not any(name.startswith("memory_") or name == "window_log_decay"
+                   for layer in cache.layers for name in layer.tensors())
+    assert cache.layers[0].window_keys.shape[1] == WINDOW["window_size"] + WINDOW["num_sink_tokens"]
     assert not torch.allclose(sparse, plain, atol=1e-3)
 
 
@@ -176,7 +191,7 @@ def test_decode_is_fixed_shape_and_the_cache_constant_in_length():
             for token in range(3):
                 model(torch.tensor([[5 + token]]), cache=cache)
         assert {name: x.data_ptr() for name, x in cache.layers[0].tensors().items()} == buffers
-        assert {"memory_keys", "memory_log_decay", "memory_mask"} <= set(buffers)
+        assert {"memory_keys", "memory_log_decay", "memory_mask", "window_log_decay"} <= set(buffers)
         sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1]
     assert LinearStateLayer.is_compileable
