@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install transformers-tests long-context-data demo tour lm-eval test test-oldest bench lint clean
+.PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-oldest bench lint clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,14 @@ lm-eval: install
 	$(PY) -m lm_eval --model hf --model_args pretrained=$(MODEL),trust_remote_code=True --device cpu \
 		--batch_size 4 --tasks jargon_cloze,jargon_perplexity --include_path configs/lm_eval \
 		--output_path outputs/lm_eval
+
+# Offline RULER-style needle tasks (configs/lm_eval/needles): the passkey prompts of the long-context evaluation
+# (1K, 2K and 4K tokens of MODEL's tokenizer) written as text into outputs/lm_eval_needles, then the harness on
+# them one unpadded prompt at a time, without a BOS token, as the evaluation runs them: make lm-eval-needles MODEL=DIR
+lm-eval-needles: install long-context-data
+	$(PY) -m training.long_context needles --tokenizer_name $(MODEL) --data_dir $(LONG_CONTEXT_DATA)
+	$(PY) -m lm_eval --model hf --model_args pretrained=$(MODEL),trust_remote_code=True,add_bos_token=False \
+		--device cpu --batch_size 1 --tasks needle --include_path configs/lm_eval --output_path outputs/lm_eval
 
 test: install transformers-tests
 	$(PY) -m pytest -q tests

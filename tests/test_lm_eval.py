@@ -3,6 +3,7 @@ configs/lm_eval; its scores are checked against the same quantities computed dir
 
 import importlib.util
 import math
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from helpers import ROOT, tiny_config
 
 import hf_linear_attn
+from training import long_context as lc
 from training.data import byte_level_tokenizer
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra: pip install -e '.[dev]'")
@@ -100,3 +102,89 @@ def test_the_tasks_are_built_from_held_out_documents_only():
     assert all(item["context"].split("\n")[0] in {t.partition("\n")[0] for t in held_out} for item in items)
     # The right answer is not always in the same place.
     assert len({item["label"] for item in items}) == 4
+
+
+# ------------------------------------------------------------------------------------------ needle tasks
+
+NEEDLE_TRIALS = 4  # prompts per task (depths 1/8, 3/8, 5/8, 7/8): the 1K tasks of configs/lm_eval/needles
+NEEDLE_TASKS = [f"needle_{variant}_{haystack}_1k" for variant in ("single", "multi")
+                for haystack in ("natural", "filler")]
+
+
+def needle_documents(tokenizer) -> list[lc.LongDocument]:
+    """Long documents for the natural haystack: the held-out Jargon File entries, one stream."""
+    texts = {"jargon": list(jargon_tasks.held_out_documents()["test"])}
+    return lc.long_documents(tokenizer, texts, document_tokens=1536, documents_per_source=2)
+
+
+def needle_trials(tokenizer, task: str) -> list[lc.PasskeyTrial]:
+    """The passkey trials a needle task's data holds (`write_needles`' defaults but NEEDLE_TRIALS)."""
+    _, variant, haystack, _ = task.split("_")
+    return lc.passkey_trials(tokenizer, needle_documents(tokenizer), 1024, NEEDLE_TRIALS, haystack, variant)
+
+
+def evaluate_needles(model, tmp_path, **kwargs) -> dict:
+    """lm-eval's `simple_evaluate` on the group `needle_1k`, run in `tmp_path`, where the tasks' data is written
+    (they read outputs/lm_eval_needles relative to the directory lm_eval runs in)."""
+    from lm_eval.tasks import TaskManager
+
+    tokenizer = byte_level_tokenizer()
+    lc.write_needles(tokenizer, needle_documents(tokenizer), tmp_path / lc.DEFAULT_NEEDLES_DIR, lengths=[1024],
+                     trials=NEEDLE_TRIALS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        return lm_eval.simple_evaluate(model=model, tasks=["needle_1k"], log_samples=True,
+                                       task_manager=TaskManager(include_path=str(TASKS)), **kwargs)
+
+
+def test_needle_accuracy_is_the_models_own_greedy_passkey_accuracy(checkpoint, tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # add_bos_token=False: the prompt's tokens only, as training.long_context feeds them.
+    output = evaluate_needles("hf", tmp_path, batch_size=1, device="cpu",
+                              model_args=f"pretrained={checkpoint},trust_remote_code=True,add_bos_token=False")
+    model = hf_linear_attn.LinearAttentionForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = byte_level_tokenizer()
+    for task in NEEDLE_TASKS:
+        trials = needle_trials(tokenizer, task)
+        samples = sorted(output["samples"][task], key=lambda sample: sample["doc_id"])
+        assert len(samples) == NEEDLE_TRIALS
+        for sample, trial in zip(samples, trials, strict=True):
+            context, generation_kwargs = sample["arguments"][0]
+            # The harness gets the prompt as text and tokenizes it again: to the trial's very tokens.
+            assert tokenizer(context, add_special_tokens=False).input_ids == trial.input_ids[0].tolist()
+            assert generation_kwargs["max_gen_toks"] == len(trial.answer) + 3
+            with torch.no_grad():
+                continuation = lc.greedy_generate(model, trial.input_ids, len(trial.answer) + 3, tokenizer)
+            assert sample["filtered_resps"][0] == tokenizer.decode(continuation, skip_special_tokens=True)
+        assert output["results"][task]["acc,none"] == pytest.approx(lc.passkey_accuracy(model, tokenizer, trials))
+    torch.set_num_threads(threads)
+
+
+class KeyReader(pytest.importorskip("lm_eval.api.model").LM):
+    """A fake harness model whose continuation is the asked-for key read out of the prompt, plus `offset`."""
+
+    def __init__(self, offset: int = 0):
+        super().__init__()
+        self.offset = offset
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        answers = []
+        for context, _ in (request.args for request in requests):
+            door = re.search(r"pass key of the (\w+) door\?", context)
+            pattern = rf"pass key of the {door.group(1)} door is (\d+)" if door else r"pass key is (\d+)"
+            answers.append(f" {int(re.search(pattern, context).group(1)) + self.offset}. And")
+        return answers
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError("the needle tasks only generate")
+
+    loglikelihood_rolling = loglikelihood
+
+
+def test_a_model_that_reads_the_key_scores_1_through_the_harness_and_one_that_does_not_0(tmp_path):
+    right = evaluate_needles(KeyReader(), tmp_path / "right")["results"]
+    wrong = evaluate_needles(KeyReader(offset=1), tmp_path / "wrong")["results"]
+    for task in [*NEEDLE_TASKS, "needle_1k"]:
+        assert right[task]["acc,none"] == 1.0
+        assert wrong[task]["acc,none"] == 0.0

@@ -1,6 +1,7 @@
 """training/long_context.py: held-out texts, perplexity by context, passkey prompts and scoring, window baseline
 decoding and cache bytes, on tiny models and synthetic texts."""
 
+import json
 import math
 import re
 import struct
@@ -100,7 +101,7 @@ def test_missing_data_is_a_clear_error_naming_the_prepare_command(tmp_path, caps
     (tmp_path / "kjv.jsonl").write_text('{"title": "Ge", "text": "In the beginning"}\n')
     with pytest.raises(FileNotFoundError, match=r"\['austen'\]"):
         lc.load_texts(tmp_path)
-    # The command line only prepares; evaluation is training/evaluate.py's.
+    # The command line prepares and writes the needle data; evaluation is training/evaluate.py's.
     assert lc.main(["evaluate", "--data_dir", str(tmp_path)]) == 2
     assert "training/evaluate.py" in capsys.readouterr().err
     assert lc.main([]) == 2
@@ -266,6 +267,54 @@ def test_a_model_that_copies_the_key_scores_100_percent_and_one_that_does_not_0(
     trials = lc.passkey_trials(tokenizer, documents, 400, 4, haystack, variant)
     assert lc.passkey_accuracy(Reader(tokenizer), tokenizer, trials) == 1.0
     assert lc.passkey_accuracy(Reader(tokenizer, offset=1), tokenizer, trials) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ lm-eval needle data
+
+NEEDLE_FILES = [f"{variant}_{haystack}_{length}.jsonl" for length in (400, 500) for variant in ("single", "multi")
+                for haystack in ("natural", "filler")]
+
+
+def test_needle_data_is_the_passkey_trials_as_text_that_tokenizes_back_to_them(tokenizer, documents, tmp_path):
+    paths = lc.write_needles(tokenizer, documents, tmp_path / "needles", lengths=[400, 500], trials=3, seed=2, keys=3)
+    assert [path.name for path in paths] == NEEDLE_FILES
+    for path in paths:
+        variant, haystack, length = path.stem.split("_")
+        trials = lc.passkey_trials(tokenizer, documents, int(length), 3, haystack, variant, seed=2, keys=3)
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [record["answer"] for record in records] == [trial.answer for trial in trials]
+        assert [record["depth"] for record in records] == [trial.depth for trial in trials] == [1 / 6, 0.5, 5 / 6]
+        for record, trial in zip(records, trials, strict=True):
+            assert tokenizer(record["prompt"], add_special_tokens=False).input_ids == trial.input_ids[0].tolist()
+            assert record["length"] == record["tokens"] == int(length)
+
+
+def test_needle_data_refuses_bad_arguments_before_writing_anything(tokenizer, documents, tmp_path):
+    with pytest.raises(ValueError, match="at least one length"):
+        lc.write_needles(tokenizer, documents, tmp_path, lengths=[])
+    with pytest.raises(ValueError, match="trials ≥ 1"):
+        lc.write_needles(tokenizer, documents, tmp_path, trials=0)
+    with pytest.raises(ValueError, match="leaves"):  # the 400-token prompts are fine, the 60-token ones are not
+        lc.write_needles(tokenizer, documents, tmp_path / "needles", lengths=[400, 60])
+    assert not (tmp_path / "needles").exists()
+
+
+def test_needles_command_writes_the_data_for_the_given_tokenizer(tokenizer, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for source, records in synthetic_texts().items():
+        (data / f"{source}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert lc.main(["needles", "--tokenizer_name", str(tmp_path / "model"), "--data_dir", str(data),
+                    "--output_dir", str(tmp_path / "out"), "--lengths", "400", "500", "--trials", "3", "--seed", "2",
+                    "--keys", "3", "--document_tokens", "512", "--documents_per_source", "2"]) == 0
+    assert capsys.readouterr().out.count(": 3 prompts\n") == len(NEEDLE_FILES)
+    documents = lc.long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
+    lc.write_needles(tokenizer, documents, tmp_path / "direct", lengths=[400, 500], trials=3, seed=2, keys=3)
+    for name in NEEDLE_FILES:
+        assert (tmp_path / "out" / name).read_text() == (tmp_path / "direct" / name).read_text()
+    with pytest.raises(FileNotFoundError, match="prepare"):
+        lc.main(["needles", "--tokenizer_name", str(tmp_path / "model"), "--data_dir", str(tmp_path / "nowhere")])
 
 
 # ------------------------------------------------------------------------------------------ decoding and cache

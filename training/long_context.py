@@ -1,8 +1,10 @@
 """Long-context measurements of causal LMs: the held-out long texts, perplexity against context length, passkey
 retrieval, and cache bytes at each length. `training.evaluation` (`training/evaluate.py`) runs them on the
-teacher, its sliding-window baseline and each model; this module's own command line only prepares the texts:
+teacher, its sliding-window baseline and each model; this module's own command line prepares the texts, and
+writes the passkey prompts as the data of the lm-eval needle tasks (configs/lm_eval/needles):
 
     python -m training.long_context prepare [--data_dir outputs/long_context_data]     # once; `make long-context-data`
+    python -m training.long_context needles --tokenizer_name MODEL [--output_dir outputs/lm_eval_needles]
 
 Held-out text: two long public-domain texts that no training stage of the project reads, from Debian
 packages (`prepare` fetches them with `apt-get download` + `dpkg-deb -x`, no root needed, into `data_dir`):
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, HfArgumentParser, PreTrainedModel
+from transformers import AutoTokenizer, DynamicCache, HfArgumentParser, PreTrainedModel
 
 from training.measure import cache_bytes_by_context
 
@@ -431,6 +433,49 @@ def passkey_accuracy(model, tokenizer, trials: list[PasskeyTrial]) -> float:
     return hits / len(trials)
 
 
+# --------------------------------------------------------------------------------------------- lm-eval needle data
+
+DEFAULT_NEEDLES_DIR = "outputs/lm_eval_needles"
+NEEDLE_LENGTHS = (1024, 2048, 4096)
+
+
+def needle_records(tokenizer, trials: list[PasskeyTrial]) -> list[dict]:
+    """The passkey trials as the text lm-eval-harness reads (it tokenizes the prompt again), one record each:
+    `prompt` (the decoded prompt), `answer`, `depth`, `length` (the trial's tokens) and `tokens` (the prompt's
+    tokens when the text is tokenized again, without special tokens: `length` unless the tokenizer merges
+    across the boundaries of the separately tokenized pieces)."""
+    records = []
+    for trial in trials:
+        text = tokenizer.decode(trial.input_ids[0], clean_up_tokenization_spaces=False)
+        records.append({"prompt": text, "answer": trial.answer, "depth": trial.depth,
+                        "length": trial.input_ids.shape[1],
+                        "tokens": len(tokenizer(text, add_special_tokens=False).input_ids)})
+    return records
+
+
+def write_needles(tokenizer, documents: list[LongDocument], output_dir: str | Path = DEFAULT_NEEDLES_DIR,
+                  lengths: tuple[int, ...] | list[int] = NEEDLE_LENGTHS, trials: int = 20, seed: int = 0,
+                  keys: int = 4) -> list[Path]:
+    """The data of the local lm-eval needle tasks (configs/lm_eval/needles): `OUTPUT_DIR/<variant>_<haystack>_
+    <length>.jsonl` for every variant, haystack and length, the `needle_records` of `passkey_trials` (the same
+    prompts as the evaluation's with the same `trials`, `seed` and `keys`). Every prompt is built before a file
+    is written. Returns the files written."""
+    if not lengths or trials < 1:
+        raise ValueError(f"needles need at least one length and trials ≥ 1, got lengths={list(lengths)} and "
+                         f"trials={trials}")
+    files = {f"{variant}_{haystack}_{length}.jsonl": needle_records(
+        tokenizer, passkey_trials(tokenizer, documents, length, trials, haystack, variant, seed, keys))
+        for length in lengths for variant in ("single", "multi") for haystack in ("natural", "filler")}
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, records in files.items():
+        path = output_dir / name
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+        written.append(path)
+    return written
+
+
 # --------------------------------------------------------------------------------------------- command line
 
 @dataclass
@@ -438,17 +483,50 @@ class PrepareArguments:
     data_dir: str = field(default=DEFAULT_DATA_DIR, metadata={"help": "Where to write <source>.jsonl."})
 
 
+@dataclass
+class NeedleArguments:
+    tokenizer_name: str = field(metadata={"help": "The model (folder or Hub id) whose tokenizer the prompts' "
+                                                  "lengths are counted in: the one to evaluate."})
+    data_dir: str = field(default=DEFAULT_DATA_DIR, metadata={"help": f"The long texts (`{PREPARE_COMMAND}`)."})
+    output_dir: str = field(default=DEFAULT_NEEDLES_DIR, metadata={
+        "help": "Where to write <variant>_<haystack>_<length>.jsonl (the tasks of configs/lm_eval/needles read "
+                f"{DEFAULT_NEEDLES_DIR}, relative to the directory lm_eval runs in)."})
+    lengths: list[int] = field(default_factory=lambda: list(NEEDLE_LENGTHS), metadata={
+        "help": "Prompt tokens (the tasks exist for 1024, 2048 and 4096)."})
+    trials: int = field(default=20, metadata={"help": "Prompts per length, haystack and variant."})
+    seed: int = field(default=0, metadata={"help": "Seed of the keys and haystack offsets."})
+    keys: int = field(default=4, metadata={"help": "Doors of the multi-key variant."})
+    document_tokens: int = field(default=8192, metadata={"help": "Tokens per long document (≥ every length)."})
+    documents_per_source: int = field(default=4, metadata={"help": "Long documents taken from each text."})
+
+
+COMMANDS = ("prepare", "needles")
+
+
 def main(argv: list[str]) -> int:
-    """`prepare [--data_dir DIR]`; prints `error: ...` and returns 2 for any other command. Evaluation is
-    `training/evaluate.py` (its `--long_context_data` reads what this writes)."""
+    """`prepare [--data_dir DIR]` or `needles --tokenizer_name MODEL [...]`; prints `error: ...` and returns 2
+    for any other command. Evaluation is `training/evaluate.py` (its `--long_context_data` reads what `prepare`
+    writes); `needles` writes the data of the lm-eval tasks in configs/lm_eval/needles."""
     command, argv = (argv[0], argv[1:]) if argv else ("", [])
-    if command != "prepare":
-        print(f"error: the only command is prepare, got {command!r} (evaluate with `python training/evaluate.py "
-              "--teacher SRC --models label=DIR ...`)", file=sys.stderr)
+    if command not in COMMANDS:
+        print(f"error: the commands are {' and '.join(COMMANDS)}, got {command!r} (evaluate with `python "
+              "training/evaluate.py --teacher SRC --models label=DIR ...`)", file=sys.stderr)
         return 2
-    (args,) = HfArgumentParser(PrepareArguments).parse_args_into_dataclasses(argv)
-    for path in prepare(args.data_dir):
-        print(f"wrote {path}")
+    if command == "prepare":
+        (args,) = HfArgumentParser(PrepareArguments).parse_args_into_dataclasses(argv)
+        for path in prepare(args.data_dir):
+            print(f"wrote {path}")
+        return 0
+    (args,) = HfArgumentParser(NeedleArguments).parse_args_into_dataclasses(argv)
+    texts = load_texts(args.data_dir)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
+    documents = long_documents(tokenizer, texts, args.document_tokens, args.documents_per_source)
+    for path in write_needles(tokenizer, documents, args.output_dir, args.lengths, args.trials, args.seed,
+                              args.keys):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        changed = sum(record["tokens"] != record["length"] for record in records)
+        print(f"wrote {path}: {len(records)} prompts" + (f", {changed} of them tokenized again to another length "
+                                                         "(merges across their pieces)" if changed else ""))
     return 0
 
 
