@@ -16,10 +16,10 @@ Per layer it holds what the next token needs and nothing that grows with the con
   then the actual linear state (the keys folded at past block ends, decayed to the last position), the ring
   holds w = window_size + R positions (R = `MEMORY_BLOCK_SIZE`: the tokens that left the window during the
   current block stay raw until it ends) with their log decays (fp32 `window_log_decay` `[B, S + w, H, 1 | F]`,
-  absent without decay), plus m slots per KV head: keys and values `[B, H_kv, m, D]` in the model dtype, key
-  features `[B, H, m, F]`, recall errors (fp32) and absolute positions (long) `[B, H_kv, m]`, the log decay each
-  slot has accumulated since its token left the window (fp32 `[B, H, m, 1 | F]`, absent without decay) and a
-  bool mask `[B, H_kv, m]`;
+  absent without decay), plus m slots per KV head: keys and values `[B, H_kv, m, D]` in the model dtype (no
+  key features: the layer recomputes φ from a slot's key when it needs them), recall errors (fp32) and absolute
+  positions (long) `[B, H_kv, m]`, the log decay each slot has accumulated since its token left the window (fp32
+  `[B, H, m, 1 | F]`, absent without decay) and a bool mask `[B, H_kv, m]`;
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
   `DynamicLayer`), the only part whose size depends on the context.
 
@@ -71,7 +71,6 @@ class LinearStateLayer(CacheLayerMixin):
         self.conv_inputs: torch.Tensor | None = None
         self.memory_keys: torch.Tensor | None = None
         self.memory_values: torch.Tensor | None = None
-        self.memory_key_features: torch.Tensor | None = None
         self.memory_scores: torch.Tensor | None = None
         self.memory_positions: torch.Tensor | None = None
         self.memory_log_decay: torch.Tensor | None = None

@@ -189,6 +189,11 @@ class AttentionProjections(nn.Module):
         cos, sin = position_embeddings
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def key_features(self, k: torch.Tensor) -> torch.Tensor:
+        """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head
+        (the sparse memory recomputes its slots' features with it instead of storing them)."""
+        return self.feature_map_k(self.repeat_kv(k))
+
     def repeat_kv(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
         """[.., H_kv, ..] -> [.., H, ..] along `dim`: each KV head serves H / H_kv query heads."""
         groups = self.num_heads // self.num_kv_heads
@@ -463,7 +468,7 @@ class LinearAttention(AttentionProjections):
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         elif log_decay is not None:
             log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
-        q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(self.repeat_kv(k))  # [B, T, H, F]
+        q_feat, k_feat = self.feature_map_q(q), self.key_features(k)  # [B, T, H, F]
         if self._decode_step(q, cache_layer, None):
             return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask, cache_layer)
         state = None
@@ -501,6 +506,7 @@ class LinearAttention(AttentionProjections):
             memory = None if cache_layer is None else cache_layer.sparse_memory()
             del options["backend"]  # the blocked op reads the state directly: no linear-attention backend
             o, state, memory = sparse_window_attention(q, k, v, q_feat, k_feat, self.window_gate, memory=memory,
+                                                       key_feature_map=self.key_features,
                                                        memory_size=self.config.sparse_cache_size,
                                                        block_size=MEMORY_BLOCK_SIZE, start_position=start, **options)
         if cache_layer is not None:
@@ -607,6 +613,7 @@ class LinearAttention(AttentionProjections):
             cache_layer.state, memory, ring_part(cache_layer.window_keys),
             F.pad(ring_part(cache_layer.window_values), (0, 1), value=1.0), ring_part(cache_layer.window_key_features),
             positions, since, cache_layer.window_mask.index_select(1, candidates)[:, None].expand(-1, kv_heads, -1),
+            self.key_features,
         )
         ends = (position + 1) % block == 0
         cache_layer.state.copy_(torch.where(ends, state, cache_layer.state))

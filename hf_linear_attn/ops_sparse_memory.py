@@ -29,12 +29,17 @@ So at every query the softmax set and the linear part partition the real keys up
 deterministic in absolute positions: a full forward, a chunked prefill with any chunk size and token-by-token
 decode give the same outputs and the same memory.
 
+A memory slot holds the raw key, not its features: wherever the rule needs φ_h(k_j) of a memory token (its recall
+error, its fold), the layer's key feature map recomputes them from the stored key (`key_feature_map`), so a slot
+costs 2·D + a few scalars per KV head instead of adding H·F/H_kv features.
+
 `reference_sparse_window_attention` builds each query's sets literally from this rule (the oracle);
 `sparse_window_attention` is the fast path for a whole sequence or for a chunk behind a cache's retained tokens
 (a loop over blocks: within a block the linear part is one read of S(t0)); `recall_error` and `select_memory`
 are the block end both it and the decode step run.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -45,19 +50,21 @@ from .ops_common import NORM_EPS, accumulation_dtype, divide_at_real_queries, lo
 # R: the memory is re-chosen at the end of every block of this many absolute positions.
 MEMORY_BLOCK_SIZE = 64
 
+# The layer's key feature map on raw keys: k [B, T, H_kv, D] -> φ [B, T, H, F] (φ_h for every query head h).
+KeyFeatureMap = Callable[[Tensor], Tensor]
+
 
 class SparseMemory(NamedTuple):
     """The m memory slots of every batch row and KV head, in position order, empty slots (mask False) last.
 
-    keys [B, H_kv, m, D], values [B, H_kv, m, V] (the raw keys after RoPE and values); key_features [B, H, m, F]
-    (φ_h(k) for the G query heads of each KV head); scores [B, H_kv, m] (r at the last block end, fp32);
+    keys [B, H_kv, m, D], values [B, H_kv, m, V] (the raw keys after RoPE and values; the keys' features are
+    recomputed from them when needed, never stored); scores [B, H_kv, m] (r at the last block end, fp32);
     positions [B, H_kv, m] (absolute, long); log_decay None (no decay) or [B, H, m, 1 | F]: log of the decay
     accumulated since the token left the window (fp32); mask [B, H_kv, m] bool.
     """
 
     keys: Tensor
     values: Tensor
-    key_features: Tensor
     scores: Tensor
     positions: Tensor
     log_decay: Tensor | None
@@ -177,14 +184,13 @@ def reference_sparse_window_attention(
 
 
 def empty_memory(
-    batch: int, kv_heads: int, heads: int, size: int, key_dim: int, value_dim: int, feature_dim: int,
-    decay_dim: int | None, dtype: torch.dtype, device: torch.device,
+    batch: int, kv_heads: int, heads: int, size: int, key_dim: int, value_dim: int, decay_dim: int | None,
+    dtype: torch.dtype, device: torch.device,
 ) -> SparseMemory:
     """A memory with `size` empty slots per row and KV head (decay_dim None: no decay, else 1 or F)."""
     return SparseMemory(
         keys=torch.zeros(batch, kv_heads, size, key_dim, dtype=dtype, device=device),
         values=torch.zeros(batch, kv_heads, size, value_dim, dtype=dtype, device=device),
-        key_features=torch.zeros(batch, heads, size, feature_dim, dtype=dtype, device=device),
         scores=torch.zeros(batch, kv_heads, size, dtype=torch.float32, device=device),
         positions=torch.zeros(batch, kv_heads, size, dtype=torch.long, device=device),
         log_decay=None if decay_dim is None else torch.zeros(batch, heads, size, decay_dim, device=device),
@@ -200,34 +206,37 @@ def take(x: Tensor, index: Tensor) -> Tensor:
 
 def block_end(
     state: Tensor, memory: SparseMemory, keys: Tensor, values: Tensor, key_features: Tensor, positions: Tensor,
-    log_decay: Tensor | None, valid: Tensor,
+    log_decay: Tensor | None, valid: Tensor, key_feature_map: KeyFeatureMap,
 ) -> tuple[Tensor, SparseMemory]:
     """The end of a block: the candidates are the memory's m slots and C tokens that left the window during the
     block (keys [B, H_kv, C, D], values [B, H_kv, C, V + 1] (a ones column last), key_features [B, H, C, F],
     positions [B, H_kv, C], log_decay None or [B, H, C, 1 | F] since they left, valid [B, H_kv, C]); the memory's
-    values carry the ones column too. All are scored against `state` [B, H, F, V + 1] (the state without them,
-    decayed to the block end); the best m stay, the others are folded into the state with their decay.
-    Returns the new state and memory (its values with the ones column, its scores in the state's dtype)."""
+    values carry the ones column too, and its keys' features are `key_feature_map` of its keys (k [B, m, H_kv, D]
+    -> φ [B, m, H, F], the map the candidates' features came from). All are scored against `state` [B, H, F,
+    V + 1] (the state without them, decayed to the block end); the best m stay, the others are folded into the
+    state with their decay. Returns the new state and memory (its values with the ones column, its scores in the
+    state's dtype)."""
     cat = torch.cat
+    memory_features = key_feature_map(memory.keys.transpose(1, 2)).transpose(1, 2)  # [B, H, m, F]
+    features = cat([memory_features.to(state.dtype), key_features.to(state.dtype)], 2)  # [B, H, m + C, F]
     col = SparseMemory(
-        keys=cat([memory.keys, keys], 2), values=cat([memory.values, values], 2),
-        key_features=cat([memory.key_features, key_features], 2), scores=None,
+        keys=cat([memory.keys, keys], 2), values=cat([memory.values, values], 2), scores=None,
         positions=cat([memory.positions, positions], 2),
         log_decay=None if log_decay is None else cat([memory.log_decay, log_decay], 2),
         mask=cat([memory.mask, valid], 2),
     )
     value_dim = values.shape[-1] - 1
     with torch.no_grad():
-        scores = recall_error(state, col.key_features, col.values[..., :value_dim])  # [B, H_kv, m + C]
+        scores = recall_error(state, features, col.values[..., :value_dim])  # [B, H_kv, m + C]
     keep, keep_mask, fold = select_memory(scores, col.positions, col.mask, memory.mask.shape[-1])
     groups = state.shape[1] // keys.shape[1]
-    weights = col.key_features.to(state.dtype) * fold.repeat_interleave(groups, dim=1)[..., None]
+    weights = features * fold.repeat_interleave(groups, dim=1)[..., None]
     if col.log_decay is not None:
         weights = weights * col.log_decay.to(state.dtype).exp()
     state = state + weights.transpose(-1, -2) @ col.values.to(state.dtype).repeat_interleave(groups, dim=1)
     memory = SparseMemory(
-        keys=take(col.keys, keep), values=take(col.values, keep), key_features=take(col.key_features, keep),
-        scores=scores.gather(-1, keep), positions=col.positions.gather(-1, keep),
+        keys=take(col.keys, keep), values=take(col.values, keep), scores=scores.gather(-1, keep),
+        positions=col.positions.gather(-1, keep),
         log_decay=None if col.log_decay is None else take(col.log_decay, keep), mask=keep_mask,
     )
     return state, memory
@@ -241,6 +250,7 @@ def sparse_window_attention(
     k_feat: Tensor,
     window_gate: Tensor,
     *,
+    key_feature_map: KeyFeatureMap,
     window_size: int,
     num_sink_tokens: int,
     memory_size: int,
@@ -256,7 +266,8 @@ def sparse_window_attention(
     """The window hybrid with a sparse exact memory of `memory_size` tokens per KV head (the module's rule).
 
     q [B, T_q, H, D] (queries at the last T_q ≤ T inputs); k [B, T, H_kv, D]; v [B, T, H_kv, V]; q_feat
-    [B, T_q, H, F]; k_feat [B, T, H, F]; window_gate [H]; log_decay None, [B, T, H] or [B, T, H, F];
+    [B, T_q, H, F]; k_feat [B, T, H, F] = key_feature_map(k) (the map, k [B, ·, H_kv, D] -> φ [B, ·, H, F],
+    also gives the memory's features from its keys); window_gate [H]; log_decay None, [B, T, H] or [B, T, H, F];
     key_padding_mask None or bool [B, T]; input index i is absolute position i + start_position. The inputs in
     front of the queries are a cache's retained ones (sinks, then the last W + R positions, their real log
     decays: they decay the folds of the tokens that left during the current block); `initial_state` [B, H, F,
@@ -275,6 +286,9 @@ def sparse_window_attention(
         raise ValueError(f"memory_size must be an int ≥ 1, got {memory_size!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int ≥ 1, got {block_size!r}")
+    if not callable(key_feature_map):
+        raise TypeError(f"key_feature_map must be a callable k [B, T, H_kv, D] -> φ [B, T, H, F], got "
+                        f"{type(key_feature_map).__name__}")
     batch, queries, heads, head_dim = q.shape
     length, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     if heads % kv_heads or v.shape[:3] != k.shape[:3] or k_feat.shape[:3] != (batch, length, heads):
@@ -298,10 +312,10 @@ def sparse_window_attention(
     else:
         state = initial_state.to(dtype)
     if memory is None:
-        memory = empty_memory(batch, kv_heads, heads, memory_size, head_dim, value_dim, feature_dim,
-                              None if steps is None else steps.shape[-1], dtype, device)
-    memory = memory._replace(keys=memory.keys.to(dtype), values=with_ones(memory.values.to(dtype)),
-                             key_features=memory.key_features.to(dtype))
+        memory = empty_memory(batch, kv_heads, heads, memory_size, head_dim, value_dim,
+                              None if steps is None else steps.shape[-1], k.dtype, device)
+    # The memory's keys stay in k's dtype: their features are recomputed from them as k_feat was from k.
+    memory = memory._replace(keys=memory.keys.to(k.dtype), values=with_ones(memory.values.to(dtype)))
 
     num_sinks = min(num_sink_tokens, length)
     sink_pos = torch.argsort(sink.to(torch.int8), dim=-1, descending=True, stable=True)[:, :num_sinks]  # [B, S]
@@ -325,7 +339,8 @@ def sparse_window_attention(
         sink_allowed = sink_ok[:, None, :] & (sink_pos[:, None, :] <= t)  # [B, C, S]
         allowed = torch.cat([torch.cat([sink_allowed, in_range], dim=-1)[:, None].expand(-1, kv_heads, -1, -1),
                              memory.mask[:, :, None, :].expand(-1, -1, rows, -1)], dim=-1)  # [B, H_kv, C, K]
-        keys = torch.cat([k_sink.transpose(1, 2), k[:, first:end].to(dtype).transpose(1, 2), memory.keys], dim=2)
+        keys = torch.cat([k_sink.transpose(1, 2), k[:, first:end].to(dtype).transpose(1, 2),
+                          memory.keys.to(dtype)], dim=2)
         values = torch.cat([v_sink.transpose(1, 2), v_ones[:, first:end].transpose(1, 2), memory.values], dim=2)
         query = q[:, start - first_query : end - first_query].to(dtype).view(batch, rows, kv_heads, groups, -1)
         query = query.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * rows, -1)  # [B, H_kv, G·C, D]
@@ -356,17 +371,16 @@ def sparse_window_attention(
                 since = tail.flip(2).cumsum(2).flip(2)[:, :, : high - low]
             positions = torch.arange(low, high, device=device) + start_position
             state, memory = block_end(
-                state, memory, k[:, low:high].to(dtype).transpose(1, 2), v_ones[:, low:high].transpose(1, 2),
+                state, memory, k[:, low:high].transpose(1, 2), v_ones[:, low:high].transpose(1, 2),
                 k_feat[:, low:high].to(dtype).transpose(1, 2), positions.expand(batch, kv_heads, -1), since,
-                leaves[:, None, low:high].expand(-1, kv_heads, -1),
+                leaves[:, None, low:high].expand(-1, kv_heads, -1), key_feature_map,
             )
         start = end
     o = torch.cat(blocks, dim=2).transpose(1, 2).to(v.dtype)  # [B, T_q, H, V]
     if not output_final_state:
         return o, None, None
     final = SparseMemory(
-        keys=memory.keys.to(k.dtype), values=memory.values[..., :value_dim].to(v.dtype),
-        key_features=memory.key_features.to(k_feat.dtype), scores=memory.scores.float(),
+        keys=memory.keys, values=memory.values[..., :value_dim].to(v.dtype), scores=memory.scores.float(),
         positions=memory.positions, log_decay=None if memory.log_decay is None else memory.log_decay.float(),
         mask=memory.mask,
     )
@@ -378,5 +392,5 @@ def with_ones(values: Tensor) -> Tensor:
     return torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
 
 
-__all__ = ["MEMORY_BLOCK_SIZE", "SparseMemory", "block_end", "empty_memory", "recall_error",
+__all__ = ["MEMORY_BLOCK_SIZE", "KeyFeatureMap", "SparseMemory", "block_end", "empty_memory", "recall_error",
            "reference_sparse_window_attention", "select_memory", "sparse_window_attention"]

@@ -15,22 +15,35 @@ BLOCK = 4  # R in the tests: block ends at lengths the oracle and the tiny model
 WINDOW = dict(feature_map="hedgehog", feature_dim=8, window_size=5, num_sink_tokens=2, decay_low_rank_dim=4)
 
 
-def op_inputs(length, *, batch=2, heads=4, kv_heads=2, decay=None, dtype=torch.float32, seed=0):
-    """q [B, T, H, 8], k [B, T, H_kv, 8], v [B, T, H_kv, 5], positive features [·, 6], a log decay a ≈ 0.7 .. 1."""
+HEADS = 4  # H of the op's test inputs (H_kv = 2)
+
+
+def key_map(k):
+    """A key feature map for the op: k [B, T, H_kv, 8] -> positive φ_h [B, T, H, 6], distinct per query head h
+    (elementwise, so it gives the same features for a key whatever the shape it comes in)."""
+    k = k.repeat_interleave(HEADS // k.shape[2], dim=2)[..., :6]
+    h = torch.arange(HEADS, dtype=k.dtype)[:, None]
+    return (k * (1 + h / 2) + h / 10).sigmoid()
+
+
+def op_inputs(length, *, batch=2, kv_heads=2, decay=None, dtype=torch.float32, seed=0):
+    """q [B, T, H, 8], k [B, T, H_kv, 8], v [B, T, H_kv, 5], positive features [·, 6] (k_feat = key_map(k)), a log
+    decay a ≈ 0.7 .. 1."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen)
 
     tensors = {
-        "q": randn(batch, length, heads, 8), "k": randn(batch, length, kv_heads, 8),
-        "v": randn(batch, length, kv_heads, 5), "q_feat": randn(batch, length, heads, 6).sigmoid(),
-        "k_feat": randn(batch, length, heads, 6).sigmoid(), "window_gate": randn(heads),
+        "q": randn(batch, length, HEADS, 8), "k": randn(batch, length, kv_heads, 8),
+        "v": randn(batch, length, kv_heads, 5), "q_feat": randn(batch, length, HEADS, 6).sigmoid(),
+        "window_gate": randn(HEADS),
     }
     if decay is not None:
-        shape = {"scalar": (batch, length, heads), "vector": (batch, length, heads, 6)}[decay]
+        shape = {"scalar": (batch, length, HEADS), "vector": (batch, length, HEADS, 6)}[decay]
         tensors["log_decay"] = F.logsigmoid(randn(*shape) * 2 + 3)
-    return {name: x.to(dtype) for name, x in tensors.items()}
+    tensors = {name: x.to(dtype) for name, x in tensors.items()}
+    return {**tensors, "k_feat": key_map(tensors["k"])}
 
 
 def held_positions(memory):
@@ -51,7 +64,8 @@ def test_fast_path_matches_the_rule(decay, sinks, dtype, start):
     options = dict(window_size=4, num_sink_tokens=sinks, memory_size=3, scale=0.4, key_padding_mask=mask,
                    block_size=BLOCK, start_position=start)
     expected, positions = reference_sparse_window_attention(**inputs, **options)
-    o, state, memory = sparse_window_attention(**inputs, output_final_state=True, **options)
+    o, state, memory = sparse_window_attention(**inputs, key_feature_map=key_map, output_final_state=True,
+                                               **options)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(o, expected, atol=tolerance, rtol=tolerance)
     assert o.dtype == dtype and (o[1, :6] == 0).all()  # pad queries output 0
@@ -65,7 +79,8 @@ def test_initial_state_and_a_memory_larger_than_the_tokens_that_left():
     options = dict(window_size=4, num_sink_tokens=1, memory_size=20, scale=0.4, initial_state=state,
                    block_size=BLOCK)
     expected, positions = reference_sparse_window_attention(**inputs, **options)
-    o, _, memory = sparse_window_attention(**inputs, output_final_state=True, **options)
+    o, _, memory = sparse_window_attention(**inputs, key_feature_map=key_map, output_final_state=True,
+                                           **options)
     torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(held_positions(memory), positions)
     # Block ends after queries 3 and 7: tokens 0 .. 3 have left by the second, token 0 is the sink.
@@ -75,8 +90,8 @@ def test_initial_state_and_a_memory_larger_than_the_tokens_that_left():
 def test_a_memory_holding_everything_is_causal_softmax_attention():
     """No initial state and m ≥ T: nothing stays in the linear part, and γ cancels: exact softmax attention."""
     inputs = op_inputs(70, decay="vector", seed=1)
-    o, _, _ = sparse_window_attention(**inputs, window_size=6, num_sink_tokens=2, memory_size=70, scale=0.3,
-                                      block_size=BLOCK)
+    o, _, _ = sparse_window_attention(**inputs, key_feature_map=key_map, window_size=6, num_sink_tokens=2,
+                                      memory_size=70, scale=0.3, block_size=BLOCK)
     q, k, v = (x.transpose(1, 2) for x in (inputs["q"], inputs["k"], inputs["v"]))
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                               is_causal=True, scale=0.3).transpose(1, 2)
@@ -90,7 +105,7 @@ def test_full_resets_match_the_rule_and_gradients_stay_finite():
     expected, _ = reference_sparse_window_attention(**inputs, **options)
     for x in inputs.values():
         x.requires_grad_()
-    o, _, _ = sparse_window_attention(**inputs, **options)
+    o, _, _ = sparse_window_attention(**inputs, key_feature_map=key_map, **options)
     torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5)
     o.square().sum().backward()
     for name, x in inputs.items():
@@ -101,10 +116,14 @@ def test_op_refuses_bad_memory_and_block_sizes():
     inputs = op_inputs(8)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="memory_size"):
-            sparse_window_attention(**inputs, window_size=4, num_sink_tokens=0, memory_size=bad, scale=0.4)
+            sparse_window_attention(**inputs, key_feature_map=key_map, window_size=4, num_sink_tokens=0,
+                                    memory_size=bad, scale=0.4)
         with pytest.raises(ValueError, match="block_size"):
-            sparse_window_attention(**inputs, window_size=4, num_sink_tokens=0, memory_size=2, scale=0.4,
-                                    block_size=bad)
+            sparse_window_attention(**inputs, key_feature_map=key_map, window_size=4, num_sink_tokens=0,
+                                    memory_size=2, scale=0.4, block_size=bad)
+    with pytest.raises(TypeError, match="key_feature_map must be a callable"):
+        sparse_window_attention(**inputs, key_feature_map=inputs["k_feat"], window_size=4, num_sink_tokens=0,
+                                memory_size=2, scale=0.4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,6 +214,29 @@ def test_decode_is_fixed_shape_and_the_cache_constant_in_length():
         sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1]
     assert LinearStateLayer.is_compileable
+
+
+@pytest.mark.parametrize("decay", ["none", "vector"])
+def test_memory_slots_hold_keys_not_features(decay):
+    """The memory's bytes are its keys, values, scores, positions, log decays and mask (plus R more ring positions
+    and the ring's log decays): no per-query-head features for its slots."""
+    size, sinks, window = 8, WINDOW["num_sink_tokens"], WINDOW["window_size"]
+    caches = {}
+    for m in (0, size):
+        model = tiny_model(**WINDOW, decay=decay, sparse_cache_size=m)
+        caches[m] = LinearAttentionCache(model.config)
+        with torch.no_grad():
+            model(prompts([3 * BLOCK + 1])[0][None], cache=caches[m])
+    config, layer = model.config, caches[size].layers[0]
+    item = layer.window_keys.element_size()
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    features = layer.window_key_features.shape[-1]
+    decay_dim = {"none": 0, "vector": features}[decay]
+    ring_slot = 2 * kv_heads * head_dim * item + heads * features * item + 1  # key, value, φ, mask
+    memory_slot = kv_heads * (2 * head_dim * item + 4 + 8 + 1) + heads * decay_dim * 4  # ..., scores, pos, mask
+    per_layer = BLOCK * ring_slot + (sinks + window + BLOCK) * heads * decay_dim * 4 + size * memory_slot
+    assert caches[size].nbytes() - caches[0].nbytes() == len(caches[size].layers) * per_layer
+    assert layer.sparse_memory().keys.shape == (1, kv_heads, size, head_dim)
 
 
 def test_set_on_a_loaded_config_it_takes_effect_and_old_caches_are_refused(tmp_path):
