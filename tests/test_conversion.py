@@ -117,7 +117,8 @@ def test_convert_cli_takes_every_attention_option(tmp_path):
     assert {name: getattr(config, name) for name in ATTENTION_OPTIONS} == {
         "feature_map": "elu", "feature_dim": None, "normalize": False, "output_norm": True, "decay": "vector",
         "decay_low_rank_dim": 4, "decay_horizon": 2048, "window_size": 0, "num_sink_tokens": 0, "softmax_layers": [],
-        "linear_attention_backend": "torch", "update_rule": "additive", "conv_size": 0, "output_gate": False}
+        "linear_attention_backend": "torch", "update_rule": "additive", "conv_size": 0, "output_gate": False,
+        "sparse_cache_size": 0}
 
 
 def test_conversion_defaults_are_the_lolcats_recipe():
