@@ -593,8 +593,13 @@ class LinearAttention(AttentionProjections):
     def memory_block_end(self, cache_layer: LinearStateLayer, position: torch.Tensor, ring: int) -> None:
         """After the query at `position` (0-d): if it ends a block, re-score the memory and the R ring tokens that
         left the window during the block (the oldest R slots, positions position − ring + 1 ..), keep the best m
-        and fold the rest into the state, in place (computed at every step, kept only at a block end)."""
+        and fold the rest into the state, in place. Eager, it returns at once between block ends (one read of
+        the position); traced (compile, export), it is computed at every step and kept only at a block end, so
+        that the step has no branch on a tensor's value."""
         sinks, window, block = self.config.num_sink_tokens, self.config.window_size, MEMORY_BLOCK_SIZE
+        ends = (position + 1) % block == 0
+        if not _tracing() and not bool(ends):
+            return
         order = sinks + (position + 1 + torch.arange(ring, device=position.device)) % ring  # oldest first
         candidates = order[:block]
 
@@ -615,7 +620,6 @@ class LinearAttention(AttentionProjections):
             positions, since, cache_layer.window_mask.index_select(1, candidates)[:, None].expand(-1, kv_heads, -1),
             self.key_features,
         )
-        ends = (position + 1) % block == 0
         cache_layer.state.copy_(torch.where(ends, state, cache_layer.state))
         cache_layer.store_memory(memory._replace(values=memory.values[..., :-1]), where=ends)
 
