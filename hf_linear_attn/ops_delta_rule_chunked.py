@@ -50,6 +50,30 @@ from torch import Tensor
 from .ops_common import CHUNK_SIZE, accumulation_dtype
 
 
+class _UnitLowerTriangularInverse(torch.autograd.Function):
+    """(I + A)⁻¹ for strictly lower-triangular A [..., C, C] (entries on and above the diagonal are ignored).
+
+    One batched triangular solve against I, with a backward of two batched products: from T = (I + A)⁻¹,
+    dT = −T dA T, so the gradient of A is −Tᵀ (∂L/∂T) Tᵀ below the diagonal (zero elsewhere, as A is read only
+    there). Autograd through `torch.linalg.solve_triangular` would instead solve again in the backward, and a
+    solve on CPU runs several times slower than a product of the same size.
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor) -> Tensor:
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+        inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+        ctx.save_for_backward(inverse)
+        return inverse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_inverse: Tensor) -> Tensor:
+        (inverse,) = ctx.saved_tensors
+        transposed = inverse.transpose(-1, -2)
+        return -(transposed @ grad_inverse @ transposed).tril(-1)
+
+
 def _chunk_layout(length: int, bounds: list[int], device: torch.device) -> tuple[Tensor, Tensor, list[range]]:
     """Where each token goes in the chunk stream of the sequences bounds[n]:bounds[n + 1] of a length-T axis.
 
@@ -117,23 +141,20 @@ def chunk_delta_rule(
     # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
     pair_decay = torch.where(causal, decay_sums[..., 1:, :].transpose(-1, -2), -torch.inf).exp()  # [.., C, C]
 
-    # The UT transform: (I + A) [W_v, W_k] = [β ⊙ V, β Γ ⊙ K] (the solver takes A's unit diagonal as given).
+    # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched inverse and one batched product.
     strictly_lower = token[:, None] > token[None, :]
     ut_system = torch.where(strictly_lower, beta[..., None] * pair_decay * (k @ k.transpose(-1, -2)), 0.0)
     rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
-    w = torch.linalg.solve_triangular(ut_system, rhs, upper=False, unitriangular=True)
+    w = _UnitLowerTriangularInverse.apply(ut_system) @ rhs
     w_v, w_k = w[..., :value_dim], w[..., value_dim:]
 
-    # Across a chunk S_C = P S_0 + R: the transition P and the update R for all chunks at once.
-    k_to_end = pair_decay[..., -1, :, None] * k  # K_C, [B, H, N, C, K]
-    eye = torch.eye(key_dim, dtype=dtype, device=q.device)
-    transition = gamma[..., -1, None, None] * eye - k_to_end.transpose(-1, -2) @ w_k  # P, [B, H, N, K, K]
-    update = k_to_end.transpose(-1, -2) @ w_v  # R, [B, H, N, K, V]
-
+    # The only sequential part: per chunk U = W_v − W_k S_0 and the state after it, S_C = Γ_{C−1} S_0 + K_Cᵀ U.
+    k_to_end = (pair_decay[..., -1, :, None] * k).transpose(-1, -2)  # K_Cᵀ, [B, H, N, K, C]
+    decay_to_end = gamma[..., -1, None, None]  # Γ_{C−1}, [B, H, N, 1, 1]
     # unbind once: indexing the [B, H, N, ...] tensors inside the loop would give each step a backward that
     # writes a full-size gradient, O(N²) work in all
-    steps = list(zip(transition.unbind(2), update.unbind(2), strict=True))
-    entering, finals = [], []  # the state entering each chunk; the final state of each sequence
+    steps = list(zip(*(x.unbind(2) for x in (w_v, w_k, k_to_end, decay_to_end)), strict=True))
+    entering, pseudo_values, finals = [], [], []  # S_0 and U of each chunk; the final state of each sequence
     for n, sequence_chunks in enumerate(chunks):
         # [B, H, K, V] for the batch, or [1, H, K, V] for packed sequence n
         sequence = slice(None) if cu_seqlens is None else slice(n, n + 1)
@@ -142,13 +163,15 @@ def chunk_delta_rule(
         else:
             state = initial_state[sequence].to(dtype)
         for c in sequence_chunks:
+            w_v_c, w_k_c, k_to_end_c, decay_to_end_c = steps[c]
+            u_c = w_v_c - w_k_c @ state
             entering.append(state)
-            transition_c, update_c = steps[c]
-            state = transition_c @ state + update_c
+            pseudo_values.append(u_c)
+            state = decay_to_end_c * state + k_to_end_c @ u_c
         finals.append(state)
     s0 = torch.stack(entering, dim=2)  # [B, H, N, K, V]
+    u = torch.stack(pseudo_values, dim=2)  # pseudo-values U, [B, H, N, C, V]
 
-    u = w_v - w_k @ s0  # pseudo-values U, [B, H, N, C, V]
     scores = (q @ k.transpose(-1, -2)) * pair_decay  # M ⊙ Q̃Kᵀ, [B, H, N, C, C]
     o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
     o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
