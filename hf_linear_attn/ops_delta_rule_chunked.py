@@ -142,8 +142,10 @@ def chunk_delta_rule(
     pair_decay = torch.where(causal, decay_sums[..., 1:, :].transpose(-1, -2), -torch.inf).exp()  # [.., C, C]
 
     # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched inverse and one batched product.
-    strictly_lower = token[:, None] > token[None, :]
-    ut_system = torch.where(strictly_lower, beta[..., None] * pair_decay * (k @ k.transpose(-1, -2)), 0.0)
+    # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
+    decayed_products = (torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, CHUNK_SIZE))
+    decayed_products = decayed_products * pair_decay[..., None, :, :]  # [B, H, N, 2, C, C]
+    ut_system = (beta[..., None] * decayed_products[..., 0, :, :]).tril(-1)  # A
     rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
     w = _UnitLowerTriangularInverse.apply(ut_system) @ rhs
     w_v, w_k = w[..., :value_dim], w[..., value_dim:]
@@ -172,8 +174,7 @@ def chunk_delta_rule(
     s0 = torch.stack(entering, dim=2)  # [B, H, N, K, V]
     u = torch.stack(pseudo_values, dim=2)  # pseudo-values U, [B, H, N, C, V]
 
-    scores = (q @ k.transpose(-1, -2)) * pair_decay  # M ⊙ Q̃Kᵀ, [B, H, N, C, C]
-    o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
+    o = (gamma[..., None] * q) @ s0 + decayed_products[..., 1, :, :] @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
     o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
     o = o.index_select(2, real).transpose(1, 2)  # [B, T, H, V]
     return o.to(out_dtype), torch.cat(finals) if output_final_state else None
