@@ -121,12 +121,15 @@ def chunk_delta_rule(
     bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
     source, real, chunks = _chunk_layout(length, bounds, q.device)
     num_chunks = len(source) // CHUNK_SIZE
+    # the zero token(s) `source` points at: the padding of a single sequence, one to gather from for packed ones
+    pad_tokens = len(source) - length if cu_seqlens is None else 1
 
     def to_chunks(x: Tensor) -> Tensor:
         """[B, T, H, ...] → [B, H, num_chunks, C, ...] in the accumulation dtype, pad tokens zero."""
-        x = torch.cat([x.to(dtype), x.new_zeros((batch, 1, *x.shape[2:]), dtype=dtype)], dim=1)
-        x = x.index_select(1, source).movedim(1, 2)  # [B, H, T', ...]
-        return x.reshape(batch, heads, num_chunks, CHUNK_SIZE, *x.shape[3:])
+        x = torch.cat([x.to(dtype), x.new_zeros((batch, pad_tokens, *x.shape[2:]), dtype=dtype)], dim=1)
+        if cu_seqlens is not None:  # one sequence needs only the pad tokens at its end
+            x = x.index_select(1, source)
+        return x.movedim(1, 2).reshape(batch, heads, num_chunks, CHUNK_SIZE, *x.shape[3:])  # [B, H, T', ...]
 
     out_dtype = v.dtype
     q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
@@ -176,5 +179,6 @@ def chunk_delta_rule(
 
     o = (gamma[..., None] * q) @ s0 + decayed_products[..., 1, :, :] @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
     o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
-    o = o.index_select(2, real).transpose(1, 2)  # [B, T, H, V]
+    o = o[:, :, :length] if cu_seqlens is None else o.index_select(2, real)
+    o = o.transpose(1, 2)  # [B, T, H, V]
     return o.to(out_dtype), torch.cat(finals) if output_final_state else None
