@@ -147,11 +147,11 @@ def chunk_delta_rule(
     # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched inverse and one batched product.
     # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
     decayed_products = (torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, CHUNK_SIZE))
-    decayed_products = decayed_products * pair_decay[..., None, :, :]  # [B, H, N, 2, C, C]
-    ut_system = (beta[..., None] * decayed_products[..., 0, :, :]).tril(-1)  # A
+    decayed_keys, scores = (decayed_products * pair_decay[..., None, :, :]).unbind(-3)  # each [B, H, N, C, C]
+    ut_system = (beta[..., None] * decayed_keys).tril(-1)  # A
     rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
     w = _UnitLowerTriangularInverse.apply(ut_system) @ rhs
-    w_v, w_k = w[..., :value_dim], w[..., value_dim:]
+    w_v, w_k = w.split([value_dim, key_dim], dim=-1)  # split, not slices: a slice's backward fills a full zero
 
     # The only sequential part: per chunk U = W_v − W_k S_0 and the state after it, S_C = Γ_{C−1} S_0 + K_Cᵀ U.
     k_to_end = (pair_decay[..., -1, :, None] * k).transpose(-1, -2)  # K_Cᵀ, [B, H, N, K, C]
@@ -177,7 +177,7 @@ def chunk_delta_rule(
     s0 = torch.stack(entering, dim=2)  # [B, H, N, K, V]
     u = torch.stack(pseudo_values, dim=2)  # pseudo-values U, [B, H, N, C, V]
 
-    o = (gamma[..., None] * q) @ s0 + decayed_products[..., 1, :, :] @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
+    o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
     o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
     o = o[:, :, :length] if cu_seqlens is None else o.index_select(2, real)
     o = o.transpose(1, 2)  # [B, T, H, V]
