@@ -50,28 +50,31 @@ from torch import Tensor
 from .ops_common import CHUNK_SIZE, accumulation_dtype
 
 
-class _UnitLowerTriangularInverse(torch.autograd.Function):
-    """(I + A)⁻¹ for strictly lower-triangular A [..., C, C] (entries on and above the diagonal are ignored).
+class _UnitLowerTriangularSolve(torch.autograd.Function):
+    """W = (I + A)⁻¹ R for strictly lower-triangular A [..., C, C] (entries on and above its diagonal are ignored)
+    and R [..., C, D].
 
-    One batched triangular solve against I, with a backward of two batched products: from T = (I + A)⁻¹,
-    dT = −T dA T, so the gradient of A is −Tᵀ (∂L/∂T) Tᵀ below the diagonal (zero elsewhere, as A is read only
-    there). Autograd through `torch.linalg.solve_triangular` would instead solve again in the backward, and a
-    solve on CPU runs several times slower than a product of the same size.
+    Forward: T = (I + A)⁻¹ by one batched triangular solve against I, then W = T R. Backward, from
+    d(I + A)⁻¹ = −T dA T: ∂L/∂R = Tᵀ ∂L/∂W and ∂L/∂A = −(∂L/∂R) Wᵀ below the diagonal (zero elsewhere, as A is
+    read only there): two batched products with the saved T and W. Autograd through `torch.linalg.solve_triangular`
+    would solve again in the backward, and a batch of small solves on CPU runs several times slower than products
+    of the same size.
     """
 
     @staticmethod
-    def forward(ctx, a: Tensor) -> Tensor:
+    def forward(ctx, a: Tensor, rhs: Tensor) -> Tensor:
         eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
         inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
-        ctx.save_for_backward(inverse)
-        return inverse
+        w = inverse @ rhs
+        ctx.save_for_backward(inverse, w)
+        return w
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_inverse: Tensor) -> Tensor:
-        (inverse,) = ctx.saved_tensors
-        transposed = inverse.transpose(-1, -2)
-        return -(transposed @ grad_inverse @ transposed).tril(-1)
+    def backward(ctx, grad_w: Tensor) -> tuple[Tensor, Tensor]:
+        inverse, w = ctx.saved_tensors
+        grad_rhs = inverse.transpose(-1, -2) @ grad_w
+        return -(grad_rhs @ w.transpose(-1, -2)).tril(-1), grad_rhs
 
 
 def _chunk_layout(length: int, bounds: list[int], device: torch.device) -> tuple[Tensor, Tensor, list[range]]:
@@ -144,13 +147,13 @@ def chunk_delta_rule(
     # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
     pair_decay = torch.where(causal, decay_sums[..., 1:, :].transpose(-1, -2), -torch.inf).exp()  # [.., C, C]
 
-    # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched inverse and one batched product.
+    # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched solve.
     # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
     decayed_products = (torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, CHUNK_SIZE))
     decayed_keys, scores = (decayed_products * pair_decay[..., None, :, :]).unbind(-3)  # each [B, H, N, C, C]
     ut_system = (beta[..., None] * decayed_keys).tril(-1)  # A
     rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
-    w = _UnitLowerTriangularInverse.apply(ut_system) @ rhs
+    w = _UnitLowerTriangularSolve.apply(ut_system, rhs)
     w_v, w_k = w.split([value_dim, key_dim], dim=-1)  # split, not slices: a slice's backward fills a full zero
 
     # The only sequential part: per chunk U = W_v − W_k S_0 and the state after it, S_C = Γ_{C−1} S_0 + K_Cᵀ U.
