@@ -159,26 +159,27 @@ def chunk_delta_rule(
     # The only sequential part: per chunk U = W_v − W_k S_0 and the state after it, S_C = Γ_{C−1} S_0 + K_Cᵀ U.
     k_to_end = (pair_decay[..., -1, :, None] * k).transpose(-1, -2)  # K_Cᵀ, [B, H, N, K, C]
     decay_to_end = gamma[..., -1, None, None]  # Γ_{C−1}, [B, H, N, 1, 1]
-    # unbind once: indexing the [B, H, N, ...] tensors inside the loop would give each step a backward that
+    # Batch and heads flattened so that each step is two fused multiply-adds (baddbmm) on [B·H, ...] matrices.
+    # unbind once: indexing the [B·H, N, ...] tensors inside the loop would give each step a backward that
     # writes a full-size gradient, O(N²) work in all
-    steps = list(zip(*(x.unbind(2) for x in (w_v, w_k, k_to_end, decay_to_end)), strict=True))
+    steps = list(zip(*(x.flatten(0, 1).unbind(1) for x in (w_v, w_k, k_to_end, decay_to_end)), strict=True))
     entering, pseudo_values, finals = [], [], []  # S_0 and U of each chunk; the final state of each sequence
     for n, sequence_chunks in enumerate(chunks):
-        # [B, H, K, V] for the batch, or [1, H, K, V] for packed sequence n
+        # [B·H, K, V] for the batch, or [H, K, V] for packed sequence n
         sequence = slice(None) if cu_seqlens is None else slice(n, n + 1)
         if initial_state is None:
-            state = q.new_zeros(1 if cu_seqlens is not None else batch, heads, key_dim, value_dim)
+            state = q.new_zeros((1 if cu_seqlens is not None else batch) * heads, key_dim, value_dim)
         else:
-            state = initial_state[sequence].to(dtype)
+            state = initial_state[sequence].to(dtype).flatten(0, 1)
         for c in sequence_chunks:
             w_v_c, w_k_c, k_to_end_c, decay_to_end_c = steps[c]
-            u_c = w_v_c - w_k_c @ state
+            u_c = torch.baddbmm(w_v_c, w_k_c, state, alpha=-1)  # W_v − W_k S_0
             entering.append(state)
             pseudo_values.append(u_c)
-            state = decay_to_end_c * state + k_to_end_c @ u_c
-        finals.append(state)
-    s0 = torch.stack(entering, dim=2)  # [B, H, N, K, V]
-    u = torch.stack(pseudo_values, dim=2)  # pseudo-values U, [B, H, N, C, V]
+            state = torch.baddbmm(decay_to_end_c * state, k_to_end_c, u_c)  # Γ_{C−1} S_0 + K_Cᵀ U
+        finals.append(state.unflatten(0, (-1, heads)))
+    s0 = torch.stack(entering, dim=1).unflatten(0, (batch, heads))  # [B, H, N, K, V]
+    u = torch.stack(pseudo_values, dim=1).unflatten(0, (batch, heads))  # pseudo-values U, [B, H, N, C, V]
 
     o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
     o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
