@@ -129,7 +129,9 @@ def chunk_delta_rule(
 
     def to_chunks(x: Tensor) -> Tensor:
         """[B, T, H, ...] → [B, H, num_chunks, C, ...] in the accumulation dtype, pad tokens zero."""
-        x = torch.cat([x.to(dtype), x.new_zeros((batch, pad_tokens, *x.shape[2:]), dtype=dtype)], dim=1)
+        x = x.to(dtype)
+        if pad_tokens:
+            x = torch.cat([x, x.new_zeros((batch, pad_tokens, *x.shape[2:]))], dim=1)
         if cu_seqlens is not None:  # one sequence needs only the pad tokens at its end
             x = x.index_select(1, source)
         return x.movedim(1, 2).reshape(batch, heads, num_chunks, CHUNK_SIZE, *x.shape[3:])  # [B, H, T', ...]
