@@ -140,20 +140,20 @@ def chunk_delta_rule(
     q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
     q = q * scale  # Q̃
 
-    # D[..., 1 + i, t] = Σ_{i<s≤t} g_s for i = −1 .. C−1 (row 0 is the chunk start), a cumulative sum per row.
+    # D[..., t, i] = Σ_{i<s≤t} g_s for t ≥ i: a cumulative sum over s of g_s masked to s > i, per column i.
     token = torch.arange(CHUNK_SIZE, device=q.device)
-    after = token[None, :] > torch.arange(-1, CHUNK_SIZE, device=q.device)[:, None]  # [C + 1, C]: s > i
-    decay_sums = torch.where(after, g[..., None, :], 0.0).cumsum(-1)  # [B, H, N, C + 1, C]
-    gamma = decay_sums[..., 0, :].exp()  # Γ_t, [B, H, N, C]
-    causal = token[:, None] >= token[None, :]  # [C, C]: i ≤ t
+    strictly_lower, causal = token[:, None] > token[None, :], token[:, None] >= token[None, :]  # [C, C]
+    decay_sums = torch.where(strictly_lower, g[..., :, None], 0.0).cumsum(-2)  # [B, H, N, C, C]
     # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
-    pair_decay = torch.where(causal, decay_sums[..., 1:, :].transpose(-1, -2), -torch.inf).exp()  # [.., C, C]
+    pair_decay = torch.where(causal, decay_sums, -torch.inf).exp()
+    gamma = g.cumsum(-1).exp()  # Γ_t = exp(D(−1, t)), [B, H, N, C]
 
-    # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched solve.
     # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
     decayed_products = (torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, CHUNK_SIZE))
     decayed_keys, scores = (decayed_products * pair_decay[..., None, :, :]).unbind(-3)  # each [B, H, N, C, C]
-    ut_system = (beta[..., None] * decayed_keys).tril(-1)  # A
+
+    # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched solve.
+    ut_system = beta[..., None] * decayed_keys  # A below its diagonal, the only part the solve reads
     rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
     w = _UnitLowerTriangularSolve.apply(ut_system, rhs)
     w_v, w_k = w.split([value_dim, key_dim], dim=-1)  # split, not slices: a slice's backward fills a full zero
