@@ -140,12 +140,13 @@ def chunk_delta_rule(
     q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
     q = q * scale  # Q̃
 
-    # D[..., t, i] = Σ_{i<s≤t} g_s for t ≥ i: a cumulative sum over s of g_s masked to s > i, per column i.
+    # D[..., i, t] = Σ_{i<s≤t} g_s for t ≥ i: a cumulative sum over s of g_s masked to s > i, per row i (along
+    # the last dim: along another one its backward is several times slower).
     token = torch.arange(CHUNK_SIZE, device=q.device)
     strictly_lower, causal = token[:, None] > token[None, :], token[:, None] >= token[None, :]  # [C, C]
-    decay_sums = torch.where(strictly_lower, g[..., :, None], 0.0).cumsum(-2)  # [B, H, N, C, C]
+    decay_sums = torch.where(strictly_lower.T, g[..., None, :], 0.0).cumsum(-1)  # [B, H, N, C, C]
     # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
-    pair_decay = torch.where(causal, decay_sums, -torch.inf).exp()
+    pair_decay = torch.where(causal, decay_sums.transpose(-1, -2), -torch.inf).exp()
     gamma = g.cumsum(-1).exp()  # Γ_t = exp(D(−1, t)), [B, H, N, C]
 
     # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
