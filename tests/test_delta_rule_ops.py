@@ -10,7 +10,7 @@ from helpers import assert_close_in_float64, make_delta_rule_inputs, outputs_and
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
-from hf_linear_attn.ops_delta_rule_chunked import CHUNK_SIZE
+from hf_linear_attn.ops_delta_rule_chunked import CHUNK_SIZE, _UnitLowerTriangularSolve
 
 C = CHUNK_SIZE
 # The pure-torch functions, not whatever kernel package the decorator may have swapped in.
@@ -140,6 +140,23 @@ def test_matches_transformers_qwen3_next(reference, l2norm_in_kernel, length):
 
     expected = outputs_and_grads(reference_attention, inputs)
     assert_close_in_float64(outputs_and_grads(ours, inputs), expected, 1e-5)  # both float32: measured ≤ 8e-7
+
+
+def test_ut_solve_matches_autograd_of_a_triangular_solve():
+    """The hand-written backward of W = (I + A)⁻¹ R: values and gradients equal those of autograd through
+    `torch.linalg.solve_triangular`; A's entries on and above its diagonal are ignored (zero gradient)."""
+    gen = torch.Generator().manual_seed(0)
+    a = (0.3 * torch.randn(2, 3, 7, 7, generator=gen, dtype=torch.float64)).requires_grad_()
+    rhs = torch.randn(2, 3, 7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 3, 7, 5, generator=gen, dtype=torch.float64)
+    w = _UnitLowerTriangularSolve.apply(a, rhs)
+    eye = torch.eye(7, dtype=torch.float64)
+    w_expected = torch.linalg.solve_triangular(eye + a.tril(-1), rhs, upper=False)
+    actual = [w, *torch.autograd.grad((w * weight).sum(), [a, rhs])]
+    expected = [w_expected, *torch.autograd.grad((w_expected * weight).sum(), [a, rhs])]
+    assert_close_in_float64(actual, expected, 1e-12)
+    assert not actual[1].triu().any()
+    assert torch.autograd.gradcheck(_UnitLowerTriangularSolve.apply, (a, rhs))
 
 
 def test_defaults_and_optional_state():
