@@ -142,9 +142,9 @@ def chunk_delta_rule(
         x = x.to(dtype)
         if pad_tokens:
             x = torch.cat([x, x.new_zeros((batch, pad_tokens, *x.shape[2:]))], dim=1)
-        if cu_seqlens is not None:  # one sequence needs only the pad tokens at its end
+        if cu_seqlens is not None:  # packed sequences are gathered into whole chunks; one needs only the padding
             x = x.index_select(1, source)
-        return x.movedim(1, 2).reshape(batch, heads, num_chunks, CHUNK_SIZE, *x.shape[3:])  # [B, H, T', ...]
+        return x.movedim(1, 2).reshape(batch, heads, num_chunks, CHUNK_SIZE, *x.shape[3:])
 
     out_dtype = v.dtype
     q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
