@@ -87,6 +87,63 @@ class _UnitLowerTriangularSolve(torch.autograd.Function):
         return -(grad_rhs @ w.transpose(-1, -2)).tril(-1), grad_rhs
 
 
+class _ChunkStates(torch.autograd.Function):
+    """The sequential part: per chunk c, U_c = W_v,c − W_k,c S and S ← Γ_c S + K_c U_c, from each sequence's
+    initial state.
+
+    w_v [N, R, C, V], w_k [N, R, C, K], k_to_end [N, R, K, C] (K_c, the chunk's K_Cᵀ), decay_to_end [N, R, 1, 1]
+    (Γ_c) for N
+    chunks of R = B·H rows; initial [S, R, K, V] for S sequences; chunks[n] the chunk range of sequence n.
+    Returns the state entering each chunk [N, R, K, V], the pseudo-values U [N, R, C, V] and the final state of
+    each sequence [S, R, K, V].
+
+    Written as a Function so that the loop runs outside autograd, into preallocated outputs (measured ~4% faster
+    forward+backward at T = 4K than autograd through the loop), and the backward (the same recurrence in reverse)
+    loops only over what is sequential: from the gradient dS' of the state after
+    chunk c, dU_c += K_cᵀ dS' and dS = Γ_c dS' − W_k,cᵀ dU_c + ∂L/∂S_c. The gradients of W_v, W_k, K_c and Γ_c
+    then are batched products over all chunks.
+    """
+
+    @staticmethod
+    def forward(ctx, w_v: Tensor, w_k: Tensor, k_to_end: Tensor, decay_to_end: Tensor, initial: Tensor,
+                chunks: list[range]) -> tuple[Tensor, Tensor, Tensor]:
+        entering = w_v.new_empty(*w_v.shape[:2], *initial.shape[2:])
+        u = torch.empty_like(w_v)
+        finals = torch.empty_like(initial)
+        for n, sequence_chunks in enumerate(chunks):
+            if not sequence_chunks:
+                finals[n] = initial[n]
+                continue
+            entering[sequence_chunks.start] = initial[n]
+            for c in sequence_chunks:  # each state is written where it is kept: entering the next chunk, or final
+                torch.baddbmm(w_v[c], w_k[c], entering[c], alpha=-1, out=u[c])
+                after = entering[c + 1] if c + 1 in sequence_chunks else finals[n]
+                torch.baddbmm(decay_to_end[c] * entering[c], k_to_end[c], u[c], out=after)
+        ctx.chunks = chunks
+        ctx.save_for_backward(w_k, k_to_end, decay_to_end, entering, u)
+        return entering, u, finals
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_entering: Tensor, grad_u: Tensor, grad_finals: Tensor):
+        w_k, k_to_end, decay_to_end, entering, u = ctx.saved_tensors
+        grad_u = grad_u.clone()  # becomes the full gradient of U, dU_c + K_cᵀ dS'
+        grad_after = torch.empty_like(entering)  # dS' of each chunk
+        grad_initial = torch.empty_like(grad_finals)
+        for n, sequence_chunks in enumerate(ctx.chunks):
+            grad_state = grad_finals[n]
+            for c in reversed(sequence_chunks):
+                grad_after[c] = grad_state
+                grad_u[c].baddbmm_(k_to_end[c].transpose(-1, -2), grad_state)
+                grad_state = torch.baddbmm(decay_to_end[c] * grad_state + grad_entering[c], w_k[c].transpose(-1, -2),
+                                           grad_u[c], alpha=-1)
+            grad_initial[n] = grad_state
+        grad_w_k = -(grad_u @ entering.transpose(-1, -2))
+        grad_k_to_end = grad_after @ u.transpose(-1, -2)
+        grad_decay_to_end = (grad_after * entering).sum((-1, -2), keepdim=True)
+        return grad_u, grad_w_k, grad_k_to_end, grad_decay_to_end, grad_initial, None
+
+
 def _chunk_layout(length: int, bounds: list[int], device: torch.device) -> tuple[Tensor, Tensor, list[range]]:
     """Where each token goes in the chunk stream of the sequences bounds[n]:bounds[n + 1] of a length-T axis.
 
@@ -138,13 +195,14 @@ def chunk_delta_rule(
     pad_tokens = len(source) - length if cu_seqlens is None else 1
 
     def to_chunks(x: Tensor) -> Tensor:
-        """[B, T, H, ...] → [B, H, num_chunks, C, ...] in the accumulation dtype, pad tokens zero."""
+        """[B, T, H, ...] → [num_chunks, B·H, C, ...] in the accumulation dtype, pad tokens zero."""
         x = x.to(dtype)
         if pad_tokens:
             x = torch.cat([x, x.new_zeros((batch, pad_tokens, *x.shape[2:]))], dim=1)
         if cu_seqlens is not None:  # packed sequences are gathered into whole chunks; one needs only the padding
             x = x.index_select(1, source)
-        return x.movedim(1, 2).reshape(batch, heads, num_chunks, CHUNK_SIZE, *x.shape[3:])
+        x = x.unflatten(1, (num_chunks, CHUNK_SIZE)).movedim(3, 2).movedim(0, 1)  # [N, B, H, C, ...]
+        return x.flatten(1, 2)
 
     out_dtype = v.dtype
     q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
@@ -154,48 +212,30 @@ def chunk_delta_rule(
     # the last dim: along another one its backward is several times slower).
     token = torch.arange(CHUNK_SIZE, device=q.device)
     strictly_lower, causal = token[:, None] > token[None, :], token[:, None] >= token[None, :]  # [C, C]
-    decay_sums = torch.where(strictly_lower.T, g[..., None, :], 0.0).cumsum(-1)  # [B, H, N, C, C]
+    decay_sums = torch.where(strictly_lower.T, g[..., None, :], 0.0).cumsum(-1)  # [N, B·H, C, C]
     # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
     pair_decay = torch.where(causal, decay_sums.transpose(-1, -2), -torch.inf).exp()
-    gamma = g.cumsum(-1).exp()  # Γ_t = exp(D(−1, t)), [B, H, N, C]
+    gamma = g.cumsum(-1).exp()  # Γ_t = exp(D(−1, t)), [N, B·H, C]
 
     # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
     decayed_products = (torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, CHUNK_SIZE))
-    decayed_keys, scores = (decayed_products * pair_decay[..., None, :, :]).unbind(-3)  # each [B, H, N, C, C]
+    decayed_keys, scores = (decayed_products * pair_decay[..., None, :, :]).unbind(-3)  # each [N, B·H, C, C]
 
     # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched solve.
     ut_system = beta[..., None] * decayed_keys  # A below its diagonal, the only part the solve reads
-    rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [B, H, N, C, V + K]
+    rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [N, B·H, C, V + K]
     w = _UnitLowerTriangularSolve.apply(ut_system, rhs)
     w_v, w_k = w.split([value_dim, key_dim], dim=-1)  # split, not slices: a slice's backward fills a full zero
 
-    # The only sequential part: per chunk U = W_v − W_k S_0 and the state after it, S_C = Γ_{C−1} S_0 + K_Cᵀ U.
-    k_to_end = (pair_decay[..., -1, :, None] * k).transpose(-1, -2)  # K_Cᵀ, [B, H, N, K, C]
-    decay_to_end = gamma[..., -1, None, None]  # Γ_{C−1}, [B, H, N, 1, 1]
-    # Batch and heads flattened so that each step is two fused multiply-adds (baddbmm) on [B·H, ...] matrices.
-    # unbind once: indexing the [B·H, N, ...] tensors inside the loop would give each step a backward that
-    # writes a full-size gradient, O(N²) work in all
-    steps = list(zip(*(x.flatten(0, 1).unbind(1) for x in (w_v, w_k, k_to_end, decay_to_end)), strict=True))
-    entering, pseudo_values, finals = [], [], []  # S_0 and U of each chunk; the final state of each sequence
-    for n, sequence_chunks in enumerate(chunks):
-        # [B·H, K, V] for the batch, or [H, K, V] for packed sequence n
-        sequence = slice(None) if cu_seqlens is None else slice(n, n + 1)
-        if initial_state is None:
-            state = q.new_zeros((1 if cu_seqlens is not None else batch) * heads, key_dim, value_dim)
-        else:
-            state = initial_state[sequence].to(dtype).flatten(0, 1)
-        for c in sequence_chunks:
-            w_v_c, w_k_c, k_to_end_c, decay_to_end_c = steps[c]
-            u_c = torch.baddbmm(w_v_c, w_k_c, state, alpha=-1)  # W_v − W_k S_0
-            entering.append(state)
-            pseudo_values.append(u_c)
-            state = torch.baddbmm(decay_to_end_c * state, k_to_end_c, u_c)  # Γ_{C−1} S_0 + K_Cᵀ U
-        finals.append(state.unflatten(0, (-1, heads)))
-    s0 = torch.stack(entering, dim=1).unflatten(0, (batch, heads))  # [B, H, N, K, V]
-    u = torch.stack(pseudo_values, dim=1).unflatten(0, (batch, heads))  # pseudo-values U, [B, H, N, C, V]
+    # The only sequential part: the state entering each chunk S_0 and U = W_v − W_k S_0.
+    k_to_end = (pair_decay[..., -1, :, None] * k).transpose(-1, -2)  # K_Cᵀ, [N, B·H, K, C]
+    decay_to_end = gamma[..., -1, None, None]  # Γ_{C−1}, [N, B·H, 1, 1]
+    # [S, B·H, K, V]: one sequence of B·H rows, or S packed sequences of H rows (B = 1)
+    initial_shape = (len(chunks), batch * heads, key_dim, value_dim)
+    initial = q.new_zeros(initial_shape) if initial_state is None else initial_state.to(dtype).reshape(initial_shape)
+    s0, u, finals = _ChunkStates.apply(w_v, w_k, k_to_end.contiguous(), decay_to_end, initial, chunks)
 
-    o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U
-    o = o.reshape(batch, heads, num_chunks * CHUNK_SIZE, value_dim)
-    o = o[:, :, :length] if cu_seqlens is None else o.index_select(2, real)
-    o = o.transpose(1, 2)  # [B, T, H, V]
-    return o.to(out_dtype), torch.cat(finals) if output_final_state else None
+    o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U, [N, B·H, C, V]
+    o = o.unflatten(1, (batch, heads)).movedim(0, 1).movedim(2, 3).flatten(1, 2)  # [B, T', H, V]
+    o = o[:, :length] if cu_seqlens is None else o.index_select(1, real)
+    return o.to(out_dtype), finals.reshape(-1, heads, key_dim, value_dim) if output_final_state else None

@@ -10,7 +10,7 @@ from helpers import assert_close_in_float64, make_delta_rule_inputs, outputs_and
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
-from hf_linear_attn.ops_delta_rule_chunked import CHUNK_SIZE, _UnitLowerTriangularSolve
+from hf_linear_attn.ops_delta_rule_chunked import CHUNK_SIZE, _ChunkStates, _UnitLowerTriangularSolve
 
 C = CHUNK_SIZE
 # The pure-torch functions, not whatever kernel package the decorator may have swapped in.
@@ -157,6 +157,22 @@ def test_ut_solve_matches_autograd_of_a_triangular_solve():
     assert_close_in_float64(actual, expected, 1e-12)
     assert not actual[1].triu().any()
     assert torch.autograd.gradcheck(_UnitLowerTriangularSolve.apply, (a, rhs))
+
+
+def test_chunk_state_loop_gradients():
+    """The hand-written backward of the loop over chunks, by finite differences: three sequences of 2, 0 and 1
+    chunks (rows R = 2, C = 3, K = 4, V = 2), each from its own initial state."""
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
+
+    chunks = [range(0, 2), range(2, 2), range(2, 3)]
+    inputs = (leaf(3, 2, 3, 2), leaf(3, 2, 3, 4, scale=0.3), leaf(3, 2, 4, 3, scale=0.3),
+              torch.rand(3, 2, 1, 1, generator=gen, dtype=torch.float64).requires_grad_(), leaf(3, 2, 4, 2))
+    entering, u, finals = _ChunkStates.apply(*inputs, chunks)
+    assert torch.equal(entering[2], inputs[4][2].detach()) and torch.equal(finals[1], inputs[4][1].detach())
+    assert torch.autograd.gradcheck(lambda *x: _ChunkStates.apply(*x, chunks), inputs)
 
 
 def test_defaults_and_optional_state():
