@@ -92,8 +92,8 @@ class _ChunkStates(torch.autograd.Function):
     initial state.
 
     w_v [N, R, C, V], w_k [N, R, C, K], k_to_end [N, R, K, C] (K_c, the chunk's K_Cᵀ), decay_to_end [N, R, 1, 1]
-    (Γ_c) for N
-    chunks of R = B·H rows; initial [S, R, K, V] for S sequences; chunks[n] the chunk range of sequence n.
+    (Γ_c) for N chunks of R = B·H rows; initial [S, R, K, V] for S sequences; chunks[n] the chunk range of
+    sequence n.
     Returns the state entering each chunk [N, R, K, V], the pseudo-values U [N, R, C, V] and the final state of
     each sequence [S, R, K, V].
 
