@@ -10,7 +10,7 @@ from helpers import assert_close_in_float64, make_delta_rule_inputs, outputs_and
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
-from hf_linear_attn.ops_delta_rule_chunked import CHUNK_SIZE
+from hf_linear_attn.ops_delta_rule_chunked import CHUNK_SIZE, _ChunkStates, _UnitLowerTriangularSolve
 
 C = CHUNK_SIZE
 # The pure-torch functions, not whatever kernel package the decorator may have swapped in.
@@ -92,11 +92,11 @@ def test_minus_inf_decay_resets_the_state(backend):
     chunked backend's gradients stay finite and equal the oracle's."""
     inputs = make_inputs(2 * C + 5, with_state=True)
     log_decay = inputs["log_decay"].detach().clone()
-    for reset in (3, C - 1, C, C + 40):  # inside a chunk, at its last and first token
+    for reset in (3, C - 1, C, C + C // 2 + 8):  # inside a chunk, at its last and first token
         log_decay[0, reset, 0] = -torch.inf
     inputs["log_decay"] = log_decay.requires_grad_()
     o, _ = delta_rule_attention(**inputs, backend=backend)
-    reset = C + 40
+    reset = C + C // 2 + 8
     fresh = {n: x[:1, reset:, :1].detach() for n, x in inputs.items() if n != "initial_state"}
     fresh["log_decay"][:, 0] = 0.0  # the decay at the reset would act on a zero state anyway
     o_fresh, _ = delta_rule_attention(**fresh, backend="recurrent")
@@ -140,6 +140,39 @@ def test_matches_transformers_qwen3_next(reference, l2norm_in_kernel, length):
 
     expected = outputs_and_grads(reference_attention, inputs)
     assert_close_in_float64(outputs_and_grads(ours, inputs), expected, 1e-5)  # both float32: measured ≤ 8e-7
+
+
+def test_ut_solve_matches_autograd_of_a_triangular_solve():
+    """The hand-written backward of W = (I + A)⁻¹ R: values and gradients equal those of autograd through
+    `torch.linalg.solve_triangular`; A's entries on and above its diagonal are ignored (zero gradient)."""
+    gen = torch.Generator().manual_seed(0)
+    a = (0.3 * torch.randn(2, 3, 7, 7, generator=gen, dtype=torch.float64)).requires_grad_()
+    rhs = torch.randn(2, 3, 7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 3, 7, 5, generator=gen, dtype=torch.float64)
+    w = _UnitLowerTriangularSolve.apply(a, rhs)
+    eye = torch.eye(7, dtype=torch.float64)
+    w_expected = torch.linalg.solve_triangular(eye + a.tril(-1), rhs, upper=False)
+    actual = [w, *torch.autograd.grad((w * weight).sum(), [a, rhs])]
+    expected = [w_expected, *torch.autograd.grad((w_expected * weight).sum(), [a, rhs])]
+    assert_close_in_float64(actual, expected, 1e-12)
+    assert not actual[1].triu().any()
+    assert torch.autograd.gradcheck(_UnitLowerTriangularSolve.apply, (a, rhs))
+
+
+def test_chunk_state_loop_gradients():
+    """The hand-written backward of the loop over chunks, by finite differences: three sequences of 2, 0 and 1
+    chunks (rows R = 2, C = 3, K = 4, V = 2), each from its own initial state."""
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
+
+    chunks = [range(0, 2), range(2, 2), range(2, 3)]
+    inputs = (leaf(3, 2, 3, 2), leaf(3, 2, 3, 4, scale=0.3), leaf(3, 2, 4, 3, scale=0.3),
+              torch.rand(3, 2, 1, 1, generator=gen, dtype=torch.float64).requires_grad_(), leaf(3, 2, 4, 2))
+    entering, u, finals = _ChunkStates.apply(*inputs, chunks)
+    assert torch.equal(entering[2], inputs[4][2].detach()) and torch.equal(finals[1], inputs[4][1].detach())
+    assert torch.autograd.gradcheck(lambda *x: _ChunkStates.apply(*x, chunks), inputs)
 
 
 def test_defaults_and_optional_state():
@@ -225,3 +258,4 @@ def test_benchmark_script_runs(tmp_path):
     timed = [r for r in rows if r["method"] == "torch" and "fwd_bwd_speedup_vs_recurrent" in r]
     assert [r["T"] for r in timed] == [70, 130]
     assert all(r["fwd_bwd_ms"] > 0 and r["fwd_bwd_peak_mib"] >= 0 for r in rows)
+    assert all(r["fwd_bwd_mmap_ms"] > 0 for r in rows if r["part"] == "speed")  # the peak runs' own times
