@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from common import reset_peak_rss, rss_kib
+from common import added_peak_mib, reset_peak_rss
 from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
@@ -149,7 +149,7 @@ def run_child(args: DecodeBenchmarkArguments) -> None:
     model = build(kind, args)
     baseline = reset_peak_rss()
     prefill(model, new_cache(model), int(length), args.prefill_chunk)
-    print(json.dumps({"peak_mib": (rss_kib("VmHWM") - baseline) / 1024}))
+    print(json.dumps({"peak_mib": added_peak_mib(baseline)}))
 
 
 class StepClock(BaseStreamer):

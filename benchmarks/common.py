@@ -12,7 +12,8 @@ from pathlib import Path
 
 from training.report import machine, write_report
 
-__all__ = ["machine", "measure", "reset_peak_rss", "return_freed_memory_to_the_os", "rss_kib", "write_report"]
+__all__ = ["added_peak_mib", "machine", "measure", "reset_peak_rss", "return_freed_memory_to_the_os", "rss_kib",
+           "write_report"]
 
 
 def return_freed_memory_to_the_os() -> None:
@@ -32,11 +33,16 @@ def rss_kib(field_name: str = "VmRSS") -> int:
 
 
 def reset_peak_rss() -> int:
-    """Reset VmHWM to the current RSS and return it (KiB): a later `rss_kib("VmHWM")` minus this value is the
-    peak added by what ran in between, never negative (comparing with a VmRSS read before the reset could be,
-    when something frees memory in between)."""
+    """Reset VmHWM to the current RSS and return it (KiB), the baseline of `added_peak_mib`."""
     Path("/proc/self/clear_refs").write_text("5")
     return rss_kib("VmHWM")
+
+
+def added_peak_mib(baseline: int) -> float:
+    """MiB that the peak RSS rose above `baseline` (from `reset_peak_rss`). The kernel's RSS counters are
+    approximate (counted in per-CPU batches), so a run that adds almost nothing can read a few pages below the
+    baseline: that is a peak of 0, not a negative one."""
+    return max(rss_kib("VmHWM") - baseline, 0) / 1024
 
 
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -47,4 +53,4 @@ def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), (rss_kib("VmHWM") - baseline) / 1024
+    return statistics.median(times), added_peak_mib(baseline)
