@@ -107,6 +107,9 @@ class _ChunkStates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w_v: Tensor, w_k: Tensor, k_to_end: Tensor, decay_to_end: Tensor, initial: Tensor,
                 chunks: list[range]) -> tuple[Tensor, Tensor, Tensor]:
+        # Detached: autograd sees only this Function, and `out=` refuses inputs that require grad, which they do
+        # where the forward is traced inline (torch.export) rather than run under the Function's no-grad mode.
+        w_v, w_k, k_to_end, decay_to_end, initial = (x.detach() for x in (w_v, w_k, k_to_end, decay_to_end, initial))
         entering = w_v.new_empty(*w_v.shape[:2], *initial.shape[2:])
         u = torch.empty_like(w_v)
         finals = torch.empty_like(initial)
