@@ -10,7 +10,7 @@ import torch
 from helpers import VARIANTS, left_pad, prompts, tiny_model
 from transformers import CompileConfig
 
-from hf_linear_attn import LinearAttentionCache
+from hf_linear_attn import LinearAttentionCache, modeling_linear_attention
 
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 # Linear, decayed linear, every kind of hybrid and the delta rule with its convolution.
@@ -79,6 +79,23 @@ def test_generate_with_a_compiled_forward_gives_the_eager_tokens(name):
     compiled = model.generate(ids, attention_mask=mask, max_new_tokens=6, compile_config=config, **GREEDY)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
     torch.testing.assert_close(compiled, eager)
+
+
+def test_compiled_decode_with_a_sparse_memory_gives_the_eager_logits(monkeypatch):
+    """Traced, the memory's block end runs at every step and is kept only where a block ends (no branch on a
+    value): compiled steps through several block ends (blocks of 4 here) give the eager logits, in one graph."""
+    monkeypatch.setattr(modeling_linear_attention, "MEMORY_BLOCK_SIZE", 4)
+    model = tiny_model(**VARIANTS["hedgehog-window-sinks-scalar-decay-sparse-memory"])
+    ids, feed = torch.randint(3, 128, (2, 11)), torch.randint(3, 128, (2, 10))
+    logits = {}
+    for compiled in (False, True):
+        step = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False) if compiled else model
+        cache = LinearAttentionCache(model.config)
+        with torch.no_grad():
+            model(ids, cache=cache)
+            logits[compiled] = torch.cat([step(feed[:, i : i + 1], cache=cache).logits for i in range(10)], dim=1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(logits[True], logits[False])
 
 
 def test_inductor_compiled_decode_gives_the_eager_tokens():
