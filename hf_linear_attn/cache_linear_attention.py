@@ -82,8 +82,7 @@ class LinearStateLayer(CacheLayerMixin):
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors this layer holds, by attribute name (only those that exist yet; not the position counter)."""
         names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "window_log_decay",
-                 "conv_inputs",
-                 *MEMORY_FIELDS.values())
+                 "conv_inputs", *MEMORY_FIELDS.values())
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, fn) -> None:
@@ -123,21 +122,19 @@ class LinearStateLayer(CacheLayerMixin):
         """The retained keys, values `[B, R, H_kv, D]`, key features `[B, R, H, F]` and mask `[B, R]` in sequence
         order: the S sink slots first, then the window positions p − w .. p − 1 oldest first (p = positions
         seen), as `window_attention` takes them in front of new tokens."""
-        sinks = self.window_keys.shape[1] - window_size
-        shift = -(self.get_seq_length() % window_size)  # ring slot S + q mod w holds position q
-
-        def ordered(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([x[:, :sinks], x[:, sinks:].roll(shift, dims=1)], dim=1)
-
-        return tuple(ordered(x) for x in (self.window_keys, self.window_values, self.window_key_features,
-                                          self.window_mask))
+        return tuple(self._in_sequence_order(x, window_size) for x in (
+            self.window_keys, self.window_values, self.window_key_features, self.window_mask))
 
     def retained_log_decay(self, window_size: int) -> torch.Tensor:
         """The retained slots' log decays `[B, R, H, 1 | F]` (fp32, 0 at the sink slots) in the order of
         `retained_window` (sparse memory only: they decay the folds of the tokens that left during a block)."""
-        sinks = self.window_log_decay.shape[1] - window_size
+        return self._in_sequence_order(self.window_log_decay, window_size)
+
+    def _in_sequence_order(self, slots: torch.Tensor, window_size: int) -> torch.Tensor:
+        """Sink slots then ring slots `[B, S + w, ...]` in sequence order (ring slot S + q mod w holds position q)."""
+        sinks = slots.shape[1] - window_size
         shift = -(self.get_seq_length() % window_size)
-        return torch.cat([self.window_log_decay[:, :sinks], self.window_log_decay[:, sinks:].roll(shift, dims=1)], 1)
+        return torch.cat([slots[:, :sinks], slots[:, sinks:].roll(shift, dims=1)], dim=1)
 
     def store_window(
         self,

@@ -495,16 +495,15 @@ class LinearAttention(AttentionProjections):
             key_padding_mask=new_mask if masked else None,
             initial_state=state,
             output_final_state=cache_layer is not None,
-            backend=self.config.linear_attention_backend,
         )
         if not sparse:
             o, state = window_attention(q, self.repeat_kv(k), self.repeat_kv(v), q_feat, k_feat, self.window_gate,
-                                        **options)
+                                        backend=self.config.linear_attention_backend, **options)
         else:
             # Input index i is absolute position i + start (the retained ring ends at the positions seen so far).
             start = 0 if state is None else cache_layer.get_seq_length() - (k.shape[1] - t)
             memory = None if cache_layer is None else cache_layer.sparse_memory()
-            del options["backend"]  # the blocked op reads the state directly: no linear-attention backend
+            # The blocked op reads the state directly: it takes no linear-attention backend.
             o, state, memory = sparse_window_attention(q, k, v, q_feat, k_feat, self.window_gate, memory=memory,
                                                        key_feature_map=self.key_features,
                                                        memory_size=self.config.sparse_cache_size,

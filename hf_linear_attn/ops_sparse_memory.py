@@ -302,7 +302,7 @@ def sparse_window_attention(
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, device)
     leaves = real & ~sink
 
-    v_ones = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # [B, T, H_kv, V + 1]
+    v_ones = with_ones(v.to(dtype))  # [B, T, H_kv, V + 1]
     steps = None  # [B, H, T, 1 | F], raised to the floor: sums of it stay finite
     if log_decay is not None:
         steps = log_decay if log_decay.dim() == 4 else log_decay[..., None]
