@@ -71,3 +71,17 @@ def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
     first, second = arguments(), arguments()
     first.softmax_layers.append(2)
     assert second.softmax_layers == [1]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--feature_map", "identity", "--feature_dim", "32"], "feature_dim"),
+    (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--memory_sizes", "64"],
+     "memory_sizes"),
+], ids=["attention option", "memory without window"])
+def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, capsys):
+    from training import demo
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main([*argv, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

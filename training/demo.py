@@ -35,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_linear_attn import convert_to_linear_attention
+from hf_linear_attn.configuration_linear_attention import AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from training.convert import restore_ranked_layers
 from training.data import DataArguments
@@ -114,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.output_dir)
     start = time.perf_counter()
-    with exit_on_bad_input():
+    with exit_on_bad_input():  # every argument is checked before minutes of work
+        AttentionOptions(**attention_options(args))
+        if args.memory_sizes and args.window_size == 0:
+            raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
+                             "leave it); give window_size > 0 or memory_sizes: []")
         folder = smollm2_folder()
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
