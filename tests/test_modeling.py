@@ -105,7 +105,7 @@ def test_out_of_range_token_id_names_input_ids_and_vocab_size(bad):
 
 
 @pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
-                                  "gated-delta-conv"])
+                                  "gated-delta-conv", "gated-delta-window-sinks"])
 def test_batch_of_one_left_padded_row_equals_the_row_unpadded(name):
     """A single left-padded row (the default positions give every pad position 0) is no packed document."""
     model = tiny_model(**VARIANTS[name])
@@ -188,7 +188,8 @@ def test_config_output_hidden_states_and_return_dict_are_the_defaults():
 
 
 @pytest.mark.parametrize("name", ["elu", "qwen3-like-hybrid", "hedgehog-window-sinks", "elu-scalar-decay",
-                                  "gated-delta-conv", "hedgehog-window-sinks-vector-decay"])
+                                  "gated-delta-conv", "hedgehog-window-sinks-vector-decay",
+                                  "gated-delta-window-sinks"])
 def test_torch_export_of_the_no_cache_forward_matches_eager(name):
     model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 9))
@@ -205,7 +206,7 @@ def test_torch_export_of_the_no_cache_forward_matches_eager(name):
                                model(other_ids, use_cache=False).logits)
 
 
-@pytest.mark.parametrize("name", ["t2r-vector-decay", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["t2r-vector-decay", "gated-delta-conv", "gated-delta-window-sinks"])
 def test_labels_give_shifted_cross_entropy_and_gradients_reach_every_parameter(name):
     model = tiny_model(**VARIANTS[name]).train()
     ids = torch.randint(3, 128, (2, 33))
@@ -288,7 +289,7 @@ def test_generate_left_padded_batch_without_cache_equals_each_alone():
         torch.testing.assert_close(out[row, -5:], alone[0, -5:])
 
 
-@pytest.mark.parametrize("name", ["elu-scalar-decay", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "gated-delta-conv", "gated-delta-window-sinks"])
 def test_bf16_forward_is_close_to_fp32(name):
     model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 70))
@@ -348,7 +349,8 @@ def test_peft_lora_on_attention_projections():
 
 
 @pytest.mark.parametrize("name", ["elu-scalar-decay", "t2r-vector-decay", "hedgehog-window-sinks",
-                                  "qwen3-like-hybrid", "gated-delta-conv", "hedgehog-window-sinks-vector-decay"])
+                                  "qwen3-like-hybrid", "gated-delta-conv", "hedgehog-window-sinks-vector-decay",
+                                  "gated-delta-window-sinks"])
 def test_packed_documents_equal_each_document_alone(name):
     """DataCollatorWithFlattening's format: one row, position_ids restarting at 0 at each document."""
     model = tiny_model(**VARIANTS[name])
