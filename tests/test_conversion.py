@@ -1,5 +1,6 @@
 """Conversion of Llama / Mistral / Qwen2 / Qwen3 checkpoints: copied weights, exactness at window >= T."""
 
+import math
 import subprocess
 import sys
 
@@ -297,7 +298,11 @@ def test_delta_window_conversion_starts_as_the_teachers_sliding_window():
            if name.startswith("model.layers.0.") and name not in source.state_dict()}
     assert new == {"beta_proj.weight", "qkv_conv.weight", "g_proj.weight", "decay_proj.weight", "decay_proj.bias",
                    "o_norm.weight", "window_gate"}
-    assert not student.model.layers[0].self_attn.window_gate.any()
+    layer = student.model.layers[0].self_attn
+    assert not layer.window_gate.any()
+    # The decay gate starts with the window hybrid's long memory: a = 1 − 1/decay_horizon for every token.
+    log_decay = layer.log_decay(torch.randn(1, 5, 64))
+    torch.testing.assert_close(log_decay, torch.full_like(log_decay, math.log(1 - 1 / 2048)), rtol=1e-5, atol=0)
     ids = torch.randint(0, 96, (2, 40))
     with torch.no_grad():
         start = student(ids).logits
