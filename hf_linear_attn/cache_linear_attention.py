@@ -20,6 +20,10 @@ Per layer it holds what the next token needs and nothing that grows with the con
   key features: the layer recomputes φ from a slot's key when it needs them), recall errors (fp32) and absolute
   positions (long) `[B, H_kv, m]`, the log decay each slot has accumulated since its token left the window (fp32
   `[B, H, m, 1 | F]`, absent without decay) and a bool mask `[B, H_kv, m]`;
+- delta-rule window-hybrid layers (`update_rule="delta"`, `window_size` > 0): `state` is the delta-rule state of
+  the tokens that have left the window, fp32 `[B, H, K, V]`; the ring is the window hybrid's, its key features
+  holding the L2-normalised φ(k) the delta rule takes, plus each slot's write strength β (fp32 `window_beta`
+  `[B, S + w, H]`, 0 in the sink slots): what a token needs to enter the state when it leaves the window;
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
   `DynamicLayer`), the only part whose size depends on the context.
 
@@ -68,6 +72,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.window_key_features: torch.Tensor | None = None
         self.window_mask: torch.Tensor | None = None
         self.window_log_decay: torch.Tensor | None = None
+        self.window_beta: torch.Tensor | None = None
         self.conv_inputs: torch.Tensor | None = None
         self.memory_keys: torch.Tensor | None = None
         self.memory_values: torch.Tensor | None = None
@@ -82,7 +87,7 @@ class LinearStateLayer(CacheLayerMixin):
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors this layer holds, by attribute name (only those that exist yet; not the position counter)."""
         names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "window_log_decay",
-                 "conv_inputs", *MEMORY_FIELDS.values())
+                 "window_beta", "conv_inputs", *MEMORY_FIELDS.values())
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, fn) -> None:
@@ -130,6 +135,11 @@ class LinearStateLayer(CacheLayerMixin):
         `retained_window` (sparse memory only: they decay the folds of the tokens that left during a block)."""
         return self._in_sequence_order(self.window_log_decay, window_size)
 
+    def retained_beta(self, window_size: int) -> torch.Tensor:
+        """The retained slots' write strengths β `[B, R, H]` (fp32, 0 at the sink slots) in the order of
+        `retained_window` (delta-rule window hybrid only: a token enters the delta state with its β when it leaves)."""
+        return self._in_sequence_order(self.window_beta, window_size)
+
     def _in_sequence_order(self, slots: torch.Tensor, window_size: int) -> torch.Tensor:
         """Sink slots then ring slots `[B, S + w, ...]` in sequence order (ring slot S + q mod w holds position q)."""
         sinks = slots.shape[1] - window_size
@@ -145,6 +155,7 @@ class LinearStateLayer(CacheLayerMixin):
         window_size: int,
         num_sink_tokens: int,
         log_decay: torch.Tensor | None = None,
+        beta: torch.Tensor | None = None,
     ) -> None:
         """Keep, of keys/values `[B, L, H_kv, D]`, key features `[B, L, H, F]` and mask `[B, L]` (the retained
         tokens in sequence order, if any, followed by the new ones), the sinks (first `num_sink_tokens` real
@@ -152,7 +163,8 @@ class LinearStateLayer(CacheLayerMixin):
         window counts positions, so a decode step sees a hole where the full forward does) in the ring, whose
         slot S + q mod w holds position q. A sink is kept in its sink slot only (its ring slot is masked).
         Everything else has been folded into the state by the caller. With log_decay (`[B, L, H]` or `[B, L, H, F]`,
-        sparse memory only) the ring also keeps each position's log decay. Call after `advance`."""
+        sparse memory only) the ring also keeps each position's log decay; with beta (`[B, L, H]`, delta-rule window
+        hybrid only) each position's write strength. Call after `advance`."""
         batch, length = mask.shape
         sinks, window = num_sink_tokens, window_size
         rank = mask.long().cumsum(-1) - 1
@@ -160,6 +172,8 @@ class LinearStateLayer(CacheLayerMixin):
         ring = (keys, values, key_features, mask & ~is_sink)
         if log_decay is not None:
             ring = (*ring, (log_decay if log_decay.dim() == 4 else log_decay[..., None]).float())
+        if beta is not None:
+            ring = (*ring, beta.float())
         if length < window:  # fewer positions than the window: empty (masked) slots stand for those before
             ring = tuple(torch.cat([x.new_zeros(batch, window - length, *x.shape[2:]), x], dim=1) for x in ring)
         shift = self.get_seq_length() % window  # the last w positions end at p − 1 (p = positions seen now)
@@ -175,9 +189,10 @@ class LinearStateLayer(CacheLayerMixin):
         sink_slots.append(key_features.new_zeros(batch, sinks, *key_features.shape[2:]))  # a sink never folds
         names = ("window_keys", "window_values", "window_key_features", "window_mask")
         sink_slots.append(found)
-        if log_decay is not None:
-            names = (*names, "window_log_decay")
-            sink_slots.append(ring[-1].new_zeros(batch, sinks, *ring[-1].shape[2:]))
+        per_position_names = {"window_log_decay": log_decay, "window_beta": beta}
+        names = (*names, *(name for name, given in per_position_names.items() if given is not None))
+        for per_position in ring[4:]:  # the log decays and β: zero in the sink slots (a sink never folds)
+            sink_slots.append(per_position.new_zeros(batch, sinks, *per_position.shape[2:]))
         for name, sink_part, ring_part in zip(names, sink_slots, ring, strict=True):
             self.write(name, torch.cat([sink_part, ring_part], dim=1))
 
@@ -241,7 +256,7 @@ class LinearStateLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state = self.window_keys = self.window_values = self.window_key_features = self.window_mask = None
-        self.window_log_decay = None
+        self.window_log_decay = self.window_beta = None
         self.conv_inputs = self.seen = None
         for name in MEMORY_FIELDS.values():
             setattr(self, name, None)

@@ -106,9 +106,10 @@ class AttentionOptions:
         None, "Feature dimension F of the learned maps (t2r outputs F features, hedgehog 2F); default head_dim. "
         "Leave it unset for the fixed maps.")
     normalize: bool = _option(
-        True, "Divide by φ(q)ᵀz (the Linear Transformer denominator). The window hybrid needs it: its softmax and "
-        "linear parts share one normaliser.")
-    output_norm: bool = _option(False, "Per-head RMSNorm on the attention output before o_proj (GLA-style).")
+        True, "Divide by φ(q)ᵀz (the Linear Transformer denominator). The additive window hybrid needs it: its "
+        "softmax and linear parts share one normaliser.")
+    output_norm: bool = _option(False, "Per-head RMSNorm on the attention output before o_proj (GLA-style); in "
+                                        "the delta-rule window hybrid, on its state part only.")
     decay: str = _option(
         "none", "none; fixed (RetNet per-head γ_h = 1 - 2^(-5-h), in the window hybrid 1 - 2^(-8-h)); scalar "
         "(data-dependent per head, Mamba-2 / simple GLA); vector (data-dependent per key dimension, GLA). In the "
@@ -121,12 +122,13 @@ class AttentionOptions:
         "training, so quality does not fall beyond the training length.")
     window_size: int = _option(
         0, "0 disables; otherwise exact softmax over the last window_size tokens (plus the num_sink_tokens first "
-        "ones) and linear attention over older ones (LoLCATs), mixed through a learned per-head γ. "
-        "window_size + num_sink_tokens may not exceed max_position_embeddings.")
+        "ones) and linear attention over older ones (LoLCATs), mixed through a learned per-head γ; with "
+        "update_rule='delta', the window's softmax plus λ_h times the delta-rule state of the tokens that have left "
+        "the window. window_size + num_sink_tokens may not exceed max_position_embeddings.")
     num_sink_tokens: int = _option(0, "First tokens always attended with softmax (window hybrid only).")
     sparse_cache_size: int = _option(
-        0, "Window hybrid only: 0 disables; otherwise m exact key/value pairs per KV head that have left the window "
-        "stay under softmax (a training-free sparse memory, LoLA's re-scoring): those the current linear state "
+        0, "Additive window hybrid only: 0 disables; otherwise m exact key/value pairs per KV head that have left the "
+        "window stay under softmax (a training-free sparse memory, LoLA's re-scoring): those the current linear state "
         "recalls worst, re-chosen every MEMORY_BLOCK_SIZE = 64 positions; the rest is folded into the linear "
         "part. The cache grows by m slots and 64 window positions per layer and KV head, constant in the "
         "context. Setting it on a loaded "
@@ -138,14 +140,15 @@ class AttentionOptions:
     update_rule: str = _option(
         "additive", "How a token enters the state: additive (S += φ(k)vᵀ, the Linear Transformer) or delta "
         "(S = a(I - βkkᵀ)S + βkvᵀ, DeltaNet / Gated DeltaNet: q and k are L2-normalised after φ, a learned "
-        "β = sigmoid(xW) per head; needs normalize=False, window_size=0, a decay of none/fixed/scalar and a "
-        f"feature_map of {'/'.join(DELTA_FEATURE_MAPS)}).", choices=UPDATE_RULES)
+        "β = sigmoid(xW) per head; needs normalize=False, a decay of none/fixed/scalar and a feature_map of "
+        f"{'/'.join(DELTA_FEATURE_MAPS)}; with window_size > 0 only the tokens that have left the window enter "
+        "the state, beside exact softmax over the window; no sparse_cache_size).", choices=UPDATE_RULES)
     conv_size: int = _option(
         0, "0 disables; otherwise a causal depthwise convolution of that width over time on the q/k/v projections, "
         "before RoPE and φ (Gated DeltaNet uses 4). Its last conv_size - 1 inputs live in the cache.")
     output_gate: bool = _option(
         False, "Multiply the attention output (after output_norm) by silu(x W_g) per channel (Gated DeltaNet: with "
-        "output_norm=True, o = RMSNorm(o) * silu(g_proj(x))).")
+        "output_norm=True, o = RMSNorm(o) * silu(g_proj(x))); in the delta-rule window hybrid, its state part only.")
 
     def __post_init__(self) -> None:
         _check_choice("feature_map", self.feature_map, FEATURE_MAPS)
@@ -173,7 +176,7 @@ class AttentionOptions:
         check_sparse_cache_size(self)
         if self.num_sink_tokens > 0 and self.window_size == 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "sink tokens need the window hybrid (window_size > 0)")
-        if self.window_size > 0 and not self.normalize:
+        if self.window_size > 0 and not self.normalize and self.update_rule == "additive":
             _fail("normalize", self.normalize, "the window hybrid shares one normaliser between its softmax and "
                   "linear parts: window_size > 0 needs normalize=True")
         layers = [] if self.softmax_layers is None else self.softmax_layers
@@ -186,10 +189,6 @@ class AttentionOptions:
 
     def _check_delta_rule(self) -> None:
         """The combinations update_rule='delta' supports (see DELTA_FEATURE_MAPS and the help of update_rule)."""
-        if self.window_size > 0:
-            _fail("window_size", self.window_size, "the window hybrid's linear part is additive (keys leaving the "
-                  "window are added to its state with a shared softmax normaliser): update_rule='delta' needs "
-                  "window_size=0")
         if self.normalize:
             _fail("normalize", self.normalize, "update_rule='delta' has no normaliser (its keys are L2-normalised "
                   "and the state stores values, not sums): pass normalize=False")
@@ -210,10 +209,13 @@ def check_sparse_cache_size(options: Any) -> None:
     model checks it again before every forward, since it may be set on a loaded model's config."""
     value = options.sparse_cache_size
     _check_int("sparse_cache_size", value, 0)
+    if value > 0 and options.update_rule == "delta":
+        _fail("sparse_cache_size", value, "the sparse memory re-scores the tokens that have left the window against "
+              "an additive linear state, and update_rule='delta' has none (its state part is the delta rule's): "
+              "pass sparse_cache_size=0 with update_rule='delta'")
     if value > 0 and options.window_size == 0:
-        rule = " (update_rule='delta' has no window)" if options.update_rule == "delta" else ""
-        _fail("sparse_cache_size", value, f"the sparse memory keeps tokens that have left the window: it needs the "
-              f"window hybrid (window_size > 0){rule}; 0 disables it")
+        _fail("sparse_cache_size", value, "the sparse memory keeps tokens that have left the window: it needs the "
+              "window hybrid (window_size > 0); 0 disables it")
 
 
 ATTENTION_OPTIONS = tuple(f.name for f in fields(AttentionOptions))

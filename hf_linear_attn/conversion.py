@@ -15,8 +15,15 @@ the β projection at N(0, initializer_range), so β = sigmoid(x W_β) starts nea
 half strength); the convolution at the identity; the output gate's projection at N(0, initializer_range), so
 silu(x W_g) starts small and the converted layer adds little to the residual stream until it has learned.
 
-With `window_size` ≥ the sequence length the hybrid layer *is* softmax attention, so a freshly
-converted model reproduces its teacher's logits exactly there: the conversion tests rely on it.
+The delta rule with the window (`**GATED_DELTANET_WINDOW_OPTIONS`: window_size > 0) keeps exact softmax over the
+window and sinks and adds λ_h times the (normed, gated) delta-rule state of the tokens that have left the window.
+λ = `window_gate` starts at 0: the converted model *is* its teacher's sliding-window attention (with sinks), a
+model that already works, and attention transfer grows the state part from there wherever it helps. Its decay
+gate starts with the window hybrid's long memory (a = 1 − 1/`decay_horizon`).
+
+With `window_size` ≥ the sequence length the hybrid layer *is* softmax attention (either update rule: the delta
+rule's state is then empty), so a freshly converted model reproduces its teacher's logits exactly there: the
+conversion tests rely on it.
 
     from hf_linear_attn import convert_to_linear_attention
     student = convert_to_linear_attention("HuggingFaceTB/SmolLM2-135M", feature_map="hedgehog",
@@ -46,6 +53,8 @@ DEFAULT_ATTENTION_OPTIONS: dict[str, Any] = asdict(AttentionOptions(feature_map=
 GATED_DELTANET_OPTIONS: dict[str, Any] = dict(update_rule="delta", feature_map="identity", normalize=False,
                                               window_size=0, num_sink_tokens=0, decay="scalar", conv_size=4,
                                               output_norm=True, output_gate=True)
+# Gated DeltaNet beside the demo's window: exact softmax over 64 tokens and 4 sinks, the delta rule for what has left.
+GATED_DELTANET_WINDOW_OPTIONS: dict[str, Any] = dict(GATED_DELTANET_OPTIONS, window_size=64, num_sink_tokens=4)
 
 
 def linear_attention_config(source_config, **attention_options: Any) -> LinearAttentionConfig:
@@ -179,5 +188,5 @@ def convert_to_linear_attention(
 
 __all__ = [
     "convert_to_linear_attention", "linear_attention_config", "load_teacher", "tokenizer_max_length",
-    "DEFAULT_ATTENTION_OPTIONS", "GATED_DELTANET_OPTIONS",
+    "DEFAULT_ATTENTION_OPTIONS", "GATED_DELTANET_OPTIONS", "GATED_DELTANET_WINDOW_OPTIONS",
 ]

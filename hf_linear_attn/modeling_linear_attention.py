@@ -40,7 +40,7 @@ from .ops import linear_attention, window_attention
 # *direct* relative imports of the model file when loading remote code from a local folder (later releases
 # follow imports transitively), so the modules that `ops.py` builds on are named here as well.
 from .ops_chunked import chunk_linear_attention  # noqa: F401
-from .ops_common import CHUNK_SIZE, NORM_EPS  # noqa: F401
+from .ops_common import CHUNK_SIZE, NORM_EPS, window_token_masks  # noqa: F401
 from .ops_delta_rule import delta_rule_attention
 from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
 from .ops_delta_rule_triton import triton_delta_rule  # noqa: F401
@@ -245,7 +245,8 @@ class LinearAttention(AttentionProjections):
                 nn.Linear(config.decay_low_rank_dim, heads * self.key_dim, bias=True),
             )
         if config.window_size > 0:
-            # γ_h = sigmoid(window_gate[h]) weighs the softmax part against the linear part.
+            # Per head, what mixes the window's softmax with the state part: γ_h = sigmoid(window_gate[h]) weighs the
+            # softmax part against the linear part (additive); λ_h = window_gate[h] weighs the delta part (delta rule).
             self.window_gate = nn.Parameter(torch.zeros(heads))
         if config.output_norm:
             self.o_norm = LinearAttentionRMSNorm(config.head_dim, eps=config.rms_norm_eps)
@@ -296,6 +297,9 @@ class LinearAttention(AttentionProjections):
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.config.update_rule == "delta" and self.config.window_size > 0:  # (norm and gate: on its state part)
+            o = self.delta_window_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
+            return self.o_proj(o.reshape(b, t, -1))
         if self.config.window_size > 0 and cu_seqlens is not None:  # one document at a time
             bounds = cu_seqlens.tolist()
             log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
@@ -308,11 +312,16 @@ class LinearAttention(AttentionProjections):
             o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         else:
             o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
+        return self.o_proj(self.normed_and_gated(o, hidden_states).reshape(b, t, -1))
+
+    def normed_and_gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, V] after the optional output norm and output gate (Gated DeltaNet's RMSNorm(o) · silu(x W_g),
+        per channel); hidden_states [B, T, hidden] are the layer's inputs."""
         if hasattr(self, "o_norm"):
             o = self.o_norm(o)
-        if hasattr(self, "g_proj"):  # Gated DeltaNet's output gate, per channel
+        if hasattr(self, "g_proj"):
             o = o * F.silu(self.g_proj(hidden_states)).view_as(o)
-        return self.o_proj(o.reshape(b, t, -1))
+        return o
 
     def short_conv(
         self,
@@ -374,6 +383,69 @@ class LinearAttention(AttentionProjections):
                 log_decay = log_decay * keep
         return self.recurrent_op(delta_rule_attention, q, k, v, beta, log_decay, scale=self.key_dim**-0.5,
                                  cache_layer=cache_layer, cu_seqlens=cu_seqlens)
+
+    def delta_window_forward(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The delta rule with the sliding window: o [B, T, H, V] (output norm and gate included).
+
+        o_t = softmax_t + λ_h · gate_t(norm(S_tᵀ (K^-½ q̂_t))), λ = window_gate. softmax_t is exact softmax over the
+        window and sinks with the raw (RoPE'd) q, k and its own normaliser (`window_softmax`). S holds only the
+        tokens that have left the window: at step t the token j = t − W enters,
+        S_t = a_t (I − β_j k̂_j k̂_jᵀ) S_{t−1} + β_j k̂_j v_jᵀ, with β_j = 0 when j is a sink, a pad or j < 0, and
+        a_t the step's own decay (0 in log at pads); q̂, k̂ = L2-normalised φ(q), φ(k). That is `delta_rule_attention`
+        on k̂, v and β delayed by W positions. With a cache, the retained sinks and window (k̂ and β in their
+        slots) run in front of the new tokens, and the window's last W positions feed the first steps.
+        """
+        if cu_seqlens is not None:  # one document at a time (no cache)
+            bounds = cu_seqlens.tolist()
+            return torch.cat([self.delta_window_forward(hidden_states[:, i:j], q[:, i:j], k[:, i:j], v[:, i:j],
+                                                        None, None, None)
+                              for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
+        b, t = q.shape[:2]
+        window, sinks = self.config.window_size, self.config.num_sink_tokens
+        q_hat = l2_normalize(self.feature_map_q(q))  # [B, T, H, K]
+        k_hat = l2_normalize(self.feature_map_k(self.repeat_kv(k)))  # [B, T, H, K]
+        beta = torch.sigmoid(self.beta_proj(hidden_states).float())  # [B, T, H]
+        log_decay = self.log_decay(hidden_states)  # None or [B, T, H]
+        masked = new_mask is not None  # else no mask reaches the softmax op ("auto" may then pick Triton)
+        real = new_mask if masked else torch.ones(b, t, dtype=torch.bool, device=q.device)
+        if log_decay is not None and masked:
+            log_decay = log_decay * real[..., None]  # a pad step decays nothing
+        mask, ring = real, 0  # over every key: [retained sinks and window,] new tokens; the window positions held
+        if cache_layer is not None and cache_layer.state is not None:
+            retained_k, retained_v, retained_k_hat, retained_mask = cache_layer.retained_window(window)
+            k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
+            k_hat = torch.cat([retained_k_hat, k_hat], dim=1)
+            beta = torch.cat([cache_layer.retained_beta(window), beta], dim=1)
+            mask, ring, masked = torch.cat([retained_mask, real], dim=1), window, True
+        o = window_softmax(q, self.repeat_kv(k), self.repeat_kv(v), window_size=window, num_sink_tokens=sinks,
+                           key_padding_mask=mask if masked else None, backend=self.config.linear_attention_backend)
+
+        # The token entering at new step i is index i of [window positions, new tokens], with W − ring empty
+        # (β = 0) positions in front when no cache holds a window; the sink slots in front never enter.
+        real_keys, sink_keys = window_token_masks(mask, b, mask.shape[1], sinks, q.device)
+        first, empty = mask.shape[1] - t - ring, window - ring
+
+        def entering(x: torch.Tensor) -> torch.Tensor:
+            return F.pad(x[:, first:], (0, 0) * (x.dim() - 2) + (empty, 0))[:, :t]
+
+        enters = (real_keys & ~sink_keys)[..., None]  # [B, L, 1]: real, non-sink keys enter when they leave
+        read = self.recurrent_op(delta_rule_attention, q_hat, entering(k_hat), entering(self.repeat_kv(v)),
+                                 entering(beta * enters), log_decay, scale=self.key_dim**-0.5,
+                                 cache_layer=cache_layer, cu_seqlens=None)
+        if cache_layer is not None:
+            cache_layer.store_window(k, v, k_hat, mask, window, sinks, beta=beta)
+        read = read * real[:, :, None, None].to(read.dtype)  # pad queries output 0, as the window's
+        lam = self.window_gate.to(o.dtype).view(1, 1, -1, 1)
+        return o + lam * self.normed_and_gated(read, hidden_states)
 
     def linear_forward(
         self,
@@ -652,6 +724,30 @@ def linear_decode_step(
     if normalize:
         o = o[..., :-1] / (o[..., -1:] + NORM_EPS)
     return o.view(b, 1, heads, -1).to(v.dtype)
+
+
+def window_softmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window_size: int,
+    num_sink_tokens: int,
+    key_padding_mask: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """Exact softmax of each query over its window and sinks alone, normalised by its own sum: [B, T_q, H, V].
+
+    q [B, T_q, H, D] (the last T_q of the T positions), k, v [B, T, H, D | V], key_padding_mask None or bool [B, T].
+    This is `window_attention` (every backend, padding, queries behind retained keys) with an empty linear part:
+    zero features of size 1 add nothing to its numerator and denominator, so its γ cancels. Pad queries output 0.
+    """
+    b, queries, heads = q.shape[:3]
+    no_features = q.new_zeros(b, k.shape[1], heads, 1)
+    o, _ = window_attention(q, k, v, no_features[:, k.shape[1] - queries :], no_features, q.new_zeros(heads),
+                            window_size=window_size, num_sink_tokens=num_sink_tokens, scale=q.shape[-1] ** -0.5,
+                            key_padding_mask=key_padding_mask, backend=backend)
+    return o
 
 
 def hybrid_decay_gate_bias(horizon: float) -> float:

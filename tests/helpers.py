@@ -61,6 +61,9 @@ VARIANTS = {
     "delta": {"update_rule": "delta", "feature_map": "identity", "normalize": False},
     "gated-delta-conv": {"update_rule": "delta", "feature_map": "elu", "normalize": False, "decay": "scalar",
                          "conv_size": 4, "output_norm": True, "output_gate": True},
+    "gated-delta-window-sinks": {"update_rule": "delta", "feature_map": "identity", "normalize": False,
+                                 "decay": "scalar", "conv_size": 4, "output_norm": True, "output_gate": True,
+                                 "window_size": 5, "num_sink_tokens": 2},
 }
 
 
@@ -95,6 +98,8 @@ def tiny_model(seed: int = 0, **overrides) -> hf_linear_attn.LinearAttentionForC
                         else module.decay_proj
                     gate.weight.normal_(0.0, 0.3)
                     gate.bias.fill_(-1.5)
+                if isinstance(module, LinearAttention) and module.config.update_rule == "delta":
+                    module.window_gate.normal_(0.0, 1.0)  # λ starts at 0, which would hide the delta part
     return model.eval()
 
 

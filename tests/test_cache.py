@@ -15,7 +15,7 @@ def returned_cache(output):
 
 HYBRID_DECAY_VARIANTS = [f"hedgehog-window-sinks-{decay}-decay" for decay in ("fixed", "scalar", "vector")]
 CACHED_VARIANTS = ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
-                   "delta", "gated-delta-conv", *HYBRID_DECAY_VARIANTS]
+                   "delta", "gated-delta-conv", "gated-delta-window-sinks", *HYBRID_DECAY_VARIANTS]
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 
 
@@ -46,7 +46,7 @@ def test_chunked_prefill_through_forward_equals_one_shot(name):
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["hedgehog-window-sinks", *HYBRID_DECAY_VARIANTS])
+@pytest.mark.parametrize("name", ["hedgehog-window-sinks", *HYBRID_DECAY_VARIANTS, "gated-delta-window-sinks"])
 def test_token_by_token_decoding_equals_the_forward(name):
     """Every token decoded alone from the cache, in a left-padded batch (pads inside the first windows and, by
     their zero log decay, no step of the decayed state): the no-cache forward's logits at every real position."""
@@ -81,7 +81,8 @@ def test_greedy_generate_with_cache_equals_without(name):
     torch.testing.assert_close(with_cache, without)
 
 
-@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks", "gated-delta-conv",
+                                  "gated-delta-window-sinks"])
 def test_sampled_generate_with_cache_equals_without(name):
     model = tiny_model(**VARIANTS[name])
     ids = prompts([6, 6], seed=1)
@@ -105,7 +106,8 @@ def test_left_padded_batch_generate_equals_each_prompt_alone(name):
         torch.testing.assert_close(batched[row, -8:], alone[0, -8:])
 
 
-@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid", "gated-delta-conv",
+                                  "gated-delta-window-sinks"])
 def test_beam_search_with_cache_equals_without(name):
     model = tiny_model(**VARIANTS[name])
     seqs = prompts([7, 4], seed=3)
@@ -121,7 +123,7 @@ def test_beam_search_with_cache_equals_without(name):
 
 @pytest.mark.parametrize("spelling", ["cache", "past_key_values"])
 @pytest.mark.parametrize("name", ["elu-scalar-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
-                                  "gated-delta-conv"])
+                                  "gated-delta-conv", "gated-delta-window-sinks"])
 def test_reusing_a_returned_cache_equals_a_fresh_run(name, spelling):
     model = tiny_model(**VARIANTS[name])
     prompt = prompts([9], seed=4)[0][None]
@@ -144,7 +146,8 @@ def test_generate_chunked_prefill_equals_one_shot(name):
     torch.testing.assert_close(chunked, one_shot)
 
 
-@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "gated-delta-conv",
+                                  "gated-delta-window-sinks"])
 def test_cache_bytes_are_the_same_after_1k_and_64k_tokens(name):
     model = tiny_model(**VARIANTS[name], num_hidden_layers=1, max_position_embeddings=70_000)
     sizes = {}
@@ -225,7 +228,8 @@ def test_holed_prompt_decodes_with_a_cache_as_without(name):
     torch.testing.assert_close(chunked, without)
 
 
-@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks", "qwen3-like-hybrid", "gated-delta-conv",
+                                  "gated-delta-window-sinks"])
 def test_right_padded_prompt_continues_with_a_cache(name):
     """Right padding is a hole before the next token: a cache continues from it as the no-cache forward does."""
     model = tiny_model(**VARIANTS[name])
@@ -261,7 +265,7 @@ DELTA = {"update_rule": "delta", "feature_map": "identity", "normalize": False, 
     [(LINEAR, "feature_map", "relu"), (LINEAR, "decay", "scalar"), (LINEAR, "normalize", False),
      (WINDOW, "feature_dim", 8), (WINDOW, "window_size", 4), (WINDOW, "num_sink_tokens", 1),
      (LINEAR, "num_key_value_heads", 4), (LINEAR, "softmax_layers", [1]), (PLAIN, "update_rule", "delta"),
-     (DELTA, "conv_size", 0), (DELTA, "conv_size", 3), (DELTA, "decay", "scalar")],
+     (DELTA, "conv_size", 0), (DELTA, "conv_size", 3), (DELTA, "decay", "scalar"), (DELTA, "window_size", 5)],
 )
 def test_cache_built_for_another_config_is_refused(base, field, value):
     model = tiny_model(**base)
@@ -315,6 +319,29 @@ def test_delta_cache_holds_the_state_and_the_last_conv_inputs():
     assert layer.conv_inputs[1, 1:].abs().sum() > 0
     layer.reset()
     assert layer.conv_inputs is None and layer.state is None
+
+
+def test_delta_window_cache_holds_the_ring_with_the_beta_each_token_enters_with():
+    """Per layer: the delta state fp32 [B, H, K, V] and the window hybrid's ring (S sink slots + W positions) whose
+    key features are the unit keys k̂ the delta rule takes, plus each slot's β (fp32 [B, S + W, H], 0 in the sink
+    slots); after 50 tokens as after 5. A sink never enters the state: its slot holds no β and no features."""
+    model = tiny_model(**VARIANTS["gated-delta-window-sinks"])
+    ids, mask = left_pad(prompts([50, 6], seed=9))
+    with torch.no_grad():
+        cache = returned_cache(model(ids, attention_mask=mask, use_cache=True))
+        short = returned_cache(model(ids[:, -5:], use_cache=True))
+    layer = cache.layers[0]
+    assert set(layer.tensors()) == {"state", "window_keys", "window_values", "window_key_features", "window_mask",
+                                    "window_beta", "conv_inputs"}
+    assert layer.state.shape == (2, 4, 16, 16) and layer.state.dtype == torch.float32
+    assert layer.window_key_features.shape == (2, 2 + 5, 4, 16) and layer.window_beta.shape == (2, 2 + 5, 4)
+    assert layer.window_beta.dtype == torch.float32
+    assert cache.nbytes() == short.nbytes()
+    assert not layer.window_beta[:, :2].any() and not layer.window_key_features[:, :2].any()
+    ring = layer.window_mask[:, 2:]
+    norms = layer.window_key_features[:, 2:].norm(dim=-1)[ring]  # the ring's real tokens: unit keys
+    torch.testing.assert_close(norms, torch.ones_like(norms))
+    assert ((layer.window_beta[:, 2:][ring] > 0) & (layer.window_beta[:, 2:][ring] < 1)).all()
 
 
 @pytest.mark.parametrize("name", ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks",

@@ -234,7 +234,9 @@ DELTA = {"update_rule": "delta", "feature_map": "identity", "normalize": False}
     "overrides, field, reason",
     [
         ({**DELTA, "normalize": True}, "normalize", "no normaliser"),
-        ({**DELTA, "window_size": 8}, "window_size", "linear part is additive"),
+        ({**DELTA, "window_size": 8, "sparse_cache_size": 4}, "sparse_cache_size", "additive linear state"),
+        ({**DELTA, "sparse_cache_size": 4}, "sparse_cache_size", "sparse_cache_size=0 with update_rule='delta'"),
+        ({**DELTA, "num_sink_tokens": 2}, "num_sink_tokens", "need the window hybrid"),
         ({**DELTA, "feature_map": "taylor"}, "feature_map", "taylor"),
         ({**DELTA, "decay": "vector"}, "decay", "one decay per head"),
         ({**DELTA, "linear_attention_backend": "parallel"}, "linear_attention_backend", "delta_rule_attention"),
@@ -264,3 +266,17 @@ def test_delta_rule_options_round_trip(tmp_path):
     loaded = LinearAttentionConfig.from_pretrained(tmp_path)
     assert (loaded.update_rule, loaded.conv_size, loaded.output_gate, loaded.decay) == ("delta", 4, True, "fixed")
     assert tiny_config(conv_size=4, output_gate=True).update_rule == "additive"  # conv and gate need no delta
+
+
+def test_delta_rule_takes_the_window_and_sinks_and_round_trips(tmp_path):
+    """update_rule='delta' with window_size > 0 (and sinks): normalize stays False (the window's softmax has its own
+    normaliser), and the fields survive a save and load."""
+    config = tiny_config(**DELTA, window_size=8, num_sink_tokens=2, decay="scalar", conv_size=4, output_norm=True,
+                         output_gate=True)
+    config.save_pretrained(tmp_path)
+    loaded = LinearAttentionConfig.from_pretrained(tmp_path)
+    assert (loaded.update_rule, loaded.window_size, loaded.num_sink_tokens, loaded.normalize) == ("delta", 8, 2, False)
+    with pytest.raises(ValueError, match="`normalize`.*no normaliser"):
+        tiny_config(**{**DELTA, "normalize": True}, window_size=8)
+    with pytest.raises(ValueError, match="`normalize`.*needs normalize=True"):  # the additive hybrid's shared one
+        tiny_config(feature_map="hedgehog", normalize=False, window_size=8)

@@ -1,5 +1,6 @@
 """Conversion of Llama / Mistral / Qwen2 / Qwen3 checkpoints: copied weights, exactness at window >= T."""
 
+import math
 import subprocess
 import sys
 
@@ -10,14 +11,22 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
-from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, GATED_DELTANET_OPTIONS, linear_attention_config
+from hf_linear_attn.conversion import (
+    DEFAULT_ATTENTION_OPTIONS,
+    GATED_DELTANET_OPTIONS,
+    GATED_DELTANET_WINDOW_OPTIONS,
+    linear_attention_config,
+)
 
 
 @pytest.mark.parametrize("name", SOURCES)
-@pytest.mark.parametrize("feature_map", ["hedgehog", "elu"])
-def test_window_covering_the_sequence_reproduces_the_teacher(name, feature_map):
+@pytest.mark.parametrize("options", [{"feature_map": "hedgehog"}, {"feature_map": "elu"},
+                                     GATED_DELTANET_WINDOW_OPTIONS], ids=["hedgehog", "elu", "gated-deltanet-window"])
+def test_window_covering_the_sequence_reproduces_the_teacher(name, options):
+    """Window 64 + 4 sinks over 50 tokens: softmax attention, so the teacher exactly (the delta rule's state is
+    still empty, and its output norm and gate act on that state part only)."""
     source = teacher(name)
-    student = convert_to_linear_attention(source, feature_map=feature_map, window_size=64, num_sink_tokens=4)
+    student = convert_to_linear_attention(source, **{"window_size": 64, "num_sink_tokens": 4, **options})
     ids = torch.randint(0, 96, (2, 50))
     with torch.no_grad():
         expected = source(ids).logits
@@ -274,21 +283,58 @@ def test_delta_conversion_copies_the_teacher_and_adds_beta_conv_and_gate(tmp_pat
     ids = torch.randint(0, 96, (1, 30))
     with torch.no_grad():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, student(ids).logits)
-    with pytest.raises(ValueError, match="`window_size`.*update_rule='delta'"):  # the LoLCATs window stays additive
+    with pytest.raises(ValueError, match="`normalize`.*update_rule='delta'"):  # the LoLCATs defaults are additive
         convert_to_linear_attention(source, update_rule="delta")
 
 
-def test_attention_transfer_of_a_delta_conversion_lowers_its_loss():
+def test_delta_window_conversion_starts_as_the_teachers_sliding_window():
+    """GATED_DELTANET_WINDOW_OPTIONS: the Gated DeltaNet parameters plus λ = window_gate, at 0. So beyond the window
+    the converted model is the teacher's sliding-window attention with sinks: the state part (β, decay, gate) has no
+    effect until λ moves, and then it has."""
+    source = teacher("llama")
+    options = dict(GATED_DELTANET_WINDOW_OPTIONS, window_size=6, num_sink_tokens=2)
+    student = convert_to_linear_attention(source, **options)
+    new = {name.removeprefix("model.layers.0.self_attn.") for name in student.state_dict()
+           if name.startswith("model.layers.0.") and name not in source.state_dict()}
+    assert new == {"beta_proj.weight", "qkv_conv.weight", "g_proj.weight", "decay_proj.weight", "decay_proj.bias",
+                   "o_norm.weight", "window_gate"}
+    layer = student.model.layers[0].self_attn
+    assert not layer.window_gate.any()
+    # The decay gate starts with the window hybrid's long memory: a = 1 − 1/decay_horizon for every token.
+    log_decay = layer.log_decay(torch.randn(1, 5, 64))
+    torch.testing.assert_close(log_decay, torch.full_like(log_decay, math.log(1 - 1 / 2048)), rtol=1e-5, atol=0)
+    ids = torch.randint(0, 96, (2, 40))
+    with torch.no_grad():
+        start = student(ids).logits
+        for module in student.modules():
+            if hasattr(module, "beta_proj"):
+                module.beta_proj.weight.normal_()
+        torch.testing.assert_close(student(ids).logits, start, atol=0, rtol=0)
+        for module in student.modules():
+            if hasattr(module, "beta_proj"):
+                module.window_gate.fill_(1.0)
+        moved = student(ids).logits
+    assert (moved[:, :6] - start[:, :6]).abs().max() < 1e-5  # the first window: nothing has left it yet
+    assert (moved[:, 10:] - start[:, 10:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("options, new", [
+    (GATED_DELTANET_OPTIONS, {"beta_proj", "qkv_conv", "g_proj", "decay_proj"}),
+    (dict(GATED_DELTANET_WINDOW_OPTIONS, window_size=8, num_sink_tokens=2),
+     {"beta_proj", "qkv_conv", "g_proj", "decay_proj", "window_gate"}),
+], ids=["gated-deltanet", "gated-deltanet-window"])
+def test_attention_transfer_of_a_delta_conversion_lowers_its_loss(options, new):
     """A few distillation steps (the parameters `training/distill.py` trains by default) on a converted tiny Llama
-    with Gated DeltaNet layers: the transfer loss falls, and only the new attention parameters move."""
+    with Gated DeltaNet layers (with the window: λ too, from 0): the transfer loss falls, and only the new attention
+    parameters move."""
     from training.attention_transfer import AttentionTransfer, attention_transfer_loss
     from training.distill import DistillArguments
     from training.loop import select_trainable
 
     torch.manual_seed(0)
-    student = convert_to_linear_attention(teacher("llama"), **GATED_DELTANET_OPTIONS).train()
+    student = convert_to_linear_attention(teacher("llama"), **options).train()
     trained = select_trainable(student, DistillArguments().trainable_parameters)
-    assert {name.split(".")[-2] for name in trained} == {"beta_proj", "qkv_conv", "g_proj", "decay_proj"}
+    assert {name.split(".self_attn.")[-1].split(".")[0] for name in trained} == new
     before = {name: p.detach().clone() for name, p in student.named_parameters()}
     batch = {"input_ids": torch.randint(0, 96, (4, 48)), "position_ids": torch.arange(48).expand(4, 48)}
     optimizer = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=1e-2)

@@ -105,7 +105,7 @@ def test_out_of_range_token_id_names_input_ids_and_vocab_size(bad):
 
 
 @pytest.mark.parametrize("name", ["elu", "t2r-vector-decay", "hedgehog-window-sinks", "qwen3-like-hybrid",
-                                  "gated-delta-conv"])
+                                  "gated-delta-conv", "gated-delta-window-sinks"])
 def test_batch_of_one_left_padded_row_equals_the_row_unpadded(name):
     """A single left-padded row (the default positions give every pad position 0) is no packed document."""
     model = tiny_model(**VARIANTS[name])
@@ -188,7 +188,8 @@ def test_config_output_hidden_states_and_return_dict_are_the_defaults():
 
 
 @pytest.mark.parametrize("name", ["elu", "qwen3-like-hybrid", "hedgehog-window-sinks", "elu-scalar-decay",
-                                  "gated-delta-conv", "hedgehog-window-sinks-vector-decay"])
+                                  "gated-delta-conv", "hedgehog-window-sinks-vector-decay",
+                                  "gated-delta-window-sinks"])
 def test_torch_export_of_the_no_cache_forward_matches_eager(name):
     model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 9))
@@ -205,7 +206,7 @@ def test_torch_export_of_the_no_cache_forward_matches_eager(name):
                                model(other_ids, use_cache=False).logits)
 
 
-@pytest.mark.parametrize("name", ["t2r-vector-decay", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["t2r-vector-decay", "gated-delta-conv", "gated-delta-window-sinks"])
 def test_labels_give_shifted_cross_entropy_and_gradients_reach_every_parameter(name):
     model = tiny_model(**VARIANTS[name]).train()
     ids = torch.randint(3, 128, (2, 33))
@@ -288,7 +289,7 @@ def test_generate_left_padded_batch_without_cache_equals_each_alone():
         torch.testing.assert_close(out[row, -5:], alone[0, -5:])
 
 
-@pytest.mark.parametrize("name", ["elu-scalar-decay", "gated-delta-conv"])
+@pytest.mark.parametrize("name", ["elu-scalar-decay", "gated-delta-conv", "gated-delta-window-sinks"])
 def test_bf16_forward_is_close_to_fp32(name):
     model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 70))
@@ -348,7 +349,8 @@ def test_peft_lora_on_attention_projections():
 
 
 @pytest.mark.parametrize("name", ["elu-scalar-decay", "t2r-vector-decay", "hedgehog-window-sinks",
-                                  "qwen3-like-hybrid", "gated-delta-conv", "hedgehog-window-sinks-vector-decay"])
+                                  "qwen3-like-hybrid", "gated-delta-conv", "hedgehog-window-sinks-vector-decay",
+                                  "gated-delta-window-sinks"])
 def test_packed_documents_equal_each_document_alone(name):
     """DataCollatorWithFlattening's format: one row, position_ids restarting at 0 at each document."""
     model = tiny_model(**VARIANTS[name])
@@ -524,3 +526,53 @@ def test_window_layers_pass_a_mask_to_the_op_only_when_something_is_padded(monke
         mask[1, :3] = 0
         model(ids, attention_mask=mask, use_cache=False)
     assert seen and all(m is not None and not m[1, :3].any() for m in seen)
+
+
+DELTA_WINDOW = dict(update_rule="delta", normalize=False, feature_map="hedgehog", feature_dim=8, decay="fixed",
+                    window_size=4, num_sink_tokens=2, output_norm=True, output_gate=True)
+
+
+def test_delta_window_layer_is_window_softmax_plus_the_delta_rule_of_tokens_that_left():
+    """One delta-rule window layer, written out token by token on a left-padded batch: exact softmax over the window
+    and the sinks, plus λ_h · gate(norm(S_tᵀ q̂_t / √K)), where S takes token j = t − W at step t (decayed by a_t;
+    nothing enters for a sink, a pad or j < 0) by the delta rule. It equals the layer's forward."""
+    model = tiny_model(**DELTA_WINDOW)
+    attn = model.model.layers[1].self_attn
+    window, sinks, heads, head_dim, features = 4, 2, 4, 16, 16
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[1, :3] = False
+    x = torch.randn(2, 13, 64)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_embeddings = model.model.rotary_emb(x, positions)
+    with torch.no_grad():
+        got = attn(x, position_embeddings, mask)
+        q, k, v = attn.project(x, position_embeddings)
+        k, v = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)  # [B, T, H, D]
+        q_hat, k_hat = F.normalize(attn.feature_map_q(q), dim=-1), F.normalize(attn.feature_map_k(k), dim=-1)
+        beta = torch.sigmoid(attn.beta_proj(x))
+        decay = 1 - 2.0 ** (-8 - torch.arange(heads))  # the window hybrid's fixed γ_h
+        read, soft = torch.zeros(2, 13, heads, head_dim), torch.zeros(2, 13, heads, head_dim)
+        for row in range(2):
+            rank = mask[row].long().cumsum(0) - 1
+            is_sink = mask[row] & (rank < sinks)
+            state = torch.zeros(heads, features, head_dim)
+            for t in range(13):
+                if mask[row, t]:
+                    state = decay[:, None, None] * state
+                j = t - window
+                if j >= 0 and mask[row, j] and not is_sink[j]:
+                    kj, b = k_hat[row, j], beta[row, j][:, None, None]  # [H, K], [H, 1, 1]
+                    erased = state - b * kj[:, :, None] * (kj[:, None, :] @ state)
+                    state = erased + b * kj[:, :, None] * v[row, j][:, None]
+                if not mask[row, t]:
+                    continue
+                read[row, t] = (q_hat[row, t, :, None, :] @ state)[:, 0] * features**-0.5
+                seen = [i for i in range(t + 1) if mask[row, i] and (t - i < window or is_sink[i])]
+                scores = torch.einsum("hd,ihd->hi", q[row, t], k[row, seen]) * head_dim**-0.5
+                soft[row, t] = torch.einsum("hi,ihd->hd", scores.softmax(-1), v[row, seen])
+        state_part = attn.o_norm(read) * F.silu(attn.g_proj(x)).view(2, 13, heads, head_dim)
+        o = soft + attn.window_gate.view(heads, 1) * state_part
+        expected = attn.o_proj(o.reshape(2, 13, -1))
+    real = mask
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-4)
+    assert state_part[real].abs().amax() > 0.1  # the state part is not negligible

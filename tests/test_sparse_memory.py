@@ -263,7 +263,7 @@ def test_set_on_a_loaded_config_it_takes_effect_and_old_caches_are_refused(tmp_p
     ({"window_size": 4, "sparse_cache_size": -1}, "integer >= 0"),
     ({"sparse_cache_size": 4}, "needs the window hybrid"),
     ({"update_rule": "delta", "normalize": False, "feature_map": "identity", "sparse_cache_size": 4},
-     "update_rule='delta' has no window"),
+     "pass sparse_cache_size=0 with update_rule='delta'"),
 ])
 def test_config_refuses_bad_sparse_cache_sizes(options, message):
     with pytest.raises(ValueError, match=message):

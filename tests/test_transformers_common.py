@@ -138,3 +138,9 @@ class VectorDecayTest(LinearAttentionCommonTests, unittest.TestCase):
 
 class SoftmaxLayersWithGQATest(LinearAttentionCommonTests, unittest.TestCase):
     config_overrides = {"softmax_layers": [0], "use_qk_norm": True, "tie_word_embeddings": True}
+
+
+class GatedDeltaNetWindowTest(LinearAttentionCommonTests, unittest.TestCase):
+    config_overrides = {"update_rule": "delta", "feature_map": "identity", "normalize": False, "decay": "scalar",
+                        "conv_size": 4, "output_norm": True, "output_gate": True, "window_size": 3,
+                        "num_sink_tokens": 1}
