@@ -178,7 +178,8 @@ def traffic_rows(counts: dict, args: KernelReportArguments) -> list[dict]:
                     continue
                 for phase in ("fwd", "bwd", "total"):
                     per_token, per_sequence, error = fit(runs, phase)
-                    row[f"{method}_{phase}_gb"] = (per_token * batch * length * heads + per_sequence * batch * heads) / 1e9
+                    moved = per_token * batch * length * heads + per_sequence * batch * heads
+                    row[f"{method}_{phase}_gb"] = moved / 1e9
                     row[f"{method}_fit_error"] = max(row.get(f"{method}_fit_error", 0.0), error)
             if "fla_total_gb" in row:
                 row["ours_vs_fla"] = row["ours_total_gb"] / row["fla_total_gb"]
