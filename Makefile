@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-oldest bench lint clean
+.PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-oldest bench fla-wheels \
+	kernel-report gpu-check lint clean
 
 install: $(VENV)/.installed
 
@@ -94,6 +95,23 @@ bench: install
 		--hidden_size 64 --num_attention_heads 2 --intermediate_size 128 --num_hidden_layers 2 \
 		--vocab_size 256 --peak_memory --output_dir outputs/bench_prefill_1m
 	$(PY) benchmarks/bench_train.py
+
+# fla's pure-Python wheels (and einops, which fla imports) into build/wheels, for the kernel report (CPU) and the GPU
+# check, whose machine has no network: a device run carries build/wheels.
+WHEELS := build/wheels
+fla-wheels: $(WHEELS)/.fetched
+$(WHEELS)/.fetched: | $(VENV)/.installed
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d $(WHEELS) fla-core flash-linear-attention einops
+	touch $@
+
+# The CPU report on the Triton kernels: sm_90 registers / spills / shared memory, and fwd+bwd HBM bytes vs fla's.
+kernel-report: install fla-wheels
+	$(PY) benchmarks/kernel_report.py --fla_dir $(WHEELS)
+
+# The one-shot GPU check (≤ 8 minutes on an H200): tests, kernel benchmark, decode, training, FSDP / DeepSpeed.
+gpu-check: install fla-wheels
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) benchmarks/gpu_check.py --wheels $(WHEELS) --output_dir outputs/gpu_check
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -11,87 +11,14 @@ than a Hopper GPU has (227 KiB) included: such a kernel compiles, but fails at l
 """
 
 import argparse
-import itertools
 import os
 import sys
+from pathlib import Path
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from hf_linear_attn import ops_delta_rule_triton, ops_triton
-from hf_linear_attn.ops import delta_rule_attention, linear_attention, window_attention
-
-SHARED_MEMORY_KIB = 227  # per thread block on sm_90
-POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
-
-
-class Recorder:
-    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the specialization instead of running it."""
-
-    def __init__(self, kernel, seen: dict):
-        while not isinstance(kernel, triton.runtime.jit.JITFunction):  # unwrap @triton.autotune
-            kernel = kernel.fn
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        return self.record
-
-    def record(self, *args, **kwargs):
-        bound = dict(zip([p.name for p in self.kernel.params][: len(args)], args, strict=True), **kwargs)
-        if "BF16_DOT" in bound:  # what a GPU run chooses (the launchers chose for the interpreter-free CPU)
-            first_tensor = next(x for x in bound.values() if isinstance(x, torch.Tensor))
-            bound["BF16_DOT"] = first_tensor.dtype == torch.bfloat16
-        signature, constexprs = {}, {}
-        for param in self.kernel.params:
-            value = bound[param.name]
-            if param.is_constexpr:
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = POINTER_TYPES[value.dtype]
-            else:
-                signature[param.name] = "fp32" if isinstance(value, float) else "i32"
-        key = (self.kernel.__name__, tuple(signature.items()), tuple(constexprs.items()))
-        self.seen.setdefault(key, (self.kernel, signature, constexprs))
-
-
-def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:
-    """Every specialization the triton backend launches for these dtypes, (K, V) head dims and normalize values,
-    forward and backward (normalize adds no kernel code, only a value column), and those of the delta rule's."""
-    seen = {}
-    for module in (ops_triton, ops_delta_rule_triton):
-        for name in dir(module):
-            if name.endswith("_kernel"):
-                setattr(module, name, Recorder(getattr(module, name), seen))
-        module.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
-    batch, length, heads = 1, 100, 2
-    for dtype, (key_dim, value_dim) in itertools.product(dtypes, dims):
-        for decay, normalize in itertools.product((None, "scalar", "vector"), normalize_values):
-            q, k = (torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True) for _ in range(2))
-            v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)
-            shape = {None: None, "scalar": (batch, length, heads), "vector": (batch, length, heads, key_dim)}[decay]
-            log_decay = None if shape is None else (-torch.rand(shape)).requires_grad_()
-            state = torch.zeros(batch, heads, key_dim, value_dim + int(normalize), requires_grad=True)
-            o, final = linear_attention(q, k, v, log_decay, normalize=normalize, initial_state=state,
-                                        output_final_state=True, backend="triton")
-            (o.float().sum() + final.sum()).backward()
-        tensors = [torch.randn(batch, length, heads, dim, dtype=dtype, requires_grad=True)
-                   for dim in (key_dim, key_dim, value_dim, 16, 16)]
-        gate = torch.zeros(heads, dtype=dtype, requires_grad=True)
-        o, _ = window_attention(*tensors, gate, window_size=8, num_sink_tokens=2, backend="triton")
-        o.float().sum().backward()
-        for decay in (False, True) if key_dim <= ops_delta_rule_triton.MAX_KEY_DIM else ():
-            q = torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)
-            k = torch.zeros(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)  # unit norm not needed
-            v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)
-            beta = torch.rand(batch, length, heads, dtype=dtype, requires_grad=True)
-            log_decay = (-torch.rand(batch, length, heads)).requires_grad_() if decay else None
-            state = torch.zeros(batch, heads, key_dim, value_dim, requires_grad=True)
-            o, final = delta_rule_attention(q, k, v, beta, log_decay, initial_state=state, output_final_state=True,
-                                            backend="triton")
-            (o.float().sum() + final.sum()).backward()
-    return seen
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the recording library lives there
+from kernel_compile import compile_for_hopper, modes, record_workload  # noqa: E402
 
 
 def main() -> int:
@@ -105,19 +32,14 @@ def main() -> int:
                                [False, True])
     else:
         seen = record_workload([torch.bfloat16], [(80, 47)], [False])
-    target, failures = GPUTarget("cuda", 90, 32), 0
-    for (name, _, _), (kernel, signature, constexprs) in seen.items():
-        modes = {key: value for key, value in constexprs.items() if key in ("DECAY", "REVERSE", "TRANSPOSE", "D", "K")}
+    failures = 0
+    for (name, _, _), spec in seen.items():
         try:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                                      options={"num_warps": 4, "num_stages": 2})
-            shared = compiled.metadata.shared / 1024
-            if shared > SHARED_MEMORY_KIB:
-                raise RuntimeError(f"needs {shared:.0f} KiB of shared memory, sm_90 has {SHARED_MEMORY_KIB} KiB")
-            print(f"ok   {name} {modes} shared {shared:.0f} KiB", flush=True)
+            compiled = compile_for_hopper(spec, spec.configs[0])
+            print(f"ok   {name} {modes(spec)} shared {compiled.shared_bytes / 1024:.0f} KiB", flush=True)
         except Exception as error:  # report every failing kernel, not only the first
             failures += 1
-            print(f"FAIL {name} {modes}\n{error}", flush=True)
+            print(f"FAIL {name} {modes(spec)}\n{error}", flush=True)
     print(f"{len(seen)} kernels compiled for sm_90, {failures} failed")
     return int(failures > 0)
 

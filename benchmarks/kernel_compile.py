@@ -1,0 +1,153 @@
+"""Every Triton kernel specialization the triton backend launches, recorded on CPU and compiled for a Hopper GPU
+(sm_90) without one: the library behind tests/gpu_compile_check.py and benchmarks/kernel_report.py.
+
+Import it WITHOUT TRITON_INTERPRET (interpreted kernels cannot be compiled). `record_workload` replaces the kernels
+of ops_triton and ops_delta_rule_triton by recorders for the rest of the process: the workload computes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import re
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hf_linear_attn import ops_delta_rule_triton, ops_triton
+from hf_linear_attn.ops import delta_rule_attention, linear_attention, window_attention
+
+SHARED_MEMORY_KIB = 227  # per thread block on sm_90
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
+
+
+@dataclass
+class Specialization:
+    """One kernel as launched: its argument types, its constexpr values, and the autotune configs it may run with
+    ([None] when the kernel is not autotuned)."""
+
+    kernel: triton.runtime.jit.JITFunction
+    signature: dict
+    constexprs: dict
+    configs: list
+
+
+class Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the specialization instead of running it."""
+
+    def __init__(self, kernel, seen: dict):
+        self.configs = list(getattr(kernel, "configs", None) or [None])  # @triton.autotune's, else one default
+        while not isinstance(kernel, triton.runtime.jit.JITFunction):  # unwrap @triton.autotune
+            kernel = kernel.fn
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        return self.record
+
+    def record(self, *args, **kwargs):
+        bound = dict(zip([p.name for p in self.kernel.params][: len(args)], args, strict=True), **kwargs)
+        if "BF16_DOT" in bound:  # what a GPU run chooses (the launchers chose for the interpreter-free CPU)
+            first_tensor = next(x for x in bound.values() if isinstance(x, torch.Tensor))
+            bound["BF16_DOT"] = first_tensor.dtype == torch.bfloat16
+        signature, constexprs = {}, {}
+        for param in self.kernel.params:
+            if param.name not in bound:  # a meta-parameter that each autotune config sets
+                continue
+            value = bound[param.name]
+            if param.is_constexpr:
+                signature[param.name], constexprs[param.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = POINTER_TYPES[value.dtype]
+            else:
+                signature[param.name] = "fp32" if isinstance(value, float) else "i32"
+        key = (self.kernel.__name__, tuple(signature.items()), tuple(constexprs.items()))
+        self.seen.setdefault(key, Specialization(self.kernel, signature, constexprs, self.configs))
+
+
+def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:
+    """Every specialization the triton backend launches for these dtypes, (K, V) head dims and normalize values,
+    forward and backward, and those of the window and delta-rule ops: {key: Specialization}."""
+    seen = {}
+    for module in (ops_triton, ops_delta_rule_triton):
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                setattr(module, name, Recorder(getattr(module, name), seen))
+        module.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
+    batch, length, heads = 1, 100, 2
+    for dtype, (key_dim, value_dim) in itertools.product(dtypes, dims):
+        for decay, normalize in itertools.product((None, "scalar", "vector"), normalize_values):
+            q, k = (torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+            v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)
+            shape = {None: None, "scalar": (batch, length, heads), "vector": (batch, length, heads, key_dim)}[decay]
+            log_decay = None if shape is None else (-torch.rand(shape)).requires_grad_()
+            state = torch.zeros(batch, heads, key_dim, value_dim + int(normalize), requires_grad=True)
+            o, final = linear_attention(q, k, v, log_decay, normalize=normalize, initial_state=state,
+                                        output_final_state=True, backend="triton")
+            (o.float().sum() + final.sum()).backward()
+        tensors = [torch.randn(batch, length, heads, dim, dtype=dtype, requires_grad=True)
+                   for dim in (key_dim, key_dim, value_dim, 16, 16)]
+        gate = torch.zeros(heads, dtype=dtype, requires_grad=True)
+        o, _ = window_attention(*tensors, gate, window_size=8, num_sink_tokens=2, backend="triton")
+        o.float().sum().backward()
+        for decay in (False, True) if key_dim <= ops_delta_rule_triton.MAX_KEY_DIM else ():
+            q = torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)
+            k = torch.zeros(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)  # unit norm not needed
+            v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)
+            beta = torch.rand(batch, length, heads, dtype=dtype, requires_grad=True)
+            log_decay = (-torch.rand(batch, length, heads)).requires_grad_() if decay else None
+            state = torch.zeros(batch, heads, key_dim, value_dim, requires_grad=True)
+            o, final = delta_rule_attention(q, k, v, beta, log_decay, initial_state=state, output_final_state=True,
+                                            backend="triton")
+            (o.float().sum() + final.sum()).backward()
+    return seen
+
+
+@dataclass
+class Compiled:
+    """What ptxas reports for one kernel built for sm_90 (bytes; registers per thread)."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+
+
+def compile_for_hopper(spec: Specialization, config: triton.Config | None) -> Compiled:
+    """Build `spec` with `config`'s meta-parameters, warps and stages (None: 4 warps, 2 stages) for sm_90, in a
+    fresh cache (a cached kernel skips ptxas, whose log gives registers and spills). Raises when the kernel needs
+    more shared memory than sm_90 has: such a kernel compiles, but fails at launch."""
+    constexprs, options = dict(spec.constexprs), {"num_warps": 4, "num_stages": 2}
+    signature = dict(spec.signature)
+    if config is not None:
+        constexprs.update(config.kwargs)
+        signature.update(dict.fromkeys(config.kwargs, "constexpr"))
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    signature = {p.name: signature[p.name] for p in spec.kernel.params}  # in parameter order
+    log = io.StringIO()
+    with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
+        knobs = triton.knobs
+        with knobs.cache.scope(), knobs.nvidia.scope():
+            knobs.cache.dir, knobs.nvidia.dump_ptxas_log = cache, True
+            compiled = triton.compile(ASTSource(fn=spec.kernel, signature=signature, constexprs=constexprs),
+                                      target=HOPPER, options=options)
+    text = log.getvalue()
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    registers = re.search(r"Used (\d+) registers", text)
+    if spills is None or registers is None:
+        raise RuntimeError(f"no ptxas log for {spec.kernel.__name__}:\n{text[-2000:]}")
+    shared = compiled.metadata.shared
+    if shared > SHARED_MEMORY_KIB * 1024:
+        raise RuntimeError(f"needs {shared / 1024:.0f} KiB of shared memory, sm_90 has {SHARED_MEMORY_KIB} KiB")
+    return Compiled(int(registers[1]), int(spills[1]), int(spills[2]), shared)
+
+
+def modes(spec: Specialization) -> dict:
+    """The constexprs that tell a kernel's specializations apart in a one-line listing."""
+    return {key: value for key, value in spec.constexprs.items()
+            if key in ("DECAY", "REVERSE", "TRANSPOSE", "D", "K", "V", "BLOCK_K", "BLOCK_V")}

@@ -1,0 +1,248 @@
+"""A static report on the Triton kernels, made on CPU: how they compile for a Hopper GPU and how many HBM bytes a
+forward + backward pass moves, beside flash-linear-attention's (fla) chunk ops.
+
+Compile (no GPU needed): every kernel specialization the triton backend launches in bf16 at head dims 64 and 128
+(linear attention with each decay mode and normalize, the window and delta-rule ops, forward and backward),
+built for sm_90 with every autotune config: registers per thread, spill bytes and shared memory, from ptxas.
+Target: zero spills in every config the autotuner may pick.
+
+Traffic: linear_attention(backend="triton") with decay none / scalar (per head) / vector (per key dim), forward
+and backward in bf16, against fla's chunk_simple_gla (none, scalar) and chunk_gla (vector). The kernels run in
+Triton's interpreter, counting the bytes of every unmasked element each program loads and stores, plus the
+bytes every torch operation between kernels reads and writes (benchmarks/kernel_traffic.py). A chunked pass
+moves bytes = per_token · B·T·H + per_sequence · B·H: both are fitted on (1, T, 1, D) at two lengths and
+checked at a third (the "fit error" column), then evaluated at the real shapes.
+Target: ours / fla ≤ 1.0 on every shape and decay mode.
+
+    python benchmarks/kernel_report.py                          # full report (several minutes)
+    python benchmarks/kernel_report.py --fla_dir build/wheels   # fla's wheels (make fla-wheels) or packages
+    python benchmarks/kernel_report.py --dry                    # tiny shapes, a few kernels: seconds (CI)
+
+Run it WITHOUT TRITON_INTERPRET (the traffic runs in a child process with it). Prints the tables and writes
+kernel_compile.{md,json} and kernel_traffic.{md,json} to --output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import write_report
+from transformers import HfArgumentParser
+
+DECAYS = ("none", "scalar", "vector")
+FLA_OPS = {"none": "chunk_simple_gla", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}
+
+
+@dataclass
+class KernelReportArguments:
+    shapes: list[str] = field(
+        default_factory=lambda: ["1x8192x96x128", "2x16384x16x128", "4x2048x16x128", "8x1024x8x64"],
+        metadata={"help": "BxTxHxD shapes of the traffic table."})
+    fit_lengths: list[int] = field(default_factory=lambda: [128, 256, 512], metadata={
+        "help": "Three T (multiples of 64) of the (1, T, 1, D) runs: the first two fit the byte counts, the third "
+                "checks the fit."})
+    compile_dims: list[int] = field(default_factory=lambda: [64, 128], metadata={"help": "Head dims compiled."})
+    fla_dir: str = field(default="", metadata={
+        "help": "A folder of fla's wheels (fla-core, flash-linear-attention; make fla-wheels) or of its unpacked "
+                "packages; empty: fla as installed, if it is."})
+    dry: bool = field(default=False, metadata={"help": "Tiny shapes and two kernels compiled: seconds, on CPU."})
+    output_dir: str = "outputs/kernel_report"
+    traffic_child: str = field(default="", metadata={"help": "Internal: write the traffic counts to this JSON."})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compile: registers, spills, shared memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def compile_rows(args: KernelReportArguments) -> list[dict]:
+    """One row per (kernel specialization, autotune config) at each head dim of `args.compile_dims`."""
+    from kernel_compile import compile_for_hopper, modes, record_workload
+
+    dims = [(d, d) for d in args.compile_dims]
+    seen = record_workload([torch.bfloat16], dims, [False] if args.dry else [False, True])
+    specs = list(seen.values())
+    if args.dry:  # one specialization of each of two kernels
+        specs = list({spec.kernel.__name__: spec for spec in reversed(specs)}.values())[-2:]
+    rows = []
+    for spec in specs:
+        for config in spec.configs[:1] if args.dry else spec.configs:
+            row = {"kernel": spec.kernel.__name__, "modes": " ".join(f"{k}={v}" for k, v in modes(spec).items()),
+                   "config": "default (4 warps, 2 stages)" if config is None else
+                   " ".join([f"{k}={v}" for k, v in config.kwargs.items()]
+                            + [f"warps={config.num_warps}", f"stages={config.num_stages}"])}
+            try:
+                row.update(asdict(compile_for_hopper(spec, config)))
+            except Exception as error:  # recorded, and counted as a failure
+                row["error"] = str(error).strip().splitlines()[0][:200]
+            rows.append(row)
+            print(f"  {row['kernel']:<26} {row['modes']:<60} {row['config']:<30} "
+                  f"{row.get('registers', '-')} regs, {row.get('spill_stores', '-')} B spilled", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Traffic: bytes per forward + backward (the child process, under TRITON_INTERPRET=1)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def traffic_inputs(decay: str, length: int, dim: int) -> dict:
+    """bf16 q, k, v [1, T, 1, D] and an fp32 log decay ([1, T, 1] scalar, [1, T, 1, D] vector), all needing grads."""
+    g = torch.Generator().manual_seed(length)
+    x = {name: torch.randn(1, length, 1, dim, generator=g).bfloat16().requires_grad_() for name in ("q", "k", "v")}
+    shape = {"none": None, "scalar": (1, length, 1), "vector": (1, length, 1, dim)}[decay]
+    if shape is not None:
+        x["g"] = F.logsigmoid(torch.randn(shape, generator=g) + 4).requires_grad_()
+    return x
+
+
+def traffic_ops(fla) -> dict:
+    """{method: op(q, k, v, g=None) -> o [B, T, H, V]}: ours, and fla's when importable."""
+    from hf_linear_attn.ops import linear_attention
+
+    ops = {"ours": lambda q, k, v, g=None: linear_attention(q, k, v, g, backend="triton")[0]}
+    if fla is not None:
+        ops["fla"] = lambda q, k, v, g=None: getattr(fla, FLA_OPS["vector" if g is not None and g.dim() == 4 else
+                                                                   "scalar"])(q, k, v, g, scale=q.shape[-1] ** -0.5)[0]
+    return ops
+
+
+def count_all(args: KernelReportArguments) -> dict:
+    """{"fla_error": why fla is absent or None, "runs": [{method, decay, D, T, fwd, bwd, rows}]}."""
+    from kernel_traffic import forward_backward_traffic
+
+    try:
+        import fla.ops as fla
+        fla_error = None
+    except Exception as error:  # ImportError, or an fla that fails to import on this machine
+        fla, fla_error = None, f"{type(error).__name__}: {error}"
+    runs = []
+    dims = sorted({int(shape.split("x")[3]) for shape in args.shapes})
+    for dim in dims:
+        for method, op in traffic_ops(fla).items():
+            for decay in DECAYS:
+                for length in args.fit_lengths:
+                    traffic = forward_backward_traffic(op, traffic_inputs(decay, length, dim))
+                    runs.append({"method": method, "decay": decay, "D": dim, "T": length,
+                                 "fwd": traffic.total("fwd"), "bwd": traffic.total("bwd"),
+                                 "rows": [[phase, row, r, w] for (phase, row), (r, w) in traffic.rows.items()]})
+                    print(f"  counted {method} {decay} D={dim} T={length}: {runs[-1]['fwd'] + runs[-1]['bwd']:,} B",
+                          flush=True)
+    return {"fla_error": fla_error, "runs": runs}
+
+
+def run_traffic_child(args: KernelReportArguments, argv: list[str], out_json: Path) -> dict:
+    """count_all in a child process with TRITON_INTERPRET=1 (set before any kernel is defined) and fla's
+    packages (from --fla_dir's wheels, unpacked into a temporary folder) on its path."""
+    with tempfile.TemporaryDirectory() as unpacked:
+        paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        if args.fla_dir:
+            wheels = sorted(Path(args.fla_dir).glob("*.whl"))
+            for wheel in wheels:
+                zipfile.ZipFile(wheel).extractall(unpacked)
+            paths.insert(0, unpacked if wheels else args.fla_dir)
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+        command = [sys.executable, __file__, *argv, "--traffic_child", str(out_json)]
+        subprocess.run(command, env=env, check=True)
+    return json.loads(out_json.read_text())
+
+
+def fit(runs: list[dict], phase: str) -> tuple[float, float, float]:
+    """(bytes per token-head, bytes per sequence-head, relative error at the third length) of `phase` ("fwd",
+    "bwd" or "total") from runs at three lengths (one method, decay, D; one sequence, one head)."""
+    (t1, b1), (t2, b2), (t3, b3) = [(r["T"], r["fwd"] + r["bwd"] if phase == "total" else r[phase]) for r in runs]
+    per_token = (b2 - b1) / (t2 - t1)
+    per_sequence = b1 - per_token * t1
+    return per_token, per_sequence, abs(per_token * t3 + per_sequence - b3) / b3
+
+
+def traffic_rows(counts: dict, args: KernelReportArguments) -> list[dict]:
+    """One row per shape and decay: GB moved forward, backward and in all, ours and fla's, and their ratio."""
+    rows = []
+    for shape in args.shapes:
+        batch, length, heads, dim = (int(n) for n in shape.split("x"))
+        for decay in DECAYS:
+            row = {"shape": shape, "decay": decay}
+            for method in ("ours", "fla"):
+                runs = [r for r in counts["runs"] if (r["method"], r["decay"], r["D"]) == (method, decay, dim)]
+                if not runs:
+                    continue
+                for phase in ("fwd", "bwd", "total"):
+                    per_token, per_sequence, error = fit(runs, phase)
+                    moved = per_token * batch * length * heads + per_sequence * batch * heads
+                    row[f"{method}_{phase}_gb"] = moved / 1e9
+                    row[f"{method}_fit_error"] = max(row.get(f"{method}_fit_error", 0.0), error)
+            if "fla_total_gb" in row:
+                row["ours_vs_fla"] = row["ours_total_gb"] / row["fla_total_gb"]
+                row["target_met"] = "yes" if row["ours_vs_fla"] <= 1.0 else "NO"
+            rows.append(row)
+    return rows
+
+
+def kernel_breakdown(counts: dict, dim: int, length: int) -> list[dict]:
+    """GB each kernel / torch op moves at (1, length, 1, dim), per method, decay and phase (the JSON's detail)."""
+    detail = []
+    for run in counts["runs"]:
+        if (run["D"], run["T"]) == (dim, length):
+            for phase, name, read, written in run["rows"]:
+                detail.append({"method": run["method"], "decay": run["decay"], "phase": phase, "row": name,
+                               "read": read, "written": written})
+    return detail
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    (args,) = HfArgumentParser(KernelReportArguments).parse_args_into_dataclasses(argv)
+    if args.dry:
+        args.shapes, args.fit_lengths, args.compile_dims = ["2x256x3x16"], [64, 128, 192], [16]
+    if len(args.fit_lengths) != 3 or any(t % 64 for t in args.fit_lengths):
+        raise SystemExit(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
+    if args.traffic_child:
+        Path(args.traffic_child).write_text(json.dumps(count_all(args)))
+        return 0
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
+
+    print("Traffic (interpreted forward + backward passes):", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        counts = run_traffic_child(args, argv, Path(tmp) / "traffic.json")
+    if counts["fla_error"]:
+        print(f"fla is not importable ({counts['fla_error']}): no fla columns (make fla-wheels, then --fla_dir)")
+    rows = traffic_rows(counts, args)
+    columns = {"shape": "B x T x H x D", "decay": "decay", "ours_fwd_gb": "ours fwd GB", "ours_bwd_gb": "ours bwd GB",
+               "ours_total_gb": "ours GB", "fla_fwd_gb": "fla fwd GB", "fla_bwd_gb": "fla bwd GB",
+               "fla_total_gb": "fla GB", "ours_vs_fla": "ours / fla", "target_met": "≤ 1.0",
+               "ours_fit_error": "ours fit error", "fla_fit_error": "fla fit error"}
+    dim = int(args.shapes[0].split("x")[3])
+    detail = kernel_breakdown(counts, dim, args.fit_lengths[-1])
+    write_report(rows, columns, args.output_dir, "kernel_traffic",
+                 meta={"args": asdict(args), "fla_error": counts["fla_error"],
+                       f"detail_1x{args.fit_lengths[-1]}x1x{dim}": detail})
+
+    print("\nCompile for sm_90 (every specialization and autotune config):", flush=True)
+    compiled = compile_rows(args)
+    spilling = [r for r in compiled if r.get("spill_stores", 0) or r.get("spill_loads", 0)]
+    failed = [r for r in compiled if "error" in r]
+    columns = {"kernel": "kernel", "modes": "specialization", "config": "config", "registers": "registers",
+               "spill_stores": "spill stores B", "spill_loads": "spill loads B", "shared_bytes": "shared B",
+               "error": "error"}
+    write_report(spilling + failed, columns, args.output_dir, "kernel_compile",
+                 meta={"args": asdict(args), "all": compiled})
+    print(f"{len(compiled)} kernel configs compiled for sm_90 at head dims {args.compile_dims}: "
+          f"{len(spilling)} spill (target 0, listed above), {len(failed)} failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
