@@ -85,3 +85,13 @@ def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, c
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_demo_checks_the_long_texts_before_any_work(tmp_path, monkeypatch, capsys):
+    from training import demo
+    monkeypatch.setattr(demo.lc, "DEFAULT_DATA_DIR", str(tmp_path / "no_texts"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "long_context prepare" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

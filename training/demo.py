@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
+from training import long_context as lc
 from training.convert import restore_ranked_layers
 from training.data import DataArguments
 from training.distill import DistillArguments, distill
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_sizes and args.window_size == 0:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
+        if args.long_contexts or (args.passkey_trials and "natural" in args.passkey_haystacks):
+            lc.check_texts(lc.DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
         folder = smollm2_folder()
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)

@@ -164,14 +164,20 @@ def prepare(data_dir: str | Path = DEFAULT_DATA_DIR) -> list[Path]:
     return written
 
 
-def load_texts(data_dir: str | Path = DEFAULT_DATA_DIR) -> dict[str, list[dict]]:
-    """{source: [{"title", "text"}, ...]} for every source prepared in `data_dir` (no network)."""
+def check_texts(data_dir: str | Path = DEFAULT_DATA_DIR) -> None:
+    """FileNotFoundError naming the prepare command unless every source is prepared in `data_dir`."""
     data_dir = Path(data_dir)
     missing = [source for source in SOURCES if not (data_dir / f"{source}.jsonl").is_file()]
     if missing:
         raise FileNotFoundError(f"data_dir {str(data_dir)!r} lacks the long-context texts {missing}: run "
                                 f"`{PREPARE_COMMAND} --data_dir {data_dir}` once (it fetches Debian packages; "
                                 f"`make long-context-data` does it for the default folder)")
+
+
+def load_texts(data_dir: str | Path = DEFAULT_DATA_DIR) -> dict[str, list[dict]]:
+    """{source: [{"title", "text"}, ...]} for every source prepared in `data_dir` (no network)."""
+    check_texts(data_dir)
+    data_dir = Path(data_dir)
     return {source: [json.loads(line) for line in (data_dir / f"{source}.jsonl").read_text().splitlines()]
             for source in SOURCES}
 
