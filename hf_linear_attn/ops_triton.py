@@ -28,14 +28,16 @@ dim; no decay is b = 0), q̂ = scale·q, S the state entering the chunk and S' t
     dk_i = e^{b_last − b_i} ⊙ (dS' v_i) + Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}
     d log_decay_t = Σ_{s ≥ t} (q̂_s ⊙ dq̂_s − k_s ⊙ dk_s) + Σ_v S' ⊙ dS'   (summed over K for a per-head decay)
 
-Kernels: `_chunk_cumsum_kernel` (b, and the reverse sum of the decay gradient), `_state_pass_kernel` (S
-through the chunks of each sequence; dS backwards), `_chunk_output_kernel` (o; transposed, dv),
-`_chunk_dqk_kernel` (dq̂, dk) and, for the per-key-dim decay, `_vector_scores_kernel` (A) and
-`_vector_grads_kernel` (the intra-chunk part of dq̂ and dk). b is non-increasing inside a chunk, so every
-exponent above is ≤ 0 and nothing overflows, however strong the decay — except e^{b_tk − b_ik} inside A for a
-per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}: there sub-chunks of VECTOR_SUB_CHUNK rows factor it
-around a reference r between i and t (e^{b_t − r}·e^{r − b_i}, both ≤ 1), and the diagonal sub-blocks use the
-explicit [SUB, SUB, K] decay. The normaliser of normalize=True is the state of an extra all-ones value column.
+Kernels: `_chunk_cumsum_kernel` (b), `_state_pass_kernel` (S through the chunks of each sequence; dS
+backwards), `_chunk_output_kernel` (o; transposed, dv), `_chunk_dqk_kernel` (dq, dk and the decay gradient) and,
+for the per-key-dim decay, `_vector_scores_kernel` (A) and `_vector_grads_kernel` (the intra-chunk part of dq̂
+and dk, and the decay gradient). Gradients leave the kernels in the inputs' dtypes, scale folded into dq; the
+decay gradient (its in-chunk reverse sum included) is computed only when log_decay needs one.
+b is non-increasing inside a chunk, so every exponent above is ≤ 0 and nothing overflows, however strong the
+decay — except e^{b_tk − b_ik} inside A for a per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}:
+there sub-chunks of VECTOR_SUB_CHUNK rows factor it around a reference r between i and t (e^{b_t − r}·e^{r − b_i},
+both ≤ 1), and the diagonal sub-blocks use the explicit [SUB, SUB, K] decay. The normaliser of normalize=True is
+the state of an extra all-ones value column.
 
 Window hybrid
 -------------
@@ -385,110 +387,142 @@ def _chunk_output_kernel(
     _store_tile(out + h * V, acc, rows, end, H * V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "DECAY_GRAD"])
 @triton.jit
 def _chunk_dqk_kernel(
-    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, chunk_info, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, d_log_decay, chunk_info, scale, tokens,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
-    """dq̂ (the gradient w.r.t. scale·q) and dk of each chunk, for one block of K, looping over V:
+    """dq = scale · dq̂ (dq̂: the gradient w.r.t. q̂ = scale·q) and dk of each chunk, for one block of K, looping
+    over V:
 
         dq̂_t = e^{b_t} ⊙ (S_j do_t) + Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i},          dA_ti = do_t · v_i
         dk_i = e^{b_last − b_i} ⊙ (dS_{j+1} v_i) + Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}
 
-    and the decay gradient's state term Σ_v S_{j+1} ⊙ dS_{j+1} (state_term: fp32 [chunks, H, K]). For the per-key-dim
-    decay the intra-chunk sums are left to `_vector_grads_kernel`: dq, dk then receive the state parts only, and dA
-    (fp32 [tokens, H, CHUNK], like `scores`) is stored for it. dq, dk: fp32 [tokens, H, K].
-    Grid: (chunks, H, K / BLOCK_K).
+    and, if DECAY_GRAD, the decay gradient. Its state term Σ_v S_{j+1} ⊙ dS_{j+1} comes without reading S_{j+1}:
+    S_{j+1} = e^{b_last} ⊙ S_j + Σ_i (k_i ⊙ e^{b_last − b_i}) v_iᵀ makes it e^{b_last} ⊙ Σ_v S_j ⊙ dS_{j+1} +
+    Σ_i k_i ⊙ (the state part of dk_i). Per-head decay: d_log_decay (fp32 [K / BLOCK_K, tokens, H], one partial
+    sum per K block; in log_decay's dtype when one block covers K) receives Σ_{s ≥ t} Σ_k (q̂_s dq̂_s − k_s dk_s)
+    + the state term, summed over the block's k. Per-key-dim decay: the intra-chunk sums are left to
+    `_vector_grads_kernel`; dq, dk (fp32 [tokens, H, K]) receive the state parts only (dq̂, unscaled), dA (fp32
+    [tokens, H, CHUNK], like `scores`) and the state term (fp32 [chunks, H, K]) are stored for it.
+    Otherwise dq, dk are in q's and k's dtypes. Grid: (chunks, H, K / BLOCK_K).
     """
+    tl.static_assert((DECAY != DECAY_NONE) or (not DECAY_GRAD))
     chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     entering = _state_base(states, slot, h, H, K, V)
-    leaving = _state_base(states, slot + 1, h, H, K, V)
     d_leaving = _state_base(dstates, slot + 1, h, H, K, V)
     dq_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
     dk_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
     dA_acc = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    term = tl.zeros([BLOCK_K], dtype=tl.float32)
+    entering_term = tl.zeros([BLOCK_K], dtype=tl.float32)  # Σ_v S_j ⊙ dS_{j+1}
     for v0 in range(0, V, BLOCK_V):
         vv = v0 + tl.arange(0, BLOCK_V)
         do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V)
         v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V)
+        state = _load_tile(entering, kk, K, V, vv, V)
         d_state = _load_tile(d_leaving, kk, K, V, vv, V)
-        dq_acc += _dot(do_tile, tl.trans(_load_tile(entering, kk, K, V, vv, V)), BF16_DOT)
+        dq_acc += _dot(do_tile, tl.trans(state), BF16_DOT)
         dk_acc += _dot(v_tile, tl.trans(d_state), BF16_DOT)
         dA_acc += _dot(do_tile, tl.trans(v_tile), BF16_DOT)
-        if DECAY != DECAY_NONE:
-            term += tl.sum(_load_tile(leaving, kk, K, V, vv, V) * d_state, axis=1)
+        if DECAY_GRAD:
+            entering_term += tl.sum(state.to(tl.float32) * d_state.to(tl.float32), axis=1)
     b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
     b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
     dq_acc *= tl.exp(b_rows)
     dk_acc *= tl.exp(b_last - b_rows)
-    tl.store(state_term + (chunk.to(tl.int64) * H + h) * K + kk, term, mask=kk < K)
+    k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K)
+    term = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+    if DECAY_GRAD:
+        term = entering_term[None, :] * tl.exp(b_last) + tl.sum(k_tile.to(tl.float32) * dk_acc, axis=0)[None, :]
     if DECAY == DECAY_VECTOR:
+        if DECAY_GRAD:
+            tl.store(state_term + (chunk.to(tl.int64) * H + h) * K + kk[None, :], term, mask=(kk < K)[None, :])
         if pid_k == 0:
             _store_tile(dA + h * CHUNK, dA_acc, rows, end, H * CHUNK, tl.arange(0, CHUNK), CHUNK)
+        _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
     else:
         dA_acc *= _causal_decay(b_rows, False, CHUNK)
-        dq_acc += _dot(dA_acc, _load_tile(k + h * K, rows, end, H * K, kk, K), BF16_DOT)
+        dq_acc += _dot(dA_acc, k_tile, BF16_DOT)
         q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
         dk_acc += _dot(tl.trans(dA_acc), q_tile, BF16_DOT)
-    _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
+        if DECAY_GRAD:
+            db = tl.sum(q_tile * dq_acc - k_tile.to(tl.float32) * dk_acc, axis=1)  # [CHUNK]: d/db_t, no state term
+            d_log = tl.cumsum(db, axis=0, reverse=True) + tl.sum(term)
+            partial = d_log_decay + pid_k.to(tl.int64) * tokens * H
+            tl.store(partial + rows.to(tl.int64) * H + h, d_log.to(d_log_decay.dtype.element_ty), mask=rows < end)
+        _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
     _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
 
 
-@triton.autotune(configs=_configs(), key=["K", "BLOCK_K"])
+@triton.autotune(configs=_configs(), key=["K", "BLOCK_K", "DECAY_GRAD"])
 @triton.jit
 def _vector_grads_kernel(
-    q, k, b, dA, dq_state, dk_state, dq, dk, chunk_info, scale,
+    q, k, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
-    BF16_DOT: tl.constexpr,
+    DECAY_GRAD: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
-    """dq = dq_state + the intra-chunk part of dq̂, dk = dk_state + that of dk, per-key-dim decay, sub-chunk m:
+    """dq = scale · (dq_state + the intra-chunk part of dq̂), dk = dk_state + that of dk, per-key-dim decay, by
+    sub-chunks m of the chunk, last first:
 
         dq̂_t += Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i}   (the queries t of sub-chunk m)
         dk_i += Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}   (the keys i of sub-chunk m)
 
     Earlier keys, and later queries, in one dot each around the reference r = b at the first, and the last, row of
-    sub-chunk m (both factors ≤ 1); pairs inside sub-chunk m with the explicit decay. All buffers fp32
-    [tokens, H, K] except dA [tokens, H, CHUNK]. Grid: (chunks, H, (CHUNK / SUB) · (K / BLOCK_K)).
+    sub-chunk m (both factors ≤ 1); pairs inside sub-chunk m with the explicit decay. If DECAY_GRAD, also
+    d_log_decay_t = Σ_{s ≥ t} (q̂_s ⊙ dq̂_s − k_s ⊙ dk_s) + the chunk's state term, the sum over later sub-chunks
+    carried from one to the next. dq_state, dk_state: fp32 [tokens, H, K]; dA: fp32 [tokens, H, CHUNK];
+    state_term: fp32 [chunks, H, K]; dq, dk, d_log_decay: [tokens, H, K] in q's, k's and log_decay's dtypes.
+    Grid: (chunks, H, K / BLOCK_K).
     """
     tl.static_assert(CHUNK % SUB == 0)
-    chunk, h, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m, pid_k = pid % (CHUNK // SUB), pid // (CHUNK // SUB)
+    chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, _ = _chunk_bounds(chunk_info, chunk)
     local = tl.arange(0, CHUNK)
     chunk_rows = start + local
-    rows = start + m * SUB + tl.arange(0, SUB)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     q_chunk = _load_tile(q + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32) * scale
     k_chunk = _load_tile(k + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32)
     b_chunk = _load_decay(b, h, chunk_rows, end, kk, H, K, DECAY_VECTOR)
-    q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
-    k_rows = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-    b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY_VECTOR)
-    dA_rows = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # [SUB, CHUNK]: dA_t· for t in m
-    dA_cols = _load_tile(dA + h * CHUNK, chunk_rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)  # dA_·i
+    later = tl.zeros([BLOCK_K], dtype=tl.float32)  # Σ over the rows of later sub-chunks, plus the state term
+    if DECAY_GRAD:
+        later = tl.load(state_term + (chunk.to(tl.int64) * H + h) * K + kk, mask=kk < K, other=0.0)
+    for step in range(CHUNK // SUB):
+        m = CHUNK // SUB - 1 - step
+        rows = start + m * SUB + tl.arange(0, SUB)
+        q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+        k_rows = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
+        b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY_VECTOR)
+        dA_rows = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # [SUB, CHUNK]: dA_t· for t in m
+        dA_cols = _load_tile(dA + h * CHUNK, chunk_rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)  # dA_·i
 
-    first = _load_decay(b, h, tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1), end, kk, H, K, DECAY_VECTOR)
-    k_ref = tl.where((local < m * SUB)[:, None], k_chunk * tl.exp(tl.minimum(first - b_chunk, 0.0)), 0.0)
-    dq_acc = tl.exp(tl.minimum(b_rows - first, 0.0)) * _dot(dA_rows, k_ref, BF16_DOT)
+        first = _load_decay(b, h, tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1), end, kk, H, K,
+                            DECAY_VECTOR)
+        k_ref = tl.where((local < m * SUB)[:, None], k_chunk * tl.exp(tl.minimum(first - b_chunk, 0.0)), 0.0)
+        dq_acc = tl.exp(tl.minimum(b_rows - first, 0.0)) * _dot(dA_rows, k_ref, BF16_DOT)
 
-    last = _load_decay(b, h, tl.minimum(start + m * SUB + SUB, end) - 1 + tl.arange(0, 1), end, kk, H, K, DECAY_VECTOR)
-    q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
-    dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
+        last = _load_decay(b, h, tl.minimum(start + m * SUB + SUB, end) - 1 + tl.arange(0, 1), end, kk, H, K,
+                           DECAY_VECTOR)
+        q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
+        dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
 
-    dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)[:, :, None]
-    decay = _sub_chunk_decay(b_rows, SUB)  # [t, i, k]
-    dq_acc += tl.sum(dA_diagonal * k_rows[None, :, :] * decay, axis=1)
-    dk_acc += tl.sum(dA_diagonal * q_rows[:, None, :] * decay, axis=0)
-    dq_acc += _load_tile(dq_state + h * K, rows, end, H * K, kk, K)
-    dk_acc += _load_tile(dk_state + h * K, rows, end, H * K, kk, K)
-    _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
-    _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
+        dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)[:, :, None]
+        decay = _sub_chunk_decay(b_rows, SUB)  # [t, i, k]
+        dq_acc += tl.sum(dA_diagonal * k_rows[None, :, :] * decay, axis=1)
+        dk_acc += tl.sum(dA_diagonal * q_rows[:, None, :] * decay, axis=0)
+        dq_acc += _load_tile(dq_state + h * K, rows, end, H * K, kk, K)
+        dk_acc += _load_tile(dk_state + h * K, rows, end, H * K, kk, K)
+        _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
+        _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
+        if DECAY_GRAD:
+            db = q_rows * dq_acc - k_rows * dk_acc  # [SUB, BLOCK_K]
+            _store_tile(d_log_decay + h * K, tl.cumsum(db, axis=0, reverse=True) + later[None, :], rows, end, H * K,
+                        kk, K)
+            later += tl.sum(db, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -521,7 +555,6 @@ class _Chunks:
         self.seq_info = torch.stack([starts, ends, first_slots], 1).int().to(device)
         self.first_slots = first_slots.to(device)
         self.final_slots = (first_slots + counts).to(device)
-        self.last_tokens = (chunk_ends - 1).to(device)
         self.num_chunks, self.num_seqs = len(seq), len(counts)
         self.num_slots = int((counts + 1).sum())
 
@@ -595,35 +628,47 @@ def _chunk_output(
     return out
 
 
-def _chunk_dqk(
-    q: Tensor, k: Tensor, v: Tensor, do: Tensor, b: Tensor | None, states: Tensor, dstates: Tensor, chunks: _Chunks,
-    scale: float, bf16_dot: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 dq̂ = dL/d(scale·q), dk [.., H, K] and the decay gradient's state term [chunks, H, K]."""
+def _chunk_grads(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, log_decay: Tensor | None, b: Tensor | None, states: Tensor,
+    dstates: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool, decay_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """dq, dk [.., H, K] in q's and k's dtypes and, if decay_grad, d log_decay in log_decay's shape and dtype
+    (see `_chunk_dqk_kernel` and `_vector_grads_kernel`)."""
     heads, key_dim, value_dim = k.shape[-2], k.shape[-1], v.shape[-1]
+    tokens = k.numel() // (heads * key_dim)
     decay = _decay_mode(b)
-    dq, dk = (torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
-    state_term = k.new_empty(chunks.num_chunks, heads, key_dim, dtype=torch.float32)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    block_k = _block(key_dim)
+    k_blocks = triton.cdiv(key_dim, block_k)
+    unused = dstates  # any tensor, for pointer arguments a specialization does not read
+    d_log_decay = state_term = unused
+    if decay_grad and decay == DECAY_SCALAR.value:  # one partial sum per K block, added here if there are several
+        d_log_decay = log_decay.new_empty(k_blocks, *log_decay.shape,
+                                          dtype=log_decay.dtype if k_blocks == 1 else torch.float32)
+    elif decay_grad:
+        d_log_decay = torch.empty_like(log_decay)
+        state_term = k.new_empty(chunks.num_chunks, heads, key_dim, dtype=torch.float32)
     # Per-key-dim decay: this pass leaves the intra-chunk sums to `_vector_grads_kernel` and stores dA for it.
     if decay == DECAY_VECTOR.value:
-        dq_state, dk_state = torch.empty_like(dq), torch.empty_like(dk)
+        dq_state, dk_state = (torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
         dA = q.new_empty(*q.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
     else:
-        dq_state, dk_state, dA = dq, dk, state_term
-    block_k = _block(key_dim)
-    _chunk_dqk_kernel[(chunks.num_chunks, heads, triton.cdiv(key_dim, block_k))](
-        q, k, v, do, states if b is None else b, states, dstates, dq_state, dk_state, dA, state_term,
-        chunks.chunk_info, scale, H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE,
-        BLOCK_K=block_k, BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
+        dq_state, dk_state, dA = dq, dk, unused
+    _chunk_dqk_kernel[(chunks.num_chunks, heads, k_blocks)](
+        q, k, v, do, states if b is None else b, states, dstates, dq_state, dk_state, dA, state_term, d_log_decay,
+        chunks.chunk_info, scale, tokens, H=heads, K=key_dim, V=value_dim, DECAY=decay, DECAY_GRAD=decay_grad,
+        CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
     )
     if decay == DECAY_VECTOR.value:
         block_k = _block(key_dim, 32)
-        grid = (chunks.num_chunks, heads, CHUNK_SIZE // VECTOR_SUB_CHUNK * triton.cdiv(key_dim, block_k))
-        _vector_grads_kernel[grid](
-            q, k, b, dA, dq_state, dk_state, dq, dk, chunks.chunk_info, scale, H=heads, K=key_dim,
-            CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK, BLOCK_K=block_k, BF16_DOT=bf16_dot,
+        _vector_grads_kernel[(chunks.num_chunks, heads, triton.cdiv(key_dim, block_k))](
+            q, k, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunks.chunk_info, scale, H=heads,
+            K=key_dim, CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK, BLOCK_K=block_k, DECAY_GRAD=decay_grad,
+            BF16_DOT=bf16_dot,
         )
-    return dq, dk, state_term
+    elif decay_grad:
+        d_log_decay = d_log_decay[0] if k_blocks == 1 else d_log_decay.sum(0).to(log_decay.dtype)
+    return dq, dk, d_log_decay if decay_grad else None
 
 
 class _ChunkedLinearAttention(torch.autograd.Function):
@@ -658,18 +703,11 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             k, q, do, b, scores, dstates, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=v.dtype,
             bf16_dot=bf16_dot,
         )
-        dq_hat, dk, state_term = _chunk_dqk(q, k, v, do, b, states, dstates, chunks, scale, bf16_dot)
-        d_log_decay = None
-        if b is not None:
-            db = q.float() * scale * dq_hat - k.float() * dk  # the gradient w.r.t. b, without the state term
-            if b.shape[-1] == 1:
-                db, state_term = db.sum(-1, keepdim=True), state_term.sum(-1, keepdim=True)
-            # b_last (the chunk's last row of b) also decays the state: its term, summed back, reaches every row.
-            db = db.view(-1, *db.shape[-2:])
-            db[chunks.last_tokens] += state_term
-            d_log_decay = _chunk_cumsum(db, chunks, reverse=True).view(log_decay.shape).to(log_decay.dtype)
+        decay_grad = b is not None and ctx.needs_input_grad[3]  # none for a fixed decay
+        dq, dk, d_log_decay = _chunk_grads(
+            q, k, v, do, log_decay, b, states, dstates, chunks, scale, bf16_dot, decay_grad
+        )
         d_initial = None if initial_state is None else dstates[chunks.first_slots].to(initial_state.dtype)
-        dq, dk = (dq_hat * scale).to(q.dtype), dk.to(k.dtype)
         return dq, dk, dv, d_log_decay, d_initial, None, None, None
 
 

@@ -6,6 +6,8 @@ TF32 (hence the looser float32 tolerance there). The oracles run in float64 on t
 (inputs rounded to the tested dtype first), so the tolerances measure the kernels' own arithmetic.
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,27 +46,29 @@ def outputs_and_grads(attention, inputs: dict, **kwargs) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(123)
     loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)).sum()
                for x in (o, state))
-    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None])]
+    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None and x.requires_grad])]
 
 
 def compare_with_oracle(attention, inputs: dict, oracle: str, dtype: torch.dtype, low: tuple[str, ...], *,
-                        tol: float | None = None, **kwargs):
+                        tol: float | None = None, frozen: tuple[str, ...] = (), **kwargs):
     """Run `attention` with backend "triton" on DEVICE, with the tensors named in `low` in `dtype` and the others
     in float32, against `oracle` in float64 on CPU on the same (rounded) values; check dtypes and closeness (to
-    `tol`, by default TOLERANCE[dtype]). Tensors in kwargs (masks, cu_seqlens) are given on CPU."""
+    `tol`, by default TOLERANCE[dtype]). The tensors named in `frozen` need no gradient. Tensors in kwargs (masks,
+    cu_seqlens) are given on CPU."""
     rounded = {
         name: None if x is None else x.detach().to(dtype if name in low else torch.float32)
         for name, x in inputs.items()
     }
-    exact = {name: None if x is None else x.double().requires_grad_() for name, x in rounded.items()}
+    exact = {name: None if x is None else x.double().requires_grad_(name not in frozen) for name, x in rounded.items()}
     expected = outputs_and_grads(attention, exact, backend=oracle, **kwargs)
-    tested = {name: None if x is None else x.to(DEVICE).requires_grad_() for name, x in rounded.items()}
+    tested = {name: None if x is None else x.to(DEVICE).requires_grad_(name not in frozen)
+              for name, x in rounded.items()}
     on_device = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
     actual = outputs_and_grads(attention, tested, backend="triton", **on_device)
 
     o, state, *grads = actual
     assert o.dtype == dtype and state.dtype == torch.float32
-    assert [g.dtype for g in grads] == [x.dtype for x in tested.values() if x is not None]
+    assert [g.dtype for g in grads] == [x.dtype for x in tested.values() if x is not None and x.requires_grad]
     assert_all_close([x.detach().double().cpu() for x in actual], expected, TOLERANCE[dtype] if tol is None else tol)
 
 
@@ -110,6 +114,51 @@ def test_linear_packed_sequences(decay, normalize):
     compare_with_oracle(
         linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW, normalize=normalize, cu_seqlens=cu_seqlens
     )
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records every launch of the linear-attention kernels: (kernel name, {argument name: value}), then runs it."""
+    seen = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                function = self.kernel
+                while hasattr(function, "fn"):  # unwrap @triton.autotune and @triton.jit
+                    function = function.fn
+                names = list(inspect.signature(function).parameters)
+                seen.append((self.name, {**dict(zip(names, args, strict=False)), **kwargs}))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in dir(ops_triton):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(ops_triton, name, Spy(name, getattr(ops_triton, name)))
+    return seen
+
+
+@pytest.mark.parametrize("decay_needs_grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_decay_gradient_in_the_kernels_only_when_needed(launches, decay, dtype, decay_needs_grad):
+    """The decay gradient comes from the dq / dk kernels (no torch pass), and is not computed for a decay that needs
+    none (fixed, or not requiring grad); dq and dk are stored by the kernels in the inputs' dtype."""
+    inputs = make_inputs(decay, False, 2 * C + 5, 20, 7, with_state=True)
+    frozen = () if decay_needs_grad else ("log_decay",)
+    compare_with_oracle(linear_attention, inputs, "recurrent", dtype, LINEAR_LOW, frozen=frozen)
+    grad_kernels = [kwargs for name, kwargs in launches if name in ("_chunk_dqk_kernel", "_vector_grads_kernel")]
+    assert grad_kernels and all(kwargs["DECAY_GRAD"] == decay_needs_grad for kwargs in grad_kernels)
+    final = grad_kernels[-1]  # the kernel that stores dq and dk
+    assert final["dq"].dtype == dtype and final["dk"].dtype == dtype
+    if decay_needs_grad:
+        d_log_decay = final["d_log_decay"]
+        assert d_log_decay.dtype == torch.float32 and d_log_decay.numel() == inputs["log_decay"].numel()
+    # no reverse cumulative sum of a decay gradient outside the kernels above
+    assert not any(name == "_chunk_cumsum_kernel" and kwargs["REVERSE"] for name, kwargs in launches)
 
 
 @pytest.mark.parametrize("log_decay_value, tol", [(-30.0, 5e-4), (-1e4, 1e-1)])
