@@ -49,6 +49,7 @@ window maximum c_t; torch combines the two parts and divides.
 
 import functools
 import os
+import weakref
 
 import torch
 from torch import Tensor
@@ -565,6 +566,24 @@ def _batch_chunks(batch: int, length: int, device: torch.device) -> _Chunks:
     return _Chunks(list(range(0, batch * length + 1, length)), device)
 
 
+# id(cu_seqlens) -> (a weak reference to it, its version, the device, its _Chunks); an entry leaves with its tensor.
+_PACKED_CHUNKS: dict[int, tuple] = {}
+
+
+def _packed_chunks(cu_seqlens: Tensor, device: torch.device) -> _Chunks:
+    """The tables of the sequences packed at cu_seqlens [N + 1], built on the first call with this tensor (again only
+    if it is modified in place) and reused: the one read of its values (a host sync for a CUDA tensor; none for a CPU
+    copy, which is accepted as it is) happens once, e.g. once per model forward for all layers."""
+    key = id(cu_seqlens)
+    cached = _PACKED_CHUNKS.get(key)
+    if cached is not None and cached[0]() is cu_seqlens and cached[1:3] == (cu_seqlens._version, device):
+        return cached[3]
+    chunks = _Chunks(cu_seqlens.tolist(), device)
+    reference = weakref.ref(cu_seqlens, lambda _: _PACKED_CHUNKS.pop(key, None))
+    _PACKED_CHUNKS[key] = (reference, cu_seqlens._version, device, chunks)
+    return chunks
+
+
 def _chunk_cumsum(terms: Tensor, chunks: _Chunks, reverse: bool) -> Tensor:
     """fp32 cumulative sum of terms [.., H, D] over the tokens of each chunk (see `_chunk_cumsum_kernel`)."""
     heads, dim = terms.shape[-2:]
@@ -998,10 +1017,11 @@ def triton_linear_attention(
     """Chunked linear attention in Triton: arguments and results as `ops_chunked.chunk_linear_attention`.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_decay: None or [B, T, H, 1 | K] (≤ 0); initial_state: None or
-    [N, H, K, V (+ 1 if normalize)]; cu_seqlens: None or [N + 1] (B == 1). Returns o [B, T, H, V] in v's dtype and
+    [N, H, K, V (+ 1 if normalize)]; cu_seqlens: None or [N + 1] (B == 1; on the device or a CPU copy; its tables
+    are built once per tensor, see `_packed_chunks`). No host sync otherwise. Returns o [B, T, H, V] in v's dtype and
     the fp32 final state (None unless output_final_state).
     """
-    chunks = _batch_chunks(*q.shape[:2], q.device) if cu_seqlens is None else _Chunks(cu_seqlens.tolist(), q.device)
+    chunks = _batch_chunks(*q.shape[:2], q.device) if cu_seqlens is None else _packed_chunks(cu_seqlens, q.device)
     value_dim = v.shape[-1]
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # its output column is the denominator

@@ -161,6 +161,42 @@ def test_decay_gradient_in_the_kernels_only_when_needed(launches, decay, dtype, 
     assert not any(name == "_chunk_cumsum_kernel" and kwargs["REVERSE"] for name, kwargs in launches)
 
 
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_packed_calls_read_no_values_on_the_host(monkeypatch):
+    """After a first call has built the chunk tables of a cu_seqlens tensor, forward and backward read no tensor
+    value on the host (on a GPU each read is a sync): every such read from hf_linear_attn raises; results are
+    unchanged. Modifying cu_seqlens in place rebuilds the tables."""
+    lengths = [5, C + 6, 0, 3]
+    inputs = make_inputs("vector", True, sum(lengths), 16, 8, batch=1, dtype=torch.float32)
+    inputs = {name: x.detach().to(DEVICE).requires_grad_() for name, x in inputs.items() if x is not None}
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)  # a CPU copy, also for CUDA inputs
+    monkeypatch.setattr(ops_common, "checks_values", lambda x: False)  # as on a GPU: no value checks
+    kwargs = dict(normalize=True, cu_seqlens=cu_seqlens, backend="triton")
+    first = outputs_and_grads(linear_attention, inputs, **kwargs)
+
+    def forbidden(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = inspect.currentframe().f_back.f_globals.get("__name__", "")
+            if caller.startswith("hf_linear_attn"):
+                raise AssertionError(f"Tensor.{name} called from {caller}: a host sync")
+            return original(self, *args, **kwargs)
+        return read
+
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, forbidden(name))
+        second = outputs_and_grads(linear_attention, inputs, **kwargs)
+    assert_all_close([x.detach().double().cpu() for x in second], [x.detach().double().cpu() for x in first], 0.0)
+
+    cu_seqlens[1:] = torch.tensor([C + 6, C + 6, C + 11, sum(lengths)])  # other bounds, same tensor
+    moved = ops_triton._packed_chunks(cu_seqlens, DEVICE)
+    assert moved.seq_info[:, :2].tolist() == [[0, C + 6], [C + 6, C + 6], [C + 6, C + 11], [C + 11, sum(lengths)]]
+
+
 @pytest.mark.parametrize("log_decay_value, tol", [(-30.0, 5e-4), (-1e4, 1e-1)])
 @pytest.mark.parametrize("decay", ["scalar", "vector"])
 def test_strong_decay_stays_finite(decay, log_decay_value, tol):
