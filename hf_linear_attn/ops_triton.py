@@ -2,7 +2,8 @@
 
 Same arguments, results and state layout as the torch chunked backend (`ops_chunked`); the kernels run on CUDA
 tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 set before this module is imported: slow,
-for tests). Inputs may be float16, bfloat16 or float32; states and every sum are float32. Without triton this
+for tests). Inputs may be float16, bfloat16 or float32; every sum is float32, and so are the states, except the
+chunk-boundary states of the forward pass for bfloat16 inputs (bfloat16, see `_states_dtype`). Without triton this
 module still imports (remote code, CPU-only installs) and `HAS_TRITON` is False.
 
 Memory layout and pointer arithmetic (the same in every kernel)
@@ -248,7 +249,7 @@ def _chunk_cumsum_kernel(
 @triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE"])
 @triton.jit
 def _state_pass_kernel(
-    outer_k, outer_v, b, init, states, seq_info, outer_k_scale,
+    outer_k, outer_v, b, init, states, last, seq_info, outer_k_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr,
     HAS_INIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BF16_DOT: tl.constexpr,
@@ -258,14 +259,14 @@ def _state_pass_kernel(
     The state is a decayed sum of outer products outer_k_t outer_v_tᵀ (scaled by outer_k_scale), either way:
     Forward (REVERSE=0; outer_k = k, outer_v = v): S_0 = init (or 0),
         S_{j+1} = e^{b_last} ⊙ S_j + Σ_t (k_t ⊙ e^{b_last − b_t}) v_tᵀ;
-    slot first + j receives S_j for j = 0 … n (n chunks; slot first + n holds the final state).
+    slot first + j receives S_j for j = 0 … n − 1 (n chunks), `last` the final state S_n.
     Reverse (REVERSE=1; outer_k = q, outer_v = do, outer_k_scale = scale): dS_n = init (the final state's
     gradient, or 0),
         dS_j = e^{b_last} ⊙ dS_{j+1} + Σ_t (scale·q_t ⊙ e^{b_t}) do_tᵀ;
-    slot first + j receives dS_j (j = 0: the initial state's gradient).
-    outer_k: [tokens, H, K]; outer_v: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: fp32
-    [sequences, H, K, V];
-    states: fp32 [slots, H, K, V]; seq_info: int32 [sequences, 3] (first token, end token, first slot).
+    slot first + j receives dS_j for j = 1 … n, `last` dS_0 (the initial state's gradient).
+    outer_k: [tokens, H, K]; outer_v: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: [sequences, H,
+    K, V]; states: [slots, H, K, V] in any float dtype (sums stay fp32); last: fp32 [sequences, H, K, V]; seq_info:
+    int32 [sequences, 3] (first token, end token, first slot).
     Grid: (K / BLOCK_K, V / BLOCK_V, sequences · H); a program owns one [BLOCK_K, BLOCK_V] tile of one state.
     """
     tl.static_assert((REVERSE == 0) or (REVERSE == 1))  # also the offset of a state slot below
@@ -291,8 +292,7 @@ def _state_pass_kernel(
             k_tile = k_tile * tl.exp(b_last - b_rows)
         v_tile = _load_tile(outer_v + h * V, rows, end, H * V, vv, V)
         state = state * tl.exp(tl.trans(b_last)) + _dot(tl.trans(k_tile), v_tile, BF16_DOT)
-    last_slot = first_slot + (1 - REVERSE) * num_chunks
-    _store_tile(_state_base(states, last_slot, h, H, K, V), state, kk, K, V, vv, V)
+    _store_tile(_state_base(last, tl.program_id(2) // H, h, H, K, V), state, kk, K, V, vv, V)
 
 
 @triton.autotune(configs=_configs(), key=["K", "BLOCK_K"])
@@ -355,8 +355,8 @@ def _chunk_output_kernel(
         dv_i = (k_i ⊙ e^{b_last − b_i})ᵀ dS_{j+1} + Σ_{t ≥ i} A_ti do_t
     (q̂ = scale·q.) A = (q̂ kᵀ) ⊙ e^{b_t − b_i} masked, for no or per-head decay; read from `scores`
     (`_vector_scores_kernel`) for the per-key-dim decay.
-    row_k, col_k: [tokens, H, K]; col_v, out: [tokens, H, V]; states: fp32 [slots, H, K, V]; chunk_info: int32
-    [chunks, 3]. Grid: (chunks, H, V / BLOCK_V).
+    row_k, col_k: [tokens, H, K]; col_v, out: [tokens, H, V]; states: [slots, H, K, V] (fp32; bf16 forward states
+    for bf16 inputs); chunk_info: int32 [chunks, 3]. Grid: (chunks, H, V / BLOCK_V).
     """
     chunk, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _chunk_bounds(chunk_info, chunk)
@@ -602,22 +602,30 @@ def _decay_mode(b: Tensor | None) -> int:
     return DECAY_SCALAR.value if b.shape[-1] == 1 else DECAY_VECTOR.value
 
 
+def _states_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the states the forward pass stores at chunk boundaries: bfloat16 for bfloat16 inputs (half the
+    traffic; its range is float32's), else float32 (float16 states could overflow). Final states are float32."""
+    return torch.bfloat16 if input_dtype == torch.bfloat16 else torch.float32
+
+
 def _state_pass(
     outer_k: Tensor, outer_v: Tensor, b: Tensor | None, init: Tensor | None, chunks: _Chunks, *, reverse: bool,
-    outer_k_scale: float, bf16_dot: bool,
-) -> Tensor:
-    """fp32 [slots, H, K, V]: the state at every chunk boundary (reverse: its gradient), see `_state_pass_kernel`."""
+    outer_k_scale: float, bf16_dot: bool, states_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """[slots, H, K, V] in states_dtype: the state entering every chunk (reverse: the gradient leaving it), and the
+    fp32 [sequences, H, K, V] final state (reverse: the initial state's gradient), see `_state_pass_kernel`."""
     heads, key_dim, value_dim = outer_k.shape[-2], outer_k.shape[-1], outer_v.shape[-1]
-    states = outer_k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)
+    states = outer_k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=states_dtype)
+    last = outer_k.new_empty(chunks.num_seqs, heads, key_dim, value_dim, dtype=torch.float32)
     block_k, block_v = _block(key_dim), _block(value_dim)
     grid = (triton.cdiv(key_dim, block_k), triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)
     _state_pass_kernel[grid](
-        outer_k, outer_v, states if b is None else b, states if init is None else init, states, chunks.seq_info,
+        outer_k, outer_v, last if b is None else b, last if init is None else init, states, last, chunks.seq_info,
         outer_k_scale,
         H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), REVERSE=int(reverse), HAS_INIT=init is not None,
         CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=block_v, BF16_DOT=bf16_dot,
     )
-    return states
+    return states, last
 
 
 def _vector_scores(q: Tensor, k: Tensor, b: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool) -> Tensor:
@@ -697,7 +705,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, log_decay, initial_state, scale, chunks, out_dtype):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
-        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot)
+        states, final_state = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0,
+                                          bf16_dot=bf16_dot, states_dtype=_states_dtype(k.dtype))
         scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
         o = _chunk_output(
             q, k, v, b, scores, states, chunks, transpose=False, row_scale=scale, col_scale=1.0, out_dtype=out_dtype,
@@ -705,7 +714,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, log_decay, initial_state)
         ctx.scale, ctx.chunks, ctx.bf16_dot = scale, chunks, bf16_dot
-        return o, states[chunks.final_slots]
+        return o, final_state
 
     @staticmethod
     def backward(ctx, do, d_final_state):
@@ -713,8 +722,9 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         scale, chunks, bf16_dot = ctx.scale, ctx.chunks, ctx.bf16_dot
         do = do.contiguous()
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
-        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot)
-        dstates = _state_pass(
+        states, _ = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot,
+                                states_dtype=_states_dtype(k.dtype))
+        dstates, d_initial = _state_pass(
             q, do, b, d_final_state.contiguous(), chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
         )
         scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
@@ -726,7 +736,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dq, dk, d_log_decay = _chunk_grads(
             q, k, v, do, log_decay, b, states, dstates, chunks, scale, bf16_dot, decay_grad
         )
-        d_initial = None if initial_state is None else dstates[chunks.first_slots].to(initial_state.dtype)
+        d_initial = None if initial_state is None else d_initial.to(initial_state.dtype)
         return dq, dk, dv, d_log_decay, d_initial, None, None, None
 
 

@@ -161,6 +161,18 @@ def test_decay_gradient_in_the_kernels_only_when_needed(launches, decay, dtype, 
     assert not any(name == "_chunk_cumsum_kernel" and kwargs["REVERSE"] for name, kwargs in launches)
 
 
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
+def test_bfloat16_inputs_store_bfloat16_chunk_states(launches, decay):
+    """bfloat16 inputs: the forward pass stores its chunk-boundary states in bfloat16 (the final state in float32),
+    within the bfloat16 tolerance over several chunks carried from an initial state."""
+    inputs = make_inputs(decay, False, 4 * C + 3, 32, 16, batch=1, with_state=True)
+    compare_with_oracle(linear_attention, inputs, "recurrent", torch.bfloat16, LINEAR_LOW)
+    passes = [kwargs for name, kwargs in launches if name == "_state_pass_kernel"]
+    forward, reverse = [p for p in passes if not p["REVERSE"]], [p for p in passes if p["REVERSE"]]
+    assert forward and all(p["states"].dtype == torch.bfloat16 and p["last"].dtype == torch.float32 for p in forward)
+    assert reverse and all(p["states"].dtype == torch.float32 for p in reverse)
+
+
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
