@@ -112,6 +112,24 @@ def _configs() -> list:
     return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
 
 
+def _dqk_configs() -> list:
+    """Launch configurations of `_chunk_dqk_kernel`: 8 warps and a BLOCK_V for V, see `_dqk_value_blocks` (an sm_90
+    compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, and with 128-wide K blocks). One under the
+    interpreter."""
+    if not HAS_TRITON:
+        return []
+    if INTERPRET:
+        return [triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=s) for bv in (64, 128) for s in (2, 3)]
+
+
+def _dqk_value_blocks(configs: list, named_args: dict, **kwargs) -> list:
+    """The configs the autotuner may pick for this V: 64-wide value blocks up to V = 64, 128-wide above (64-wide
+    ones spill at V = 128 for the per-key-dim decay); any under the interpreter."""
+    width = _block(kwargs["V"], 128)
+    return [c for c in configs if INTERPRET or c.kwargs["BLOCK_V"] == width]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Shared device helpers
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,10 +264,10 @@ def _chunk_cumsum_kernel(
     _store_tile(sums + h * D, tl.cumsum(tile, axis=0, reverse=REVERSE), rows, end, H * D, cols, D)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE", "HAS_INIT", "work_bucket"])
 @triton.jit
 def _state_pass_kernel(
-    outer_k, outer_v, b, init, states, last, seq_info, outer_k_scale,
+    outer_k, outer_v, b, init, states, last, seq_info, outer_k_scale, work_bucket,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr,
     HAS_INIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BF16_DOT: tl.constexpr,
@@ -267,6 +285,7 @@ def _state_pass_kernel(
     outer_k: [tokens, H, K]; outer_v: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: [sequences, H,
     K, V]; states: [slots, H, K, V] in any float dtype (sums stay fp32); last: fp32 [sequences, H, K, V]; seq_info:
     int32 [sequences, 3] (first token, end token, first slot).
+    work_bucket (unread) keys the autotuner: tokens · H rounded to a power of two.
     Grid: (K / BLOCK_K, V / BLOCK_V, sequences · H); a program owns one [BLOCK_K, BLOCK_V] tile of one state.
     """
     tl.static_assert((REVERSE == 0) or (REVERSE == 1))  # also the offset of a state slot below
@@ -388,10 +407,11 @@ def _chunk_output_kernel(
     _store_tile(out + h * V, acc, rows, end, H * V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "DECAY_GRAD"])
+@triton.autotune(configs=_dqk_configs(), key=["K", "V", "DECAY", "DECAY_GRAD", "work_bucket"],
+                 prune_configs_by={"early_config_prune": _dqk_value_blocks})
 @triton.jit
 def _chunk_dqk_kernel(
-    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, d_log_decay, chunk_info, scale, tokens,
+    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, d_log_decay, chunk_info, scale, tokens, work_bucket,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
@@ -408,7 +428,8 @@ def _chunk_dqk_kernel(
     + the state term, summed over the block's k. Per-key-dim decay: the intra-chunk sums are left to
     `_vector_grads_kernel`; dq, dk (fp32 [tokens, H, K]) receive the state parts only (dq̂, unscaled), dA (fp32
     [tokens, H, CHUNK], like `scores`) and the state term (fp32 [chunks, H, K]) are stored for it.
-    Otherwise dq, dk are in q's and k's dtypes. Grid: (chunks, H, K / BLOCK_K).
+    Otherwise dq, dk are in q's and k's dtypes. work_bucket (unread) keys the autotuner: the program count rounded
+    to a power of two. Grid: (chunks, H, K / BLOCK_K).
     """
     tl.static_assert((DECAY != DECAY_NONE) or (not DECAY_GRAD))
     chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -621,7 +642,7 @@ def _state_pass(
     grid = (triton.cdiv(key_dim, block_k), triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)
     _state_pass_kernel[grid](
         outer_k, outer_v, last if b is None else b, last if init is None else init, states, last, chunks.seq_info,
-        outer_k_scale,
+        outer_k_scale, triton.next_power_of_2(outer_k.numel() // key_dim),
         H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), REVERSE=int(reverse), HAS_INIT=init is not None,
         CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=block_v, BF16_DOT=bf16_dot,
     )
@@ -683,8 +704,9 @@ def _chunk_grads(
         dq_state, dk_state, dA = dq, dk, unused
     _chunk_dqk_kernel[(chunks.num_chunks, heads, k_blocks)](
         q, k, v, do, states if b is None else b, states, dstates, dq_state, dk_state, dA, state_term, d_log_decay,
-        chunks.chunk_info, scale, tokens, H=heads, K=key_dim, V=value_dim, DECAY=decay, DECAY_GRAD=decay_grad,
-        CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
+        chunks.chunk_info, scale, tokens, triton.next_power_of_2(chunks.num_chunks * heads * k_blocks), H=heads,
+        K=key_dim, V=value_dim, DECAY=decay, DECAY_GRAD=decay_grad, CHUNK=CHUNK_SIZE, BLOCK_K=block_k,
+        BF16_DOT=bf16_dot,
     )
     if decay == DECAY_VECTOR.value:
         block_k = _block(key_dim, 32)

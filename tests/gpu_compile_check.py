@@ -31,6 +31,7 @@ class Recorder:
     """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the specialization instead of running it."""
 
     def __init__(self, kernel, seen: dict):
+        self.configs, self.prune = getattr(kernel, "configs", []), getattr(kernel, "early_config_prune", None)
         while not isinstance(kernel, triton.runtime.jit.JITFunction):  # unwrap @triton.autotune
             kernel = kernel.fn
         self.kernel, self.seen = kernel, seen
@@ -40,6 +41,15 @@ class Recorder:
 
     def record(self, *args, **kwargs):
         bound = dict(zip([p.name for p in self.kernel.params][: len(args)], args, strict=True), **kwargs)
+        configs = self.prune(self.configs, {}, **bound) if self.prune else self.configs
+        # One compile per distinct set of config constexprs (block sizes), with the first such config's warps.
+        by_constexprs = {}
+        for config in configs:
+            by_constexprs.setdefault(tuple(sorted(config.kwargs.items())), config.num_warps)
+        for config_constexprs, num_warps in by_constexprs.items() or [((), 4)]:
+            self.record_one({**bound, **dict(config_constexprs)}, num_warps)
+
+    def record_one(self, bound: dict, num_warps: int):
         if "BF16_DOT" in bound:  # what a GPU run chooses (the launchers chose for the interpreter-free CPU)
             first_tensor = next(x for x in bound.values() if isinstance(x, torch.Tensor))
             bound["BF16_DOT"] = first_tensor.dtype == torch.bfloat16
@@ -52,8 +62,8 @@ class Recorder:
                 signature[param.name] = POINTER_TYPES[value.dtype]
             else:
                 signature[param.name] = "fp32" if isinstance(value, float) else "i32"
-        key = (self.kernel.__name__, tuple(signature.items()), tuple(constexprs.items()))
-        self.seen.setdefault(key, (self.kernel, signature, constexprs))
+        key = (self.kernel.__name__, tuple(signature.items()), tuple(constexprs.items()), num_warps)
+        self.seen.setdefault(key, (self.kernel, signature, constexprs, num_warps))
 
 
 def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:
@@ -106,15 +116,15 @@ def main() -> int:
     else:
         seen = record_workload([torch.bfloat16], [(80, 47)], [False])
     target, failures = GPUTarget("cuda", 90, 32), 0
-    for (name, _, _), (kernel, signature, constexprs) in seen.items():
+    for (name, *_), (kernel, signature, constexprs, num_warps) in seen.items():
         modes = {key: value for key, value in constexprs.items() if key in ("DECAY", "REVERSE", "TRANSPOSE", "D", "K")}
         try:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                                      options={"num_warps": 4, "num_stages": 2})
+                                      options={"num_warps": num_warps, "num_stages": 2})
             shared = compiled.metadata.shared / 1024
             if shared > SHARED_MEMORY_KIB:
                 raise RuntimeError(f"needs {shared:.0f} KiB of shared memory, sm_90 has {SHARED_MEMORY_KIB} KiB")
-            print(f"ok   {name} {modes} shared {shared:.0f} KiB", flush=True)
+            print(f"ok   {name} {modes} {num_warps} warps, shared {shared:.0f} KiB", flush=True)
         except Exception as error:  # report every failing kernel, not only the first
             failures += 1
             print(f"FAIL {name} {modes}\n{error}", flush=True)
