@@ -124,9 +124,10 @@ def _dqk_configs() -> list:
 
 
 def _dqk_value_blocks(configs: list, named_args: dict, **kwargs) -> list:
-    """The configs the autotuner may pick for this V: 64-wide value blocks up to V = 64, 128-wide above (64-wide
-    ones spill at V = 128 for the per-key-dim decay); any under the interpreter."""
-    width = _block(kwargs["V"], 128)
+    """The configs the autotuner may pick for this V: 64-wide value blocks up to V = 64, 128-wide above for 16-bit
+    inputs (64-wide ones spill at V = 128 for the per-key-dim decay; fp32 128-wide tiles need more than sm_90's
+    shared memory); any under the interpreter."""
+    width = _block(kwargs["V"], 128 if named_args["q"].element_size() <= 2 else 64)
     return [c for c in configs if INTERPRET or c.kwargs["BLOCK_V"] == width]
 
 

@@ -41,7 +41,7 @@ class Recorder:
 
     def record(self, *args, **kwargs):
         bound = dict(zip([p.name for p in self.kernel.params][: len(args)], args, strict=True), **kwargs)
-        configs = self.prune(self.configs, {}, **bound) if self.prune else self.configs
+        configs = self.prune(self.configs, bound, **bound) if self.prune else self.configs
         # One compile per distinct set of config constexprs (block sizes), with the first such config's warps.
         by_constexprs = {}
         for config in configs:
