@@ -43,6 +43,7 @@ class Recorder:
 
     def __init__(self, kernel, seen: dict):
         self.configs = list(getattr(kernel, "configs", None) or [None])  # @triton.autotune's, else one default
+        self.prune = getattr(kernel, "early_config_prune", None)  # what the autotuner drops for given arguments
         while not isinstance(kernel, triton.runtime.jit.JITFunction):  # unwrap @triton.autotune
             kernel = kernel.fn
         self.kernel, self.seen = kernel, seen
@@ -66,8 +67,9 @@ class Recorder:
                 signature[param.name] = POINTER_TYPES[value.dtype]
             else:
                 signature[param.name] = "fp32" if isinstance(value, float) else "i32"
+        configs = self.prune(self.configs, bound, **bound) if self.prune else self.configs
         key = (self.kernel.__name__, tuple(signature.items()), tuple(constexprs.items()))
-        self.seen.setdefault(key, Specialization(self.kernel, signature, constexprs, self.configs))
+        self.seen.setdefault(key, Specialization(self.kernel, signature, constexprs, configs))
 
 
 def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:

@@ -2,7 +2,8 @@
 
 Same arguments, results and state layout as the torch chunked backend (`ops_chunked`); the kernels run on CUDA
 tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 set before this module is imported: slow,
-for tests). Inputs may be float16, bfloat16 or float32; states and every sum are float32. Without triton this
+for tests). Inputs may be float16, bfloat16 or float32; every sum is float32, and so are the states, except the
+chunk-boundary states of the forward pass for bfloat16 inputs (bfloat16, see `_states_dtype`). Without triton this
 module still imports (remote code, CPU-only installs) and `HAS_TRITON` is False.
 
 Memory layout and pointer arithmetic (the same in every kernel)
@@ -28,14 +29,16 @@ dim; no decay is b = 0), q̂ = scale·q, S the state entering the chunk and S' t
     dk_i = e^{b_last − b_i} ⊙ (dS' v_i) + Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}
     d log_decay_t = Σ_{s ≥ t} (q̂_s ⊙ dq̂_s − k_s ⊙ dk_s) + Σ_v S' ⊙ dS'   (summed over K for a per-head decay)
 
-Kernels: `_chunk_cumsum_kernel` (b, and the reverse sum of the decay gradient), `_state_pass_kernel` (S
-through the chunks of each sequence; dS backwards), `_chunk_output_kernel` (o; transposed, dv),
-`_chunk_dqk_kernel` (dq̂, dk) and, for the per-key-dim decay, `_vector_scores_kernel` (A) and
-`_vector_grads_kernel` (the intra-chunk part of dq̂ and dk). b is non-increasing inside a chunk, so every
-exponent above is ≤ 0 and nothing overflows, however strong the decay — except e^{b_tk − b_ik} inside A for a
-per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}: there sub-chunks of VECTOR_SUB_CHUNK rows factor it
-around a reference r between i and t (e^{b_t − r}·e^{r − b_i}, both ≤ 1), and the diagonal sub-blocks use the
-explicit [SUB, SUB, K] decay. The normaliser of normalize=True is the state of an extra all-ones value column.
+Kernels: `_chunk_cumsum_kernel` (b), `_state_pass_kernel` (S through the chunks of each sequence; dS
+backwards), `_chunk_output_kernel` (o; transposed, dv), `_chunk_dqk_kernel` (dq, dk and the decay gradient) and,
+for the per-key-dim decay, `_vector_scores_kernel` (A) and `_vector_grads_kernel` (the intra-chunk part of dq̂
+and dk, and the decay gradient). Gradients leave the kernels in the inputs' dtypes, scale folded into dq; the
+decay gradient (its in-chunk reverse sum included) is computed only when log_decay needs one.
+b is non-increasing inside a chunk, so every exponent above is ≤ 0 and nothing overflows, however strong the
+decay — except e^{b_tk − b_ik} inside A for a per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}:
+there sub-chunks of VECTOR_SUB_CHUNK rows factor it around a reference r between i and t (e^{b_t − r}·e^{r − b_i},
+both ≤ 1), and the diagonal sub-blocks use the explicit [SUB, SUB, K] decay. The normaliser of normalize=True is
+the state of an extra all-ones value column.
 
 Window hybrid
 -------------
@@ -47,6 +50,7 @@ window maximum c_t; torch combines the two parts and divides.
 
 import functools
 import os
+import weakref
 
 import torch
 from torch import Tensor
@@ -106,6 +110,25 @@ def _configs() -> list:
     if INTERPRET:
         return [triton.Config({}, num_warps=4, num_stages=1)]
     return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
+
+
+def _dqk_configs() -> list:
+    """Launch configurations of `_chunk_dqk_kernel`: 8 warps and a BLOCK_V for V, see `_dqk_value_blocks` (an sm_90
+    compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, and with 128-wide K blocks). One under the
+    interpreter."""
+    if not HAS_TRITON:
+        return []
+    if INTERPRET:
+        return [triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=s) for bv in (64, 128) for s in (2, 3)]
+
+
+def _dqk_value_blocks(configs: list, named_args: dict, **kwargs) -> list:
+    """The configs the autotuner may pick for this V: 64-wide value blocks up to V = 64, 128-wide above for 16-bit
+    inputs (64-wide ones spill at V = 128 for the per-key-dim decay; fp32 128-wide tiles need more than sm_90's
+    shared memory); any under the interpreter."""
+    width = _block(kwargs["V"], 128 if named_args["q"].element_size() <= 2 else 64)
+    return [c for c in configs if INTERPRET or c.kwargs["BLOCK_V"] == width]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,10 +265,10 @@ def _chunk_cumsum_kernel(
     _store_tile(sums + h * D, tl.cumsum(tile, axis=0, reverse=REVERSE), rows, end, H * D, cols, D)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE", "HAS_INIT", "work_bucket"])
 @triton.jit
 def _state_pass_kernel(
-    outer_k, outer_v, b, init, states, seq_info, outer_k_scale,
+    outer_k, outer_v, b, init, states, last, seq_info, outer_k_scale, work_bucket,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr,
     HAS_INIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BF16_DOT: tl.constexpr,
@@ -255,14 +278,15 @@ def _state_pass_kernel(
     The state is a decayed sum of outer products outer_k_t outer_v_tᵀ (scaled by outer_k_scale), either way:
     Forward (REVERSE=0; outer_k = k, outer_v = v): S_0 = init (or 0),
         S_{j+1} = e^{b_last} ⊙ S_j + Σ_t (k_t ⊙ e^{b_last − b_t}) v_tᵀ;
-    slot first + j receives S_j for j = 0 … n (n chunks; slot first + n holds the final state).
+    slot first + j receives S_j for j = 0 … n − 1 (n chunks), `last` the final state S_n.
     Reverse (REVERSE=1; outer_k = q, outer_v = do, outer_k_scale = scale): dS_n = init (the final state's
     gradient, or 0),
         dS_j = e^{b_last} ⊙ dS_{j+1} + Σ_t (scale·q_t ⊙ e^{b_t}) do_tᵀ;
-    slot first + j receives dS_j (j = 0: the initial state's gradient).
-    outer_k: [tokens, H, K]; outer_v: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: fp32
-    [sequences, H, K, V];
-    states: fp32 [slots, H, K, V]; seq_info: int32 [sequences, 3] (first token, end token, first slot).
+    slot first + j receives dS_j for j = 1 … n, `last` dS_0 (the initial state's gradient).
+    outer_k: [tokens, H, K]; outer_v: [tokens, H, V]; b: fp32 [tokens, H, 1 | K] or unused; init: [sequences, H,
+    K, V]; states: [slots, H, K, V] in any float dtype (sums stay fp32); last: fp32 [sequences, H, K, V]; seq_info:
+    int32 [sequences, 3] (first token, end token, first slot).
+    work_bucket (unread) keys the autotuner: tokens · H rounded to a power of two.
     Grid: (K / BLOCK_K, V / BLOCK_V, sequences · H); a program owns one [BLOCK_K, BLOCK_V] tile of one state.
     """
     tl.static_assert((REVERSE == 0) or (REVERSE == 1))  # also the offset of a state slot below
@@ -288,8 +312,7 @@ def _state_pass_kernel(
             k_tile = k_tile * tl.exp(b_last - b_rows)
         v_tile = _load_tile(outer_v + h * V, rows, end, H * V, vv, V)
         state = state * tl.exp(tl.trans(b_last)) + _dot(tl.trans(k_tile), v_tile, BF16_DOT)
-    last_slot = first_slot + (1 - REVERSE) * num_chunks
-    _store_tile(_state_base(states, last_slot, h, H, K, V), state, kk, K, V, vv, V)
+    _store_tile(_state_base(last, tl.program_id(2) // H, h, H, K, V), state, kk, K, V, vv, V)
 
 
 @triton.autotune(configs=_configs(), key=["K", "BLOCK_K"])
@@ -352,8 +375,8 @@ def _chunk_output_kernel(
         dv_i = (k_i ⊙ e^{b_last − b_i})ᵀ dS_{j+1} + Σ_{t ≥ i} A_ti do_t
     (q̂ = scale·q.) A = (q̂ kᵀ) ⊙ e^{b_t − b_i} masked, for no or per-head decay; read from `scores`
     (`_vector_scores_kernel`) for the per-key-dim decay.
-    row_k, col_k: [tokens, H, K]; col_v, out: [tokens, H, V]; states: fp32 [slots, H, K, V]; chunk_info: int32
-    [chunks, 3]. Grid: (chunks, H, V / BLOCK_V).
+    row_k, col_k: [tokens, H, K]; col_v, out: [tokens, H, V]; states: [slots, H, K, V] (fp32; bf16 forward states
+    for bf16 inputs); chunk_info: int32 [chunks, 3]. Grid: (chunks, H, V / BLOCK_V).
     """
     chunk, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _chunk_bounds(chunk_info, chunk)
@@ -385,110 +408,144 @@ def _chunk_output_kernel(
     _store_tile(out + h * V, acc, rows, end, H * V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_dqk_configs(), key=["K", "V", "DECAY", "DECAY_GRAD", "work_bucket"],
+                 prune_configs_by={"early_config_prune": _dqk_value_blocks})
 @triton.jit
 def _chunk_dqk_kernel(
-    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, chunk_info, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, d_log_decay, chunk_info, scale, tokens, work_bucket,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
-    """dq̂ (the gradient w.r.t. scale·q) and dk of each chunk, for one block of K, looping over V:
+    """dq = scale · dq̂ (dq̂: the gradient w.r.t. q̂ = scale·q) and dk of each chunk, for one block of K, looping
+    over V:
 
         dq̂_t = e^{b_t} ⊙ (S_j do_t) + Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i},          dA_ti = do_t · v_i
         dk_i = e^{b_last − b_i} ⊙ (dS_{j+1} v_i) + Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}
 
-    and the decay gradient's state term Σ_v S_{j+1} ⊙ dS_{j+1} (state_term: fp32 [chunks, H, K]). For the per-key-dim
-    decay the intra-chunk sums are left to `_vector_grads_kernel`: dq, dk then receive the state parts only, and dA
-    (fp32 [tokens, H, CHUNK], like `scores`) is stored for it. dq, dk: fp32 [tokens, H, K].
-    Grid: (chunks, H, K / BLOCK_K).
+    and, if DECAY_GRAD, the decay gradient. Its state term Σ_v S_{j+1} ⊙ dS_{j+1} comes without reading S_{j+1}:
+    S_{j+1} = e^{b_last} ⊙ S_j + Σ_i (k_i ⊙ e^{b_last − b_i}) v_iᵀ makes it e^{b_last} ⊙ Σ_v S_j ⊙ dS_{j+1} +
+    Σ_i k_i ⊙ (the state part of dk_i). Per-head decay: d_log_decay (fp32 [K / BLOCK_K, tokens, H], one partial
+    sum per K block; in log_decay's dtype when one block covers K) receives Σ_{s ≥ t} Σ_k (q̂_s dq̂_s − k_s dk_s)
+    + the state term, summed over the block's k. Per-key-dim decay: the intra-chunk sums are left to
+    `_vector_grads_kernel`; dq, dk (fp32 [tokens, H, K]) receive the state parts only (dq̂, unscaled), dA (fp32
+    [tokens, H, CHUNK], like `scores`) and the state term (fp32 [chunks, H, K]) are stored for it.
+    Otherwise dq, dk are in q's and k's dtypes. work_bucket (unread) keys the autotuner: the program count rounded
+    to a power of two. Grid: (chunks, H, K / BLOCK_K).
     """
+    tl.static_assert((DECAY != DECAY_NONE) or (not DECAY_GRAD))
     chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     entering = _state_base(states, slot, h, H, K, V)
-    leaving = _state_base(states, slot + 1, h, H, K, V)
     d_leaving = _state_base(dstates, slot + 1, h, H, K, V)
     dq_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
     dk_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
     dA_acc = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    term = tl.zeros([BLOCK_K], dtype=tl.float32)
+    entering_term = tl.zeros([BLOCK_K], dtype=tl.float32)  # Σ_v S_j ⊙ dS_{j+1}
     for v0 in range(0, V, BLOCK_V):
         vv = v0 + tl.arange(0, BLOCK_V)
         do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V)
         v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V)
+        state = _load_tile(entering, kk, K, V, vv, V)
         d_state = _load_tile(d_leaving, kk, K, V, vv, V)
-        dq_acc += _dot(do_tile, tl.trans(_load_tile(entering, kk, K, V, vv, V)), BF16_DOT)
+        dq_acc += _dot(do_tile, tl.trans(state), BF16_DOT)
         dk_acc += _dot(v_tile, tl.trans(d_state), BF16_DOT)
         dA_acc += _dot(do_tile, tl.trans(v_tile), BF16_DOT)
-        if DECAY != DECAY_NONE:
-            term += tl.sum(_load_tile(leaving, kk, K, V, vv, V) * d_state, axis=1)
+        if DECAY_GRAD:
+            entering_term += tl.sum(state.to(tl.float32) * d_state.to(tl.float32), axis=1)
     b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
     b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
     dq_acc *= tl.exp(b_rows)
     dk_acc *= tl.exp(b_last - b_rows)
-    tl.store(state_term + (chunk.to(tl.int64) * H + h) * K + kk, term, mask=kk < K)
+    k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K)
+    term = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+    if DECAY_GRAD:
+        term = entering_term[None, :] * tl.exp(b_last) + tl.sum(k_tile.to(tl.float32) * dk_acc, axis=0)[None, :]
     if DECAY == DECAY_VECTOR:
+        if DECAY_GRAD:
+            tl.store(state_term + (chunk.to(tl.int64) * H + h) * K + kk[None, :], term, mask=(kk < K)[None, :])
         if pid_k == 0:
             _store_tile(dA + h * CHUNK, dA_acc, rows, end, H * CHUNK, tl.arange(0, CHUNK), CHUNK)
+        _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
     else:
         dA_acc *= _causal_decay(b_rows, False, CHUNK)
-        dq_acc += _dot(dA_acc, _load_tile(k + h * K, rows, end, H * K, kk, K), BF16_DOT)
+        dq_acc += _dot(dA_acc, k_tile, BF16_DOT)
         q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
         dk_acc += _dot(tl.trans(dA_acc), q_tile, BF16_DOT)
-    _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
+        if DECAY_GRAD:
+            db = tl.sum(q_tile * dq_acc - k_tile.to(tl.float32) * dk_acc, axis=1)  # [CHUNK]: d/db_t, no state term
+            d_log = tl.cumsum(db, axis=0, reverse=True) + tl.sum(term)
+            partial = d_log_decay + pid_k.to(tl.int64) * tokens * H
+            tl.store(partial + rows.to(tl.int64) * H + h, d_log.to(d_log_decay.dtype.element_ty), mask=rows < end)
+        _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
     _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
 
 
-@triton.autotune(configs=_configs(), key=["K", "BLOCK_K"])
+@triton.autotune(configs=_configs(), key=["K", "BLOCK_K", "DECAY_GRAD"])
 @triton.jit
 def _vector_grads_kernel(
-    q, k, b, dA, dq_state, dk_state, dq, dk, chunk_info, scale,
+    q, k, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
-    BF16_DOT: tl.constexpr,
+    DECAY_GRAD: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
-    """dq = dq_state + the intra-chunk part of dq̂, dk = dk_state + that of dk, per-key-dim decay, sub-chunk m:
+    """dq = scale · (dq_state + the intra-chunk part of dq̂), dk = dk_state + that of dk, per-key-dim decay, by
+    sub-chunks m of the chunk, last first:
 
         dq̂_t += Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i}   (the queries t of sub-chunk m)
         dk_i += Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}   (the keys i of sub-chunk m)
 
     Earlier keys, and later queries, in one dot each around the reference r = b at the first, and the last, row of
-    sub-chunk m (both factors ≤ 1); pairs inside sub-chunk m with the explicit decay. All buffers fp32
-    [tokens, H, K] except dA [tokens, H, CHUNK]. Grid: (chunks, H, (CHUNK / SUB) · (K / BLOCK_K)).
+    sub-chunk m (both factors ≤ 1); pairs inside sub-chunk m with the explicit decay. If DECAY_GRAD, also
+    d_log_decay_t = Σ_{s ≥ t} (q̂_s ⊙ dq̂_s − k_s ⊙ dk_s) + the chunk's state term, the sum over later sub-chunks
+    carried from one to the next. dq_state, dk_state: fp32 [tokens, H, K]; dA: fp32 [tokens, H, CHUNK];
+    state_term: fp32 [chunks, H, K]; dq, dk, d_log_decay: [tokens, H, K] in q's, k's and log_decay's dtypes.
+    Grid: (chunks, H, K / BLOCK_K).
     """
     tl.static_assert(CHUNK % SUB == 0)
-    chunk, h, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m, pid_k = pid % (CHUNK // SUB), pid // (CHUNK // SUB)
+    chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, _ = _chunk_bounds(chunk_info, chunk)
     local = tl.arange(0, CHUNK)
     chunk_rows = start + local
-    rows = start + m * SUB + tl.arange(0, SUB)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     q_chunk = _load_tile(q + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32) * scale
     k_chunk = _load_tile(k + h * K, chunk_rows, end, H * K, kk, K).to(tl.float32)
     b_chunk = _load_decay(b, h, chunk_rows, end, kk, H, K, DECAY_VECTOR)
-    q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
-    k_rows = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-    b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY_VECTOR)
-    dA_rows = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # [SUB, CHUNK]: dA_t· for t in m
-    dA_cols = _load_tile(dA + h * CHUNK, chunk_rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)  # dA_·i
+    later = tl.zeros([BLOCK_K], dtype=tl.float32)  # Σ over the rows of later sub-chunks, plus the state term
+    if DECAY_GRAD:
+        later = tl.load(state_term + (chunk.to(tl.int64) * H + h) * K + kk, mask=kk < K, other=0.0)
+    for step in range(CHUNK // SUB):
+        m = CHUNK // SUB - 1 - step
+        rows = start + m * SUB + tl.arange(0, SUB)
+        q_rows = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+        k_rows = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
+        b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY_VECTOR)
+        dA_rows = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # [SUB, CHUNK]: dA_t· for t in m
+        dA_cols = _load_tile(dA + h * CHUNK, chunk_rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)  # dA_·i
 
-    first = _load_decay(b, h, tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1), end, kk, H, K, DECAY_VECTOR)
-    k_ref = tl.where((local < m * SUB)[:, None], k_chunk * tl.exp(tl.minimum(first - b_chunk, 0.0)), 0.0)
-    dq_acc = tl.exp(tl.minimum(b_rows - first, 0.0)) * _dot(dA_rows, k_ref, BF16_DOT)
+        first = _load_decay(b, h, tl.minimum(start + m * SUB, end - 1) + tl.arange(0, 1), end, kk, H, K,
+                            DECAY_VECTOR)
+        k_ref = tl.where((local < m * SUB)[:, None], k_chunk * tl.exp(tl.minimum(first - b_chunk, 0.0)), 0.0)
+        dq_acc = tl.exp(tl.minimum(b_rows - first, 0.0)) * _dot(dA_rows, k_ref, BF16_DOT)
 
-    last = _load_decay(b, h, tl.minimum(start + m * SUB + SUB, end) - 1 + tl.arange(0, 1), end, kk, H, K, DECAY_VECTOR)
-    q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
-    dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
+        last = _load_decay(b, h, tl.minimum(start + m * SUB + SUB, end) - 1 + tl.arange(0, 1), end, kk, H, K,
+                           DECAY_VECTOR)
+        q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
+        dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
 
-    dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)[:, :, None]
-    decay = _sub_chunk_decay(b_rows, SUB)  # [t, i, k]
-    dq_acc += tl.sum(dA_diagonal * k_rows[None, :, :] * decay, axis=1)
-    dk_acc += tl.sum(dA_diagonal * q_rows[:, None, :] * decay, axis=0)
-    dq_acc += _load_tile(dq_state + h * K, rows, end, H * K, kk, K)
-    dk_acc += _load_tile(dk_state + h * K, rows, end, H * K, kk, K)
-    _store_tile(dq + h * K, dq_acc, rows, end, H * K, kk, K)
-    _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
+        dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)[:, :, None]
+        decay = _sub_chunk_decay(b_rows, SUB)  # [t, i, k]
+        dq_acc += tl.sum(dA_diagonal * k_rows[None, :, :] * decay, axis=1)
+        dk_acc += tl.sum(dA_diagonal * q_rows[:, None, :] * decay, axis=0)
+        dq_acc += _load_tile(dq_state + h * K, rows, end, H * K, kk, K)
+        dk_acc += _load_tile(dk_state + h * K, rows, end, H * K, kk, K)
+        _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
+        _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
+        if DECAY_GRAD:
+            db = q_rows * dq_acc - k_rows * dk_acc  # [SUB, BLOCK_K]
+            _store_tile(d_log_decay + h * K, tl.cumsum(db, axis=0, reverse=True) + later[None, :], rows, end, H * K,
+                        kk, K)
+            later += tl.sum(db, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -521,7 +578,6 @@ class _Chunks:
         self.seq_info = torch.stack([starts, ends, first_slots], 1).int().to(device)
         self.first_slots = first_slots.to(device)
         self.final_slots = (first_slots + counts).to(device)
-        self.last_tokens = (chunk_ends - 1).to(device)
         self.num_chunks, self.num_seqs = len(seq), len(counts)
         self.num_slots = int((counts + 1).sum())
 
@@ -530,6 +586,24 @@ class _Chunks:
 def _batch_chunks(batch: int, length: int, device: torch.device) -> _Chunks:
     """The tables of a batch of `batch` rows of `length` tokens, built once per shape and device."""
     return _Chunks(list(range(0, batch * length + 1, length)), device)
+
+
+# id(cu_seqlens) -> (a weak reference to it, its version, the device, its _Chunks); an entry leaves with its tensor.
+_PACKED_CHUNKS: dict[int, tuple] = {}
+
+
+def _packed_chunks(cu_seqlens: Tensor, device: torch.device) -> _Chunks:
+    """The tables of the sequences packed at cu_seqlens [N + 1], built on the first call with this tensor (again only
+    if it is modified in place) and reused: the one read of its values (a host sync for a CUDA tensor; none for a CPU
+    copy, which is accepted as it is) happens once, e.g. once per model forward for all layers."""
+    key = id(cu_seqlens)
+    cached = _PACKED_CHUNKS.get(key)
+    if cached is not None and cached[0]() is cu_seqlens and cached[1:3] == (cu_seqlens._version, device):
+        return cached[3]
+    chunks = _Chunks(cu_seqlens.tolist(), device)
+    reference = weakref.ref(cu_seqlens, lambda _: _PACKED_CHUNKS.pop(key, None))
+    _PACKED_CHUNKS[key] = (reference, cu_seqlens._version, device, chunks)
+    return chunks
 
 
 def _chunk_cumsum(terms: Tensor, chunks: _Chunks, reverse: bool) -> Tensor:
@@ -550,22 +624,30 @@ def _decay_mode(b: Tensor | None) -> int:
     return DECAY_SCALAR.value if b.shape[-1] == 1 else DECAY_VECTOR.value
 
 
+def _states_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the states the forward pass stores at chunk boundaries: bfloat16 for bfloat16 inputs (half the
+    traffic; its range is float32's), else float32 (float16 states could overflow). Final states are float32."""
+    return torch.bfloat16 if input_dtype == torch.bfloat16 else torch.float32
+
+
 def _state_pass(
     outer_k: Tensor, outer_v: Tensor, b: Tensor | None, init: Tensor | None, chunks: _Chunks, *, reverse: bool,
-    outer_k_scale: float, bf16_dot: bool,
-) -> Tensor:
-    """fp32 [slots, H, K, V]: the state at every chunk boundary (reverse: its gradient), see `_state_pass_kernel`."""
+    outer_k_scale: float, bf16_dot: bool, states_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """[slots, H, K, V] in states_dtype: the state entering every chunk (reverse: the gradient leaving it), and the
+    fp32 [sequences, H, K, V] final state (reverse: the initial state's gradient), see `_state_pass_kernel`."""
     heads, key_dim, value_dim = outer_k.shape[-2], outer_k.shape[-1], outer_v.shape[-1]
-    states = outer_k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)
+    states = outer_k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=states_dtype)
+    last = outer_k.new_empty(chunks.num_seqs, heads, key_dim, value_dim, dtype=torch.float32)
     block_k, block_v = _block(key_dim), _block(value_dim)
     grid = (triton.cdiv(key_dim, block_k), triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)
     _state_pass_kernel[grid](
-        outer_k, outer_v, states if b is None else b, states if init is None else init, states, chunks.seq_info,
-        outer_k_scale,
+        outer_k, outer_v, last if b is None else b, last if init is None else init, states, last, chunks.seq_info,
+        outer_k_scale, triton.next_power_of_2(outer_k.numel() // key_dim),
         H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), REVERSE=int(reverse), HAS_INIT=init is not None,
         CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=block_v, BF16_DOT=bf16_dot,
     )
-    return states
+    return states, last
 
 
 def _vector_scores(q: Tensor, k: Tensor, b: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool) -> Tensor:
@@ -595,35 +677,48 @@ def _chunk_output(
     return out
 
 
-def _chunk_dqk(
-    q: Tensor, k: Tensor, v: Tensor, do: Tensor, b: Tensor | None, states: Tensor, dstates: Tensor, chunks: _Chunks,
-    scale: float, bf16_dot: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 dq̂ = dL/d(scale·q), dk [.., H, K] and the decay gradient's state term [chunks, H, K]."""
+def _chunk_grads(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, log_decay: Tensor | None, b: Tensor | None, states: Tensor,
+    dstates: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool, decay_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """dq, dk [.., H, K] in q's and k's dtypes and, if decay_grad, d log_decay in log_decay's shape and dtype
+    (see `_chunk_dqk_kernel` and `_vector_grads_kernel`)."""
     heads, key_dim, value_dim = k.shape[-2], k.shape[-1], v.shape[-1]
+    tokens = k.numel() // (heads * key_dim)
     decay = _decay_mode(b)
-    dq, dk = (torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
-    state_term = k.new_empty(chunks.num_chunks, heads, key_dim, dtype=torch.float32)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    block_k = _block(key_dim)
+    k_blocks = triton.cdiv(key_dim, block_k)
+    unused = dstates  # any tensor, for pointer arguments a specialization does not read
+    d_log_decay = state_term = unused
+    if decay_grad and decay == DECAY_SCALAR.value:  # one partial sum per K block, added here if there are several
+        d_log_decay = log_decay.new_empty(k_blocks, *log_decay.shape,
+                                          dtype=log_decay.dtype if k_blocks == 1 else torch.float32)
+    elif decay_grad:
+        d_log_decay = torch.empty_like(log_decay)
+        state_term = k.new_empty(chunks.num_chunks, heads, key_dim, dtype=torch.float32)
     # Per-key-dim decay: this pass leaves the intra-chunk sums to `_vector_grads_kernel` and stores dA for it.
     if decay == DECAY_VECTOR.value:
-        dq_state, dk_state = torch.empty_like(dq), torch.empty_like(dk)
+        dq_state, dk_state = (torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
         dA = q.new_empty(*q.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
     else:
-        dq_state, dk_state, dA = dq, dk, state_term
-    block_k = _block(key_dim)
-    _chunk_dqk_kernel[(chunks.num_chunks, heads, triton.cdiv(key_dim, block_k))](
-        q, k, v, do, states if b is None else b, states, dstates, dq_state, dk_state, dA, state_term,
-        chunks.chunk_info, scale, H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE,
-        BLOCK_K=block_k, BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
+        dq_state, dk_state, dA = dq, dk, unused
+    _chunk_dqk_kernel[(chunks.num_chunks, heads, k_blocks)](
+        q, k, v, do, states if b is None else b, states, dstates, dq_state, dk_state, dA, state_term, d_log_decay,
+        chunks.chunk_info, scale, tokens, triton.next_power_of_2(chunks.num_chunks * heads * k_blocks), H=heads,
+        K=key_dim, V=value_dim, DECAY=decay, DECAY_GRAD=decay_grad, CHUNK=CHUNK_SIZE, BLOCK_K=block_k,
+        BF16_DOT=bf16_dot,
     )
     if decay == DECAY_VECTOR.value:
         block_k = _block(key_dim, 32)
-        grid = (chunks.num_chunks, heads, CHUNK_SIZE // VECTOR_SUB_CHUNK * triton.cdiv(key_dim, block_k))
-        _vector_grads_kernel[grid](
-            q, k, b, dA, dq_state, dk_state, dq, dk, chunks.chunk_info, scale, H=heads, K=key_dim,
-            CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK, BLOCK_K=block_k, BF16_DOT=bf16_dot,
+        _vector_grads_kernel[(chunks.num_chunks, heads, triton.cdiv(key_dim, block_k))](
+            q, k, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunks.chunk_info, scale, H=heads,
+            K=key_dim, CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK, BLOCK_K=block_k, DECAY_GRAD=decay_grad,
+            BF16_DOT=bf16_dot,
         )
-    return dq, dk, state_term
+    elif decay_grad:
+        d_log_decay = d_log_decay[0] if k_blocks == 1 else d_log_decay.sum(0).to(log_decay.dtype)
+    return dq, dk, d_log_decay if decay_grad else None
 
 
 class _ChunkedLinearAttention(torch.autograd.Function):
@@ -633,7 +728,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, log_decay, initial_state, scale, chunks, out_dtype):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
-        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot)
+        states, final_state = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0,
+                                          bf16_dot=bf16_dot, states_dtype=_states_dtype(k.dtype))
         scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
         o = _chunk_output(
             q, k, v, b, scores, states, chunks, transpose=False, row_scale=scale, col_scale=1.0, out_dtype=out_dtype,
@@ -641,7 +737,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, log_decay, initial_state)
         ctx.scale, ctx.chunks, ctx.bf16_dot = scale, chunks, bf16_dot
-        return o, states[chunks.final_slots]
+        return o, final_state
 
     @staticmethod
     def backward(ctx, do, d_final_state):
@@ -649,8 +745,9 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         scale, chunks, bf16_dot = ctx.scale, ctx.chunks, ctx.bf16_dot
         do = do.contiguous()
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
-        states = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot)
-        dstates = _state_pass(
+        states, _ = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot,
+                                states_dtype=_states_dtype(k.dtype))
+        dstates, d_initial = _state_pass(
             q, do, b, d_final_state.contiguous(), chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
         )
         scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
@@ -658,18 +755,11 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             k, q, do, b, scores, dstates, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=v.dtype,
             bf16_dot=bf16_dot,
         )
-        dq_hat, dk, state_term = _chunk_dqk(q, k, v, do, b, states, dstates, chunks, scale, bf16_dot)
-        d_log_decay = None
-        if b is not None:
-            db = q.float() * scale * dq_hat - k.float() * dk  # the gradient w.r.t. b, without the state term
-            if b.shape[-1] == 1:
-                db, state_term = db.sum(-1, keepdim=True), state_term.sum(-1, keepdim=True)
-            # b_last (the chunk's last row of b) also decays the state: its term, summed back, reaches every row.
-            db = db.view(-1, *db.shape[-2:])
-            db[chunks.last_tokens] += state_term
-            d_log_decay = _chunk_cumsum(db, chunks, reverse=True).view(log_decay.shape).to(log_decay.dtype)
-        d_initial = None if initial_state is None else dstates[chunks.first_slots].to(initial_state.dtype)
-        dq, dk = (dq_hat * scale).to(q.dtype), dk.to(k.dtype)
+        decay_grad = b is not None and ctx.needs_input_grad[3]  # none for a fixed decay
+        dq, dk, d_log_decay = _chunk_grads(
+            q, k, v, do, log_decay, b, states, dstates, chunks, scale, bf16_dot, decay_grad
+        )
+        d_initial = None if initial_state is None else d_initial.to(initial_state.dtype)
         return dq, dk, dv, d_log_decay, d_initial, None, None, None
 
 
@@ -960,10 +1050,11 @@ def triton_linear_attention(
     """Chunked linear attention in Triton: arguments and results as `ops_chunked.chunk_linear_attention`.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_decay: None or [B, T, H, 1 | K] (≤ 0); initial_state: None or
-    [N, H, K, V (+ 1 if normalize)]; cu_seqlens: None or [N + 1] (B == 1). Returns o [B, T, H, V] in v's dtype and
+    [N, H, K, V (+ 1 if normalize)]; cu_seqlens: None or [N + 1] (B == 1; on the device or a CPU copy; its tables
+    are built once per tensor, see `_packed_chunks`). No host sync otherwise. Returns o [B, T, H, V] in v's dtype and
     the fp32 final state (None unless output_final_state).
     """
-    chunks = _batch_chunks(*q.shape[:2], q.device) if cu_seqlens is None else _Chunks(cu_seqlens.tolist(), q.device)
+    chunks = _batch_chunks(*q.shape[:2], q.device) if cu_seqlens is None else _packed_chunks(cu_seqlens, q.device)
     value_dim = v.shape[-1]
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # its output column is the denominator

@@ -32,15 +32,23 @@ def main() -> int:
                                [False, True])
     else:
         seen = record_workload([torch.bfloat16], [(80, 47)], [False])
-    failures = 0
+    failures = compiles = 0
     for (name, _, _), spec in seen.items():
-        try:
-            compiled = compile_for_hopper(spec, spec.configs[0])
-            print(f"ok   {name} {modes(spec)} shared {compiled.shared_bytes / 1024:.0f} KiB", flush=True)
-        except Exception as error:  # report every failing kernel, not only the first
-            failures += 1
-            print(f"FAIL {name} {modes(spec)}\n{error}", flush=True)
-    print(f"{len(seen)} kernels compiled for sm_90, {failures} failed")
+        # One compile per distinct set of block sizes the autotuner may pick (the first such config's warps).
+        by_blocks = {}
+        for config in spec.configs:
+            by_blocks.setdefault(tuple(sorted(config.kwargs.items())) if config else (), config)
+        for config in by_blocks.values():
+            compiles += 1
+            warps = config.num_warps if config else 4
+            try:
+                compiled = compile_for_hopper(spec, config)
+                print(f"ok   {name} {modes(spec)} {dict(config.kwargs) if config else ''} {warps} warps, shared "
+                      f"{compiled.shared_bytes / 1024:.0f} KiB", flush=True)
+            except Exception as error:  # report every failing kernel, not only the first
+                failures += 1
+                print(f"FAIL {name} {modes(spec)} {dict(config.kwargs) if config else ''}\n{error}", flush=True)
+    print(f"{compiles} kernels compiled for sm_90, {failures} failed")
     return int(failures > 0)
 
 

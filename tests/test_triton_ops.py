@@ -6,6 +6,8 @@ TF32 (hence the looser float32 tolerance there). The oracles run in float64 on t
 (inputs rounded to the tested dtype first), so the tolerances measure the kernels' own arithmetic.
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,27 +46,29 @@ def outputs_and_grads(attention, inputs: dict, **kwargs) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(123)
     loss = sum((x.double() * torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)).sum()
                for x in (o, state))
-    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None])]
+    return [o, state, *torch.autograd.grad(loss, [x for x in inputs.values() if x is not None and x.requires_grad])]
 
 
 def compare_with_oracle(attention, inputs: dict, oracle: str, dtype: torch.dtype, low: tuple[str, ...], *,
-                        tol: float | None = None, **kwargs):
+                        tol: float | None = None, frozen: tuple[str, ...] = (), **kwargs):
     """Run `attention` with backend "triton" on DEVICE, with the tensors named in `low` in `dtype` and the others
     in float32, against `oracle` in float64 on CPU on the same (rounded) values; check dtypes and closeness (to
-    `tol`, by default TOLERANCE[dtype]). Tensors in kwargs (masks, cu_seqlens) are given on CPU."""
+    `tol`, by default TOLERANCE[dtype]). The tensors named in `frozen` need no gradient. Tensors in kwargs (masks,
+    cu_seqlens) are given on CPU."""
     rounded = {
         name: None if x is None else x.detach().to(dtype if name in low else torch.float32)
         for name, x in inputs.items()
     }
-    exact = {name: None if x is None else x.double().requires_grad_() for name, x in rounded.items()}
+    exact = {name: None if x is None else x.double().requires_grad_(name not in frozen) for name, x in rounded.items()}
     expected = outputs_and_grads(attention, exact, backend=oracle, **kwargs)
-    tested = {name: None if x is None else x.to(DEVICE).requires_grad_() for name, x in rounded.items()}
+    tested = {name: None if x is None else x.to(DEVICE).requires_grad_(name not in frozen)
+              for name, x in rounded.items()}
     on_device = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
     actual = outputs_and_grads(attention, tested, backend="triton", **on_device)
 
     o, state, *grads = actual
     assert o.dtype == dtype and state.dtype == torch.float32
-    assert [g.dtype for g in grads] == [x.dtype for x in tested.values() if x is not None]
+    assert [g.dtype for g in grads] == [x.dtype for x in tested.values() if x is not None and x.requires_grad]
     assert_all_close([x.detach().double().cpu() for x in actual], expected, TOLERANCE[dtype] if tol is None else tol)
 
 
@@ -110,6 +114,99 @@ def test_linear_packed_sequences(decay, normalize):
     compare_with_oracle(
         linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW, normalize=normalize, cu_seqlens=cu_seqlens
     )
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records every launch of the linear-attention kernels: (kernel name, {argument name: value}), then runs it."""
+    seen = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                function = self.kernel
+                while hasattr(function, "fn"):  # unwrap @triton.autotune and @triton.jit
+                    function = function.fn
+                names = list(inspect.signature(function).parameters)
+                seen.append((self.name, {**dict(zip(names, args, strict=False)), **kwargs}))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in dir(ops_triton):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(ops_triton, name, Spy(name, getattr(ops_triton, name)))
+    return seen
+
+
+@pytest.mark.parametrize("decay_needs_grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_decay_gradient_in_the_kernels_only_when_needed(launches, decay, dtype, decay_needs_grad):
+    """The decay gradient comes from the dq / dk kernels (no torch pass), and is not computed for a decay that needs
+    none (fixed, or not requiring grad); dq and dk are stored by the kernels in the inputs' dtype."""
+    inputs = make_inputs(decay, False, 2 * C + 5, 20, 7, with_state=True)
+    frozen = () if decay_needs_grad else ("log_decay",)
+    compare_with_oracle(linear_attention, inputs, "recurrent", dtype, LINEAR_LOW, frozen=frozen)
+    grad_kernels = [kwargs for name, kwargs in launches if name in ("_chunk_dqk_kernel", "_vector_grads_kernel")]
+    assert grad_kernels and all(kwargs["DECAY_GRAD"] == decay_needs_grad for kwargs in grad_kernels)
+    final = grad_kernels[-1]  # the kernel that stores dq and dk
+    assert final["dq"].dtype == dtype and final["dk"].dtype == dtype
+    if decay_needs_grad:
+        d_log_decay = final["d_log_decay"]
+        assert d_log_decay.dtype == torch.float32 and d_log_decay.numel() == inputs["log_decay"].numel()
+    # no reverse cumulative sum of a decay gradient outside the kernels above
+    assert not any(name == "_chunk_cumsum_kernel" and kwargs["REVERSE"] for name, kwargs in launches)
+
+
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
+def test_bfloat16_inputs_store_bfloat16_chunk_states(launches, decay):
+    """bfloat16 inputs: the forward pass stores its chunk-boundary states in bfloat16 (the final state in float32),
+    within the bfloat16 tolerance over several chunks carried from an initial state."""
+    inputs = make_inputs(decay, False, 4 * C + 3, 32, 16, batch=1, with_state=True)
+    compare_with_oracle(linear_attention, inputs, "recurrent", torch.bfloat16, LINEAR_LOW)
+    passes = [kwargs for name, kwargs in launches if name == "_state_pass_kernel"]
+    forward, reverse = [p for p in passes if not p["REVERSE"]], [p for p in passes if p["REVERSE"]]
+    assert forward and all(p["states"].dtype == torch.bfloat16 and p["last"].dtype == torch.float32 for p in forward)
+    assert reverse and all(p["states"].dtype == torch.float32 for p in reverse)
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_packed_calls_read_no_values_on_the_host(monkeypatch):
+    """After a first call has built the chunk tables of a cu_seqlens tensor, forward and backward read no tensor
+    value on the host (on a GPU each read is a sync): every such read from hf_linear_attn raises; results are
+    unchanged. Modifying cu_seqlens in place rebuilds the tables."""
+    lengths = [5, C + 6, 0, 3]
+    inputs = make_inputs("vector", True, sum(lengths), 16, 8, batch=1, dtype=torch.float32)
+    inputs = {name: x.detach().to(DEVICE).requires_grad_() for name, x in inputs.items() if x is not None}
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)  # a CPU copy, also for CUDA inputs
+    monkeypatch.setattr(ops_common, "checks_values", lambda x: False)  # as on a GPU: no value checks
+    kwargs = dict(normalize=True, cu_seqlens=cu_seqlens, backend="triton")
+    first = outputs_and_grads(linear_attention, inputs, **kwargs)
+
+    def forbidden(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = inspect.currentframe().f_back.f_globals.get("__name__", "")
+            if caller.startswith("hf_linear_attn"):
+                raise AssertionError(f"Tensor.{name} called from {caller}: a host sync")
+            return original(self, *args, **kwargs)
+        return read
+
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, forbidden(name))
+        second = outputs_and_grads(linear_attention, inputs, **kwargs)
+    assert_all_close([x.detach().double().cpu() for x in second], [x.detach().double().cpu() for x in first], 0.0)
+
+    cu_seqlens[1:] = torch.tensor([C + 6, C + 6, C + 11, sum(lengths)])  # other bounds, same tensor
+    moved = ops_triton._packed_chunks(cu_seqlens, DEVICE)
+    assert moved.seq_info[:, :2].tolist() == [[0, C + 6], [C + 6, C + 6], [C + 6, C + 11], [C + 11, sum(lengths)]]
 
 
 @pytest.mark.parametrize("log_decay_value, tol", [(-30.0, 5e-4), (-1e4, 1e-1)])
