@@ -43,6 +43,7 @@ from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForC
 from transformers.generation.streamers import BaseStreamer
 
 import hf_linear_attn
+from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from training.measure import cache_bytes, decode_times, new_cache, prefill
 from training.report import log_log_plot, machine, write_report
 
@@ -74,6 +75,10 @@ class DecodeBenchmarkArguments:
         "help": "torch.compile backend of --compile ('aot_eager' checks the graph capture without generating code)."})
     batch_size: list[int] = field(default_factory=list, metadata={
         "help": "Batch sizes of the generate() runs (left-padded prompts of mixed lengths); --compile alone: 1."})
+    timings: list[str] = field(default_factory=lambda: ["scaling", "generate"], metadata={
+        "help": "What to time: 'scaling' (batch 1, eager, after a real prefill), 'generate' (generate() per "
+                "--batch_size) and/or 'loop' (a plain decode loop per --batch_size on a cache brought to the context "
+                "without a prefill)."})
     output_dir: str = "outputs/bench_decode"
     child: str = field(default="", metadata={"help": "Internal: 'MODEL:LENGTH' runs one prefill and prints JSON."})
 
@@ -94,6 +99,11 @@ GENERATE_VARIANTS = {
 }
 
 
+TIMINGS = ("scaling", "generate", "loop")
+# Positions a loop cache is really prefilled with (the rest of the context is added without computing it).
+LOOP_PREFILL = 64
+
+
 def check_args(args: DecodeBenchmarkArguments) -> None:
     """Apply `--layout` and refuse bad values before anything runs."""
     if args.layout and args.layout not in LAYOUTS:
@@ -112,6 +122,8 @@ def check_args(args: DecodeBenchmarkArguments) -> None:
     if args.compile and args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"--compile_backend must be one of {torch._dynamo.list_backends(exclude_tags=())}; "
                          f"got {args.compile_backend!r}")
+    if not args.timings or set(args.timings) - set(TIMINGS):
+        raise ValueError(f"--timings must be some of {TIMINGS}; got {args.timings}")
     if args.compile and not args.batch_size:
         args.batch_size = [1]
 
@@ -241,6 +253,96 @@ def generate_rows(kind: str, model: torch.nn.Module, args: DecodeBenchmarkArgume
     return rows
 
 
+@torch.no_grad()
+def cache_at_context(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor):
+    """A cache that holds what a prefill of the left-padded prompts `ids`, `mask` `[B, T]` would leave, in shape:
+    the last LOOP_PREFILL positions (real in every row) are prefilled, then the rest of the T positions is added
+    without computing it: Llama's K/V grow to T positions of random values; the linear cache's tensors have a fixed
+    shape, so only its position counter moves on to T. A decode step's cost depends on these shapes, not on the
+    values (the batch-1 scaling rows decode after a real prefill). Returns (cache, next token ids `[B, 1]`)."""
+    tail = min(LOOP_PREFILL, ids.shape[1])
+    cache = new_cache(model)
+    logits = model(input_ids=ids[:, -tail:], attention_mask=mask[:, -tail:], cache=cache, logits_to_keep=1).logits
+    for layer in cache.layers:
+        if isinstance(layer, LinearStateLayer):
+            layer.seen.fill_(ids.shape[1])
+        else:
+            b, heads, _, dim = layer.keys.shape
+            layer.keys = torch.randn(b, heads, ids.shape[1], dim, dtype=layer.keys.dtype)
+            layer.values = torch.randn_like(layer.keys)
+    return cache, logits[:, -1:].argmax(-1)
+
+
+class DecodeLoop:
+    """A plain greedy decode loop of `step` (a model or its compiled forward) from `cache`, fed as generate() feeds
+    a model: the padding mask `[B, past]` grows by one real column a step, positions count each row's real tokens."""
+
+    def __init__(self, step, cache, next_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self.step, self.cache, self.next_ids, self.mask = step, cache, next_ids, mask
+
+    @torch.no_grad()
+    def __call__(self) -> float:
+        """Run one step; returns its seconds."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        start = time.perf_counter()
+        positions = self.mask.cumsum(-1)[:, -1:] - 1
+        logits = self.step(input_ids=self.next_ids, attention_mask=self.mask, position_ids=positions,
+                           cache=self.cache).logits
+        self.next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - start
+
+
+def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments) -> list[dict]:
+    """One row per context, batch size, model and variant: the median ms of a `DecodeLoop` step calling the model
+    eagerly and, with --compile, the linear model's `torch.compile`d forward (fullgraph; the growing mask makes
+    dynamo compile a second, length-generic graph during the warm-up), each on its own `cache_at_context`. After
+    the warm-ups the variants take turns step by step, so a change in the machine's load hits them alike. Also
+    the ms of each model's LM head alone on the batch: the part of a step that attention does not touch."""
+    rows = []
+    steps = {(kind, "eager"): model for kind, model in models.items()}
+    if args.compile and "linear" in models:
+        steps["linear", "compiled"] = torch.compile(models["linear"], fullgraph=True, backend=args.compile_backend)
+    for context in args.contexts:
+        for batch in args.batch_size:
+            ids, mask = mixed_prompts(context, batch, args.vocab_size)
+            loops, graphs = {}, {}
+            for (kind, variant), step in steps.items():
+                if variant == "compiled":
+                    torch._dynamo.reset()
+                before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                loops[kind, variant] = DecodeLoop(step, *cache_at_context(models[kind], ids, mask), mask)
+                for _ in range(args.warmup_tokens):
+                    loops[kind, variant]()
+                graphs[kind, variant] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            counted = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            times = {key: [] for key in loops}
+            for _ in range(args.new_tokens):
+                for key, loop in loops.items():
+                    times[key].append(loop())
+            recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - counted
+            for (kind, variant), seconds in times.items():
+                with torch.no_grad():
+                    hidden = torch.randn(batch, 1, models[kind].config.hidden_size)
+                    head_ms = 1000 * statistics.median(timed(models[kind].lm_head, hidden) for _ in range(16))
+                ms = 1000 * statistics.median(seconds)
+                row = {"model": kind, "variant": variant, "batch": batch, "context": context, "ms_per_step": ms,
+                       "tokens_per_s": 1000 * batch / ms, "lm_head_ms": head_ms}
+                if variant == "compiled":
+                    row.update(graphs=graphs[kind, variant], graphs_while_timed=recompiled)
+                rows.append(row)
+                print(f"  loop {kind:<6} {variant:<8} batch {batch:>2} context {context:>6}: {ms:.2f} ms/step, "
+                      f"{row['tokens_per_s']:.1f} tokens/s (LM head alone {head_ms:.2f} ms)", flush=True)
+            del loops
+    return rows
+
+
+def timed(fn, *inputs) -> float:
+    """Seconds of one call `fn(*inputs)`."""
+    start = time.perf_counter()
+    fn(*inputs)
+    return time.perf_counter() - start
+
+
 def scaling_row(kind: str, model: torch.nn.Module, length: int, args: DecodeBenchmarkArguments) -> dict:
     """Batch 1, eager: chunked prefill of `length` tokens, then the median ms of `new_tokens` decode steps."""
     cache = new_cache(model)
@@ -267,15 +369,21 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"{machine()}; {args.num_hidden_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads")
-    rows, generated = [], []
-    for kind in args.models:
-        model = build(kind, args)
-        rows += [scaling_row(kind, model, length, args) for length in args.contexts]
-        if args.batch_size:
+    rows, generated, looped = [], [], []
+    models = {kind: build(kind, args) for kind in args.models}
+    for kind, model in models.items():
+        if "scaling" in args.timings:
+            rows += [scaling_row(kind, model, length, args) for length in args.contexts]
+        if args.batch_size and "generate" in args.timings:
             generated += generate_rows(kind, model, args)
-    report(rows, args)
+    if args.batch_size and "loop" in args.timings:
+        looped = loop_rows(models, args)
+    if rows:
+        report(rows, args)
     if generated:
-        report_generate(generated, args)
+        report_generate(generated, args, "decode_generate")
+    if looped:
+        report_generate(looped, args, "decode_loop")
     return 0
 
 
@@ -306,9 +414,9 @@ def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
     write_report(rows, columns, args.output_dir, "decode", plot, meta={"args": asdict(args)})
 
 
-def report_generate(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
-    """The generate() table: tokens/s, "× Llama" against Llama's same variant (eager vs eager, compiled vs
-    compiled), "× eager" against the same model's eager run; a bar chart of tokens/s."""
+def report_generate(rows: list[dict], args: DecodeBenchmarkArguments, name: str) -> None:
+    """The generate() or decode-loop table (report `name`): tokens/s, "× Llama" against Llama's same variant
+    (eager vs eager, compiled vs compiled), "× eager" against the same model's eager run; a bar chart of tokens/s."""
     rows.sort(key=lambda r: (r["context"], r["batch"], r["model"]))
     speed_vs_llama(rows, "ms_per_step", ("context", "batch", "variant"))
     eager = {(r["model"], r["context"], r["batch"]): r["ms_per_step"] for r in rows if r["variant"] == "eager"}
@@ -316,6 +424,8 @@ def report_generate(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
         r["vs_eager"] = eager[r["model"], r["context"], r["batch"]] / r["ms_per_step"]
     columns = {"model": "model", "variant": "variant", "batch": "batch", "context": "context",
                "ms_per_step": "ms/step", "tokens_per_s": "tokens/s", "vs_llama": "× Llama", "vs_eager": "× eager"}
+    if "lm_head_ms" in rows[0]:
+        columns["lm_head_ms"] = "LM head ms"
     if args.compile:
         columns.update(graphs="graphs compiled", graphs_while_timed="recompiles while timed")
 
@@ -336,7 +446,7 @@ def report_generate(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
         fig.tight_layout()
         return fig
 
-    write_report(rows, columns, args.output_dir, "decode_generate", plot, meta={"args": asdict(args)})
+    write_report(rows, columns, args.output_dir, name, plot, meta={"args": asdict(args)})
 
 
 if __name__ == "__main__":
