@@ -297,7 +297,8 @@ def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments
     eagerly and, with --compile, the linear model's `torch.compile`d forward (fullgraph; the growing mask makes
     dynamo compile a second, length-generic graph during the warm-up), each on its own `cache_at_context`. After
     the warm-ups the variants take turns step by step, so a change in the machine's load hits them alike. Also
-    the ms of each model's LM head alone on the batch: the part of a step that attention does not touch."""
+    the ms of each model's LM head alone on the batch, timed in the same rounds: the part of a step that neither
+    attention nor compiling touches (one matrix-vector product per row, its weight read from memory)."""
     rows = []
     steps = {(kind, "eager"): model for kind, model in models.items()}
     if args.compile and "linear" in models:
@@ -316,17 +317,19 @@ def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments
                 graphs[kind, variant] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
             counted = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             times = {key: [] for key in loops}
+            head_times = {kind: [] for kind in models}
+            hidden = torch.randn(batch, 1, args.hidden_size)
             for _ in range(args.new_tokens):
                 for key, loop in loops.items():
                     times[key].append(loop())
+                with torch.no_grad():
+                    for kind, model in models.items():
+                        head_times[kind].append(timed(model.lm_head, hidden))
             recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - counted
             for (kind, variant), seconds in times.items():
-                with torch.no_grad():
-                    hidden = torch.randn(batch, 1, models[kind].config.hidden_size)
-                    head_ms = 1000 * statistics.median(timed(models[kind].lm_head, hidden) for _ in range(16))
-                ms = 1000 * statistics.median(seconds)
+                ms, head_ms = 1000 * statistics.median(seconds), 1000 * statistics.median(head_times[kind])
                 row = {"model": kind, "variant": variant, "batch": batch, "context": context, "ms_per_step": ms,
-                       "tokens_per_s": 1000 * batch / ms, "lm_head_ms": head_ms}
+                       "tokens_per_s": 1000 * batch / ms, "lm_head_ms": head_ms, "rest_ms": ms - head_ms}
                 if variant == "compiled":
                     row.update(graphs=graphs[kind, variant], graphs_while_timed=recompiled)
                 rows.append(row)
@@ -425,7 +428,7 @@ def report_generate(rows: list[dict], args: DecodeBenchmarkArguments, name: str)
     columns = {"model": "model", "variant": "variant", "batch": "batch", "context": "context",
                "ms_per_step": "ms/step", "tokens_per_s": "tokens/s", "vs_llama": "× Llama", "vs_eager": "× eager"}
     if "lm_head_ms" in rows[0]:
-        columns["lm_head_ms"] = "LM head ms"
+        columns.update(lm_head_ms="LM head alone ms", rest_ms="step − LM head ms")
     if args.compile:
         columns.update(graphs="graphs compiled", graphs_while_timed="recompiles while timed")
 

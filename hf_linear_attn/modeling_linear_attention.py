@@ -570,7 +570,7 @@ class LinearAttention(AttentionProjections):
                 fold_k.view(b, kv_heads, -1, state.shape[2], 1), fold_v.view(b, kv_heads, 1, 1, -1))
         # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R] (and the memory's [B, H_kv, D, m]).
         keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
-        mask = mask[:, None, None, :]
+        mask = mask.view(b, 1, 1, -1)
         linear = q_feat.view(b, heads, 1, -1).to(dtype) @ state  # [B, H, 1, V + 1]
         if sparse:
             keys = torch.cat([keys, cache_layer.memory_keys.transpose(-1, -2)], dim=-1)
@@ -586,8 +586,8 @@ class LinearAttention(AttentionProjections):
         weights = (scores - top).exp() * gamma  # [B, H_kv, G, R (+ m)]
         numerator = weights @ values.to(dtype)  # [B, H_kv, G, V]
         denominator = weights.sum(-1, keepdim=True)
-        linear = linear.view(b, kv_heads, -1, v.shape[-1] + 1)
-        o = (numerator + linear[..., :-1]) / (denominator + linear[..., -1:])
+        linear_numerator, linear_denominator = linear.view(b, kv_heads, -1, v.shape[-1] + 1).split(v.shape[-1], -1)
+        o = (numerator + linear_numerator) / (denominator + linear_denominator)
         o = o.reshape(b, 1, heads, -1)
         if real is not None:
             o = o.masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
