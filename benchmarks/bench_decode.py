@@ -18,11 +18,18 @@ Llama eager (dynamic cache), and with `--compile` eager on a static cache and co
 timed after a warm-up `generate()` that does the compiling; every variant of a model must decode the
 eager tokens (else the script fails). Report `decode_generate.*`.
 
+Loop (`--timings loop`, per `--batch_size`): a plain greedy decode loop calling the model (and with `--compile` the
+linear model's `torch.compile`d forward) directly, as transformers' own static-cache benchmarks do, on a cache
+brought to the context without the prefill's cost (`cache_at_context`; the teacher's prefill of 8 prompts of up to
+20K tokens is quadratic in their length); the variants take turns step by step, and the LM head alone is timed in
+the same rounds, so the ratios hold under a changing load. Report `decode_loop.*`.
+
     python benchmarks/bench_decode.py                                # 256, 1K, 8K
     python benchmarks/bench_decode.py --contexts 256 1024 8192 65536 --peak_memory
     python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384   # converted SmolLM2-135M shape
     python benchmarks/bench_decode.py --contexts 1024 --compile      # eager vs torch.compile, batch 1
     python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 --batch_size 1 8
+    python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --timings loop
 
 Prints the tables, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
 """
