@@ -293,30 +293,46 @@ class DecodeLoop:
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
         start = time.perf_counter()
         positions = self.mask.cumsum(-1)[:, -1:] - 1
-        logits = self.step(input_ids=self.next_ids, attention_mask=self.mask, position_ids=positions,
-                           cache=self.cache).logits
-        self.next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        out = self.step(input_ids=self.next_ids, attention_mask=self.mask, position_ids=positions, cache=self.cache)
+        if not isinstance(out, torch.Tensor):  # (a `Decoder` gives hidden states: the next ids stay the same)
+            self.next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
         return time.perf_counter() - start
+
+
+class Decoder(torch.nn.Module):
+    """A causal LM without its LM head: the last hidden states `[B, T, hidden]`, the part of a step that compiling
+    speeds up."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model.model
+
+    def forward(self, **inputs) -> torch.Tensor:
+        return self.model(**inputs).last_hidden_state
 
 
 def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments) -> list[dict]:
     """One row per context, batch size, model and variant: the median ms of a `DecodeLoop` step calling the model
     eagerly and, with --compile, the linear model's `torch.compile`d forward (fullgraph; the growing mask makes
-    dynamo compile a second, length-generic graph during the warm-up), each on its own `cache_at_context`. After
+    dynamo compile a second, length-generic graph during the warm-up) and its `Decoder` eager and compiled, each on
+    its own `cache_at_context`. After
     the warm-ups the variants take turns step by step, so a change in the machine's load hits them alike. Also
     the ms of each model's LM head alone on the batch, timed in the same rounds: the part of a step that neither
     attention nor compiling touches (one matrix-vector product per row, its weight read from memory)."""
     rows = []
     steps = {(kind, "eager"): model for kind, model in models.items()}
     if args.compile and "linear" in models:
-        steps["linear", "compiled"] = torch.compile(models["linear"], fullgraph=True, backend=args.compile_backend)
+        decoder = Decoder(models["linear"])
+        steps.update({
+            ("linear", "compiled"): torch.compile(models["linear"], fullgraph=True, backend=args.compile_backend),
+            ("linear", "decoder eager"): decoder,
+            ("linear", "decoder compiled"): torch.compile(decoder, fullgraph=True, backend=args.compile_backend)})
     for context in args.contexts:
         for batch in args.batch_size:
             ids, mask = mixed_prompts(context, batch, args.vocab_size)
             loops, graphs = {}, {}
+            torch._dynamo.reset()  # each shape compiles afresh, never near dynamo's recompile limit
             for (kind, variant), step in steps.items():
-                if variant == "compiled":
-                    torch._dynamo.reset()
                 before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                 loops[kind, variant] = DecodeLoop(step, *cache_at_context(models[kind], ids, mask), mask)
                 for _ in range(args.warmup_tokens):
@@ -336,8 +352,10 @@ def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments
             for (kind, variant), seconds in times.items():
                 ms, head_ms = 1000 * statistics.median(seconds), 1000 * statistics.median(head_times[kind])
                 row = {"model": kind, "variant": variant, "batch": batch, "context": context, "ms_per_step": ms,
-                       "tokens_per_s": 1000 * batch / ms, "lm_head_ms": head_ms, "rest_ms": ms - head_ms}
-                if variant == "compiled":
+                       "tokens_per_s": 1000 * batch / ms, "lm_head_ms": head_ms}
+                if not variant.startswith("decoder"):
+                    row["rest_ms"] = ms - head_ms
+                if variant.endswith("compiled"):
                     row.update(graphs=graphs[kind, variant], graphs_while_timed=recompiled)
                 rows.append(row)
                 print(f"  loop {kind:<6} {variant:<8} batch {batch:>2} context {context:>6}: {ms:.2f} ms/step, "
@@ -426,12 +444,16 @@ def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
 
 def report_generate(rows: list[dict], args: DecodeBenchmarkArguments, name: str) -> None:
     """The generate() or decode-loop table (report `name`): tokens/s, "× Llama" against Llama's same variant
-    (eager vs eager, compiled vs compiled), "× eager" against the same model's eager run; a bar chart of tokens/s."""
+    (eager vs eager, compiled vs compiled), "× eager" against the same model's eager run (a decoder's against the
+    eager decoder); a bar chart of tokens/s."""
     rows.sort(key=lambda r: (r["context"], r["batch"], r["model"]))
     speed_vs_llama(rows, "ms_per_step", ("context", "batch", "variant"))
-    eager = {(r["model"], r["context"], r["batch"]): r["ms_per_step"] for r in rows if r["variant"] == "eager"}
+    def eager_key(r: dict) -> tuple:  # a `Decoder` row against the eager decoder
+        return r["model"], r["context"], r["batch"], r["variant"].startswith("decoder")
+
+    eager = {eager_key(r): r["ms_per_step"] for r in rows if r["variant"] in ("eager", "decoder eager")}
     for r in rows:
-        r["vs_eager"] = eager[r["model"], r["context"], r["batch"]] / r["ms_per_step"]
+        r["vs_eager"] = eager[eager_key(r)] / r["ms_per_step"]
     columns = {"model": "model", "variant": "variant", "batch": "batch", "context": "context",
                "ms_per_step": "ms/step", "tokens_per_s": "tokens/s", "vs_llama": "× Llama", "vs_eager": "× eager"}
     if "lm_head_ms" in rows[0]:
