@@ -155,7 +155,8 @@ def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> 
     """MiB of peak RSS added by prefilling `length` tokens, measured in a fresh child process."""
     cmd = [sys.executable, __file__, "--child", f"{kind}:{length}"]
     for name, value in asdict(args).items():
-        if name in ("child", "peak_memory", "contexts", "models", "compile", "compile_backend", "batch_size"):
+        if name in ("child", "peak_memory", "contexts", "models", "compile", "compile_backend", "batch_size",
+                    "timings"):
             continue
         cmd += [f"--{name}", str(value)]
     cmd += ["--contexts", str(length)]
