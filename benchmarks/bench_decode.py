@@ -18,11 +18,18 @@ Llama eager (dynamic cache), and with `--compile` eager on a static cache and co
 timed after a warm-up `generate()` that does the compiling; every variant of a model must decode the
 eager tokens (else the script fails). Report `decode_generate.*`.
 
+Loop (`--timings loop`, per `--batch_size`): a plain greedy decode loop calling the model (and with `--compile` the
+linear model's `torch.compile`d forward) directly, as transformers' own static-cache benchmarks do, on a cache
+brought to the context without the prefill's cost (`cache_at_context`; the teacher's prefill of 8 prompts of up to
+20K tokens is quadratic in their length); the variants take turns step by step, and the LM head alone is timed in
+the same rounds, so the ratios hold under a changing load. Report `decode_loop.*`.
+
     python benchmarks/bench_decode.py                                # 256, 1K, 8K
     python benchmarks/bench_decode.py --contexts 256 1024 8192 65536 --peak_memory
     python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384   # converted SmolLM2-135M shape
     python benchmarks/bench_decode.py --contexts 1024 --compile      # eager vs torch.compile, batch 1
     python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 --batch_size 1 8
+    python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --timings loop
 
 Prints the tables, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
 """
@@ -43,6 +50,7 @@ from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForC
 from transformers.generation.streamers import BaseStreamer
 
 import hf_linear_attn
+from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from training.measure import cache_bytes, decode_times, new_cache, prefill
 from training.report import log_log_plot, machine, write_report
 
@@ -74,6 +82,10 @@ class DecodeBenchmarkArguments:
         "help": "torch.compile backend of --compile ('aot_eager' checks the graph capture without generating code)."})
     batch_size: list[int] = field(default_factory=list, metadata={
         "help": "Batch sizes of the generate() runs (left-padded prompts of mixed lengths); --compile alone: 1."})
+    timings: list[str] = field(default_factory=lambda: ["scaling", "generate"], metadata={
+        "help": "What to time: 'scaling' (batch 1, eager, after a real prefill), 'generate' (generate() per "
+                "--batch_size) and/or 'loop' (a plain decode loop per --batch_size on a cache brought to the context "
+                "without a prefill)."})
     output_dir: str = "outputs/bench_decode"
     child: str = field(default="", metadata={"help": "Internal: 'MODEL:LENGTH' runs one prefill and prints JSON."})
 
@@ -94,6 +106,11 @@ GENERATE_VARIANTS = {
 }
 
 
+TIMINGS = ("scaling", "generate", "loop")
+# Positions a loop cache is really prefilled with (the rest of the context is added without computing it).
+LOOP_PREFILL = 64
+
+
 def check_args(args: DecodeBenchmarkArguments) -> None:
     """Apply `--layout` and refuse bad values before anything runs."""
     if args.layout and args.layout not in LAYOUTS:
@@ -112,6 +129,8 @@ def check_args(args: DecodeBenchmarkArguments) -> None:
     if args.compile and args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"--compile_backend must be one of {torch._dynamo.list_backends(exclude_tags=())}; "
                          f"got {args.compile_backend!r}")
+    if not args.timings or set(args.timings) - set(TIMINGS):
+        raise ValueError(f"--timings must be some of {TIMINGS}; got {args.timings}")
     if args.compile and not args.batch_size:
         args.batch_size = [1]
 
@@ -136,7 +155,8 @@ def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> 
     """MiB of peak RSS added by prefilling `length` tokens, measured in a fresh child process."""
     cmd = [sys.executable, __file__, "--child", f"{kind}:{length}"]
     for name, value in asdict(args).items():
-        if name in ("child", "peak_memory", "contexts", "models", "compile", "compile_backend", "batch_size"):
+        if name in ("child", "peak_memory", "contexts", "models", "compile", "compile_backend", "batch_size",
+                    "timings"):
             continue
         cmd += [f"--{name}", str(value)]
     cmd += ["--contexts", str(length)]
@@ -241,6 +261,117 @@ def generate_rows(kind: str, model: torch.nn.Module, args: DecodeBenchmarkArgume
     return rows
 
 
+@torch.no_grad()
+def cache_at_context(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor):
+    """A cache that holds what a prefill of the left-padded prompts `ids`, `mask` `[B, T]` would leave, in shape:
+    the last LOOP_PREFILL positions (real in every row) are prefilled, then the rest of the T positions is added
+    without computing it: Llama's K/V grow to T positions of random values; the linear cache's tensors have a fixed
+    shape, so only its position counter moves on to T. A decode step's cost depends on these shapes, not on the
+    values (the batch-1 scaling rows decode after a real prefill). Returns (cache, next token ids `[B, 1]`)."""
+    tail = min(LOOP_PREFILL, ids.shape[1])
+    cache = new_cache(model)
+    logits = model(input_ids=ids[:, -tail:], attention_mask=mask[:, -tail:], cache=cache, logits_to_keep=1).logits
+    for layer in cache.layers:
+        if isinstance(layer, LinearStateLayer):
+            layer.seen.fill_(ids.shape[1])
+        else:
+            b, heads, _, dim = layer.keys.shape
+            layer.keys = torch.randn(b, heads, ids.shape[1], dim, dtype=layer.keys.dtype)
+            layer.values = torch.randn_like(layer.keys)
+    return cache, logits[:, -1:].argmax(-1)
+
+
+class DecodeLoop:
+    """A plain greedy decode loop of `step` (a model or its compiled forward) from `cache`, fed as generate() feeds
+    a model: the padding mask `[B, past]` grows by one real column a step, positions count each row's real tokens."""
+
+    def __init__(self, step, cache, next_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self.step, self.cache, self.next_ids, self.mask = step, cache, next_ids, mask
+
+    @torch.no_grad()
+    def __call__(self) -> float:
+        """Run one step; returns its seconds."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        start = time.perf_counter()
+        positions = self.mask.cumsum(-1)[:, -1:] - 1
+        out = self.step(input_ids=self.next_ids, attention_mask=self.mask, position_ids=positions, cache=self.cache)
+        if not isinstance(out, torch.Tensor):  # (a `Decoder` gives hidden states: the next ids stay the same)
+            self.next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - start
+
+
+class Decoder(torch.nn.Module):
+    """A causal LM without its LM head: the last hidden states `[B, T, hidden]`, the part of a step that compiling
+    speeds up."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model.model
+
+    def forward(self, **inputs) -> torch.Tensor:
+        return self.model(**inputs).last_hidden_state
+
+
+def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments) -> list[dict]:
+    """One row per context, batch size, model and variant: the median ms of a `DecodeLoop` step calling the model
+    eagerly and, with --compile, the linear model's `torch.compile`d forward (fullgraph; the growing mask makes
+    dynamo compile a second, length-generic graph during the warm-up) and its `Decoder` eager and compiled, each on
+    its own `cache_at_context`. After
+    the warm-ups the variants take turns step by step, so a change in the machine's load hits them alike. Also
+    the ms of each model's LM head alone on the batch, timed in the same rounds: the part of a step that neither
+    attention nor compiling touches (one matrix-vector product per row, its weight read from memory)."""
+    rows = []
+    steps = {(kind, "eager"): model for kind, model in models.items()}
+    if args.compile and "linear" in models:
+        decoder = Decoder(models["linear"])
+        steps.update({
+            ("linear", "compiled"): torch.compile(models["linear"], fullgraph=True, backend=args.compile_backend),
+            ("linear", "decoder eager"): decoder,
+            ("linear", "decoder compiled"): torch.compile(decoder, fullgraph=True, backend=args.compile_backend)})
+    for context in args.contexts:
+        for batch in args.batch_size:
+            ids, mask = mixed_prompts(context, batch, args.vocab_size)
+            loops, graphs = {}, {}
+            torch._dynamo.reset()  # each shape compiles afresh, never near dynamo's recompile limit
+            for (kind, variant), step in steps.items():
+                before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                loops[kind, variant] = DecodeLoop(step, *cache_at_context(models[kind], ids, mask), mask)
+                for _ in range(args.warmup_tokens):
+                    loops[kind, variant]()
+                graphs[kind, variant] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            counted = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            times = {key: [] for key in loops}
+            head_times = {kind: [] for kind in models}
+            hidden = torch.randn(batch, 1, args.hidden_size)
+            for _ in range(args.new_tokens):
+                for key, loop in loops.items():
+                    times[key].append(loop())
+                with torch.no_grad():
+                    for kind, model in models.items():
+                        head_times[kind].append(timed(model.lm_head, hidden))
+            recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - counted
+            for (kind, variant), seconds in times.items():
+                ms, head_ms = 1000 * statistics.median(seconds), 1000 * statistics.median(head_times[kind])
+                row = {"model": kind, "variant": variant, "batch": batch, "context": context, "ms_per_step": ms,
+                       "tokens_per_s": 1000 * batch / ms, "lm_head_ms": head_ms}
+                if not variant.startswith("decoder"):
+                    row["rest_ms"] = ms - head_ms
+                if variant.endswith("compiled"):
+                    row.update(graphs=graphs[kind, variant], graphs_while_timed=recompiled)
+                rows.append(row)
+                print(f"  loop {kind:<6} {variant:<8} batch {batch:>2} context {context:>6}: {ms:.2f} ms/step, "
+                      f"{row['tokens_per_s']:.1f} tokens/s (LM head alone {head_ms:.2f} ms)", flush=True)
+            del loops
+    return rows
+
+
+def timed(fn, *inputs) -> float:
+    """Seconds of one call `fn(*inputs)`."""
+    start = time.perf_counter()
+    fn(*inputs)
+    return time.perf_counter() - start
+
+
 def scaling_row(kind: str, model: torch.nn.Module, length: int, args: DecodeBenchmarkArguments) -> dict:
     """Batch 1, eager: chunked prefill of `length` tokens, then the median ms of `new_tokens` decode steps."""
     cache = new_cache(model)
@@ -267,15 +398,21 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"{machine()}; {args.num_hidden_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads")
-    rows, generated = [], []
-    for kind in args.models:
-        model = build(kind, args)
-        rows += [scaling_row(kind, model, length, args) for length in args.contexts]
-        if args.batch_size:
+    rows, generated, looped = [], [], []
+    models = {kind: build(kind, args) for kind in args.models}
+    for kind, model in models.items():
+        if "scaling" in args.timings:
+            rows += [scaling_row(kind, model, length, args) for length in args.contexts]
+        if args.batch_size and "generate" in args.timings:
             generated += generate_rows(kind, model, args)
-    report(rows, args)
+    if args.batch_size and "loop" in args.timings:
+        looped = loop_rows(models, args)
+    if rows:
+        report(rows, args)
     if generated:
-        report_generate(generated, args)
+        report_generate(generated, args, "decode_generate")
+    if looped:
+        report_generate(looped, args, "decode_loop")
     return 0
 
 
@@ -306,16 +443,22 @@ def report(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
     write_report(rows, columns, args.output_dir, "decode", plot, meta={"args": asdict(args)})
 
 
-def report_generate(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
-    """The generate() table: tokens/s, "× Llama" against Llama's same variant (eager vs eager, compiled vs
-    compiled), "× eager" against the same model's eager run; a bar chart of tokens/s."""
+def report_generate(rows: list[dict], args: DecodeBenchmarkArguments, name: str) -> None:
+    """The generate() or decode-loop table (report `name`): tokens/s, "× Llama" against Llama's same variant
+    (eager vs eager, compiled vs compiled), "× eager" against the same model's eager run (a decoder's against the
+    eager decoder); a bar chart of tokens/s."""
     rows.sort(key=lambda r: (r["context"], r["batch"], r["model"]))
     speed_vs_llama(rows, "ms_per_step", ("context", "batch", "variant"))
-    eager = {(r["model"], r["context"], r["batch"]): r["ms_per_step"] for r in rows if r["variant"] == "eager"}
+    def eager_key(r: dict) -> tuple:  # a `Decoder` row against the eager decoder
+        return r["model"], r["context"], r["batch"], r["variant"].startswith("decoder")
+
+    eager = {eager_key(r): r["ms_per_step"] for r in rows if r["variant"] in ("eager", "decoder eager")}
     for r in rows:
-        r["vs_eager"] = eager[r["model"], r["context"], r["batch"]] / r["ms_per_step"]
+        r["vs_eager"] = eager[eager_key(r)] / r["ms_per_step"]
     columns = {"model": "model", "variant": "variant", "batch": "batch", "context": "context",
                "ms_per_step": "ms/step", "tokens_per_s": "tokens/s", "vs_llama": "× Llama", "vs_eager": "× eager"}
+    if "lm_head_ms" in rows[0]:
+        columns.update(lm_head_ms="LM head alone ms", rest_ms="step − LM head ms")
     if args.compile:
         columns.update(graphs="graphs compiled", graphs_while_timed="recompiles while timed")
 
@@ -336,7 +479,7 @@ def report_generate(rows: list[dict], args: DecodeBenchmarkArguments) -> None:
         fig.tight_layout()
         return fig
 
-    write_report(rows, columns, args.output_dir, "decode_generate", plot, meta={"args": asdict(args)})
+    write_report(rows, columns, args.output_dir, name, plot, meta={"args": asdict(args)})
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ class LinearStateLayer(CacheLayerMixin):
         self.memory_positions: torch.Tensor | None = None
         self.memory_log_decay: torch.Tensor | None = None
         self.memory_mask: torch.Tensor | None = None
+        # Whether every row's sink slots hold a token (eager bookkeeping: a decode step then skips the sink update).
+        self.sinks_filled = False
         # Positions seen (pads included), a 0-d tensor so that a compiled step reads and advances it without a
         # host sync or a recompilation; `get_seq_length()` reads it as an int.
         self.seen: torch.Tensor | None = None
@@ -195,34 +197,44 @@ class LinearStateLayer(CacheLayerMixin):
             sink_slots.append(per_position.new_zeros(batch, sinks, *per_position.shape[2:]))
         for name, sink_part, ring_part in zip(names, sink_slots, ring, strict=True):
             self.write(name, torch.cat([sink_part, ring_part], dim=1))
+        self.sinks_filled = not torch.compiler.is_compiling() and bool(found.all())
 
     def push_window_token(
-        self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, real: torch.Tensor,
+        self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, real: torch.Tensor | None,
         window_size: int, num_sink_tokens: int, log_decay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
-        `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`) replaces position p − w in ring slot
-        S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
-        masked). Returns what the slot held before, the token leaving the window: keys `[B, 1, H_kv, D]`, key
-        features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`, mask `[B, 1]` (real and not a sink: it folds into the
-        state). With log_decay (`[B, 1, H]` or `[B, 1, H, F]`, sparse memory only) its slot's log decay is written too.
-        Call before `advance`."""
+        `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`, or None when every row's token is real)
+        replaces position p − w in ring slot S + p mod w, and a real token of rank < S also fills the next free sink
+        slot (its ring slot is then masked; eager steps skip this once every sink slot is filled). Returns what the
+        slot held before, the token leaving the window: key features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`
+        and mask `[B, 1]` (real and not a sink: it folds into the state). With log_decay
+        (`[B, 1, H]` or `[B, 1, H, F]`, sparse memory only) its slot's log decay is written too. Call before
+        `advance`."""
         sinks = num_sink_tokens
         slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
-        leaving = (self.window_keys.index_select(1, slot), self.window_key_features.index_select(1, slot),
-                   self.window_values.index_select(1, slot), self.window_mask.index_select(1, slot))
-        sink = real
-        if sinks:
+        leaving = (self.window_key_features.index_select(1, slot), self.window_values.index_select(1, slot),
+                   self.window_mask.index_select(1, slot))
+        in_ring = real
+        if sinks and not self.sinks_filled:
+            if real is None:
+                real = torch.ones(keys.shape[0], 1, dtype=torch.bool, device=keys.device)
             filled = self.window_mask[:, :sinks].sum(-1, keepdim=True)  # [B, 1]: sinks so far, filled in order
             sink = real & (filled < sinks)
             hit = sink & (torch.arange(sinks, device=real.device) == filled)  # [B, S]
             for buffer, x in ((self.window_keys, keys), (self.window_values, values)):
                 buffer[:, :sinks].copy_(torch.where(hit[:, :, None, None], x, buffer[:, :sinks]))
             self.window_mask[:, :sinks] |= hit
+            in_ring = real & ~sink
+            if not torch.compiler.is_compiling():
+                self.sinks_filled = bool(self.window_mask[:, :sinks].all())
         self.window_keys.index_copy_(1, slot, keys)
         self.window_values.index_copy_(1, slot, values)
         self.window_key_features.index_copy_(1, slot, key_features)
-        self.window_mask.index_copy_(1, slot, real & ~sink if sinks else real)
+        if in_ring is None:
+            self.window_mask.index_fill_(1, slot, True)
+        else:
+            self.window_mask.index_copy_(1, slot, in_ring)
         if log_decay is not None:
             self.window_log_decay.index_copy_(1, slot, log_decay.view(self.window_log_decay[:, :1].shape).float())
         return leaving
@@ -258,6 +270,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.state = self.window_keys = self.window_values = self.window_key_features = self.window_mask = None
         self.window_log_decay = self.window_beta = None
         self.conv_inputs = self.seen = None
+        self.sinks_filled = False
         for name in MEMORY_FIELDS.values():
             setattr(self, name, None)
         self.is_initialized = False

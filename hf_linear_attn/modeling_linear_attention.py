@@ -542,7 +542,8 @@ class LinearAttention(AttentionProjections):
             log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
         q_feat, k_feat = self.feature_map_q(q), self.key_features(k)  # [B, T, H, F]
         if self._decode_step(q, cache_layer, None):
-            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask, cache_layer)
+            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask if masked else None,
+                                           cache_layer)
         state = None
         if cache_layer is not None and cache_layer.state is not None:
             # The retained tokens run in front of the new ones; their features were computed when they came in.
@@ -596,17 +597,18 @@ class LinearAttention(AttentionProjections):
         q_feat: torch.Tensor,
         k_feat: torch.Tensor,
         log_decay: torch.Tensor | None,
-        real: torch.Tensor,
+        real: torch.Tensor | None,
         cache_layer: LinearStateLayer,
     ) -> torch.Tensor:
         """One token of the window hybrid from the cache, fixed-shape and in place: o [B, 1, H, V].
 
         q [B, 1, H, D], k, v [B, 1, H_kv, D], q_feat, k_feat [B, 1, H, F], log_decay None / [B, 1, H] /
-        [B, 1, H, F] (0 at a pad), real bool [B, 1]. The token enters the ring slot of the one leaving the
-        window (position p − w); the state is decayed by a_p and takes the leaving token undecayed; then one row
-        of softmax scores against the R retained slots (masked, grouped by KV head: no repeat) and one read-out
-        of the state share the normaliser. The same sums as `window_attention` over the retained keys and the
-        new one (its "recurrent" form is the twin the tests hold this against).
+        [B, 1, H, F] (0 at a pad), real bool [B, 1], or None when every row's token is real (then no pad handling
+        runs: the token's own slot is unmasked, so no row's scores are all masked). The token enters the ring slot
+        of the one leaving the window (position p − w); the state is decayed by a_p and takes the leaving token
+        undecayed; then one row of softmax scores against the R retained slots (masked, grouped by KV head: no
+        repeat) and one read-out of the state share the normaliser. The same sums as `window_attention` over the
+        retained keys and the new one (its "recurrent" form is the twin the tests hold this against).
 
         With a sparse memory (m > 0) the ring holds window_size + R positions (R = MEMORY_BLOCK_SIZE); the softmax
         row covers the sinks, the ring slots from the block start's window on and the m memory slots, the linear
@@ -621,7 +623,7 @@ class LinearAttention(AttentionProjections):
         sparse = self.config.sparse_cache_size > 0
         ring = window + MEMORY_BLOCK_SIZE if sparse else window
         position = cache_layer.seen  # 0-d: this token's position
-        leaving_k, leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
+        leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
             k, v, k_feat, real, ring, sinks, log_decay if sparse else None)
         if log_decay is not None:
             state.mul_(log_decay[:, 0].to(dtype).exp().view(b, heads, -1, 1))
@@ -633,13 +635,14 @@ class LinearAttention(AttentionProjections):
             slot_positions = position - (position - slots) % ring
             current = slot_positions >= position - position % MEMORY_BLOCK_SIZE - window
             mask = torch.cat([mask[:, :sinks], mask[:, sinks:] & current], dim=1)
-        else:
-            fold_k = leaving_feat[:, 0].to(dtype) * leaving_real.view(b, 1, 1)  # [B, H, F]
-            fold_v = F.pad(self.repeat_kv(leaving_v)[:, 0].to(dtype), (0, 1), value=1.0)  # [B, H, V + 1]
-            state.add_(fold_k[..., None] * fold_v[..., None, :])
+        else:  # S += φ(k) [v, 1]ᵀ, the query heads of a KV head [B, H_kv, G, F, V + 1] sharing its v: no repeat
+            fold_k = leaving_feat.to(dtype) * leaving_real.view(b, 1, 1, 1)  # [B, 1, H, F]
+            fold_v = F.pad(leaving_v.to(dtype), (0, 1), value=1.0)  # [B, 1, H_kv, V + 1]
+            state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(
+                fold_k.view(b, kv_heads, -1, state.shape[2], 1), fold_v.view(b, kv_heads, 1, 1, -1))
         # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R] (and the memory's [B, H_kv, D, m]).
         keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
-        mask = mask[:, None, None, :]
+        mask = mask.view(b, 1, 1, -1)
         linear = q_feat.view(b, heads, 1, -1).to(dtype) @ state  # [B, H, 1, V + 1]
         if sparse:
             keys = torch.cat([keys, cache_layer.memory_keys.transpose(-1, -2)], dim=-1)
@@ -647,15 +650,19 @@ class LinearAttention(AttentionProjections):
             mask = torch.cat([mask.expand(-1, kv_heads, -1, -1), cache_layer.memory_mask[:, :, None]], dim=-1)
         query = q.view(b, kv_heads, heads // kv_heads, head_dim).to(dtype)
         scores = query @ keys.to(dtype) * self.head_dim**-0.5
-        scores = scores.masked_fill(~mask, -torch.inf)
-        top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(dtype).min)  # a pad's empty window: no nan
+        scores = torch.where(mask, scores, -torch.inf)
+        top = scores.amax(-1, keepdim=True)
+        if real is not None:
+            top = top.clamp(min=torch.finfo(dtype).min)  # a pad's empty window: no nan
         gamma = torch.sigmoid(self.window_gate.to(dtype)).view(kv_heads, -1, 1)
         weights = (scores - top).exp() * gamma  # [B, H_kv, G, R (+ m)]
         numerator = weights @ values.to(dtype)  # [B, H_kv, G, V]
         denominator = weights.sum(-1, keepdim=True)
-        linear = linear.view(b, kv_heads, -1, v.shape[-1] + 1)
-        o = (numerator + linear[..., :-1]) / (denominator + linear[..., -1:])
-        o = o.reshape(b, 1, heads, -1).masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
+        linear_numerator, linear_denominator = linear.view(b, kv_heads, -1, v.shape[-1] + 1).split(v.shape[-1], -1)
+        o = (numerator + linear_numerator) / (denominator + linear_denominator)
+        o = o.reshape(b, 1, heads, -1)
+        if real is not None:
+            o = o.masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
         if sparse:
             self.memory_block_end(cache_layer, position, ring)
         cache_layer.advance(1, q.device)

@@ -43,9 +43,31 @@ def test_decode_benchmark_compiles_and_batches_generate(tmp_path):
     assert (tmp_path / "decode.json").exists()  # the batch-1 eager scaling table is written too
 
 
+def test_decode_loop_benchmark_times_every_variant_in_turn(tmp_path):
+    """--timings loop alone: the loop table for a left-padded batch, compiled variants without recompiles while
+    timed, the LM head timed alone; no scaling or generate() table."""
+    result = run_script("bench_decode.py", "--contexts", "40", "--new_tokens", "3", "--warmup_tokens", "3",
+                        "--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
+                        "--num_hidden_layers", "1", "--vocab_size", "64", "--window_size", "4", "--num_sink_tokens",
+                        "1", "--feature_map", "hedgehog", "--feature_dim", "8", "--compile", "--compile_backend",
+                        "aot_eager", "--batch_size", "1", "3", "--timings", "loop", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "decode_loop.json").read_text())["rows"]
+    variants = ["eager", "compiled", "decoder eager", "decoder compiled"]
+    assert {(r["model"], r["variant"], r["batch"]) for r in rows} == {
+        (model, variant, batch) for batch in (1, 3) for model, variant in
+        [*(("linear", v) for v in variants), ("llama", "eager")]}
+    assert all(r["tokens_per_s"] > 0 and r["lm_head_ms"] > 0 and r["context"] == 40 for r in rows)
+    assert all(r["graphs"] >= 1 and r["graphs_while_timed"] == 0 for r in rows if r["variant"].endswith("compiled"))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == ["decode_loop.json"]
+
+
 def test_decode_benchmark_refuses_bad_arguments_before_running(tmp_path):
     result = run_script("bench_decode.py", "--batch_size", "0", "--output_dir", str(tmp_path))
     assert result.returncode != 0 and "--batch_size must be positive" in result.stderr
+    assert not list(tmp_path.iterdir())
+    result = run_script("bench_decode.py", "--timings", "loop", "prefill", "--output_dir", str(tmp_path))
+    assert result.returncode != 0 and "--timings must be some of" in result.stderr
     assert not list(tmp_path.iterdir())
 
 

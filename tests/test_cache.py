@@ -61,6 +61,22 @@ def test_token_by_token_decoding_equals_the_forward(name):
     torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["hedgehog-window-sinks", "hedgehog-window-sinks-scalar-decay"])
+def test_unpadded_decoding_from_one_token_equals_the_forward(name):
+    """No mask (the step's unpadded form): one token prefilled, fewer than the sinks, so the sink slots fill during
+    decoding; once they are all filled the eager steps skip the sink update. The forward's logits at every position."""
+    model = tiny_model(**VARIANTS[name])
+    ids = torch.randint(3, 128, (2, 16))
+    cache = LinearAttentionCache(model.config)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        steps = [model(ids[:, :1], cache=cache).logits]
+        assert not cache.layers[0].sinks_filled
+        steps += [model(ids[:, i : i + 1], cache=cache).logits for i in range(1, ids.shape[1])]
+    assert all(layer.sinks_filled for layer in cache.layers)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-4)
+
+
 def test_past_key_values_spelling_in_forward():
     model = tiny_model(**VARIANTS["hedgehog-window-sinks"])
     ids = torch.randint(3, 128, (1, 12))
