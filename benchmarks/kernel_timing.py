@@ -11,8 +11,9 @@ sdpa / ours (our speed-up over softmax attention). FLOPs counted: chunked linear
 forward 2·B·H·T·(2·D² + C·2D) (state and output products, the full C x C intra-chunk block), backward twice the
 forward; causal softmax attention, forward 2·B·H·T²·D, backward 2.5 times the forward.
 
-A dry run (tiny shapes on CPU: the torch chunked backend, and the Triton kernels when triton is installed) needs
-TRITON_INTERPRET=1 set before this module is imported: the kernels are defined on import.
+A dry run (tiny shapes on CPU, each call timed once: the torch chunked backend, and the Triton kernels in the
+interpreter when triton is installed) needs TRITON_INTERPRET=1 set before this module is imported: the kernels are
+defined on import.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def setup(args: KernelBenchmarkArguments) -> Setup:
         print(f"flash-linear-attention is not importable ({type(error).__name__}: {error}): no fla rows", flush=True)
         fla = None
     if args.dry_run:
-        args.shapes, args.sweep_lengths, args.sweep_heads, args.sweep_dim = ["1x70x2x16"], [32, 70], 2, 16
+        args.shapes, args.sweep_lengths, args.sweep_heads, args.sweep_dim = ["1x70x1x16"], [32, 70], 1, 16
         interpreted = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
         return Setup("cpu", torch.float32, ["torch", "triton"] if interpreted else ["torch"], fla)
     if not torch.cuda.is_available() or not HAS_TRITON:
@@ -111,12 +112,11 @@ def method_fn(method: str, decay: str, x: dict, s: Setup) -> Callable[[], torch.
 
 
 def time_ms(fn: Callable[[], object], args: KernelBenchmarkArguments, s: Setup) -> float:
-    """Median milliseconds per call (on CPU, a dry run: the second of two calls)."""
+    """Median milliseconds per call (on CPU, a dry run: one call, its first: what it measures is that it runs)."""
     if s.device == "cuda":
         import triton
 
         return triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.repeat_ms, return_mode="median")
-    fn()
     start = time.perf_counter()
     fn()
     return 1000 * (time.perf_counter() - start)
