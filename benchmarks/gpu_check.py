@@ -337,18 +337,19 @@ def main(argv: list[str]) -> int:
         deadline = time.perf_counter() + args.budget_s
         with open(out / "gpu_check.log", "w") as full_log:
             for name in args.stages:
-                time_box = min(DRY_TIME_BOX if args.dry else TIME_BOX[name], deadline - time.perf_counter())
-                if time_box < 1:
-                    summary["stages"][name] = {"status": "not run", "reason": f"--budget_s {args.budget_s} spent"}
-                    print(f"== {name}: not run, --budget_s {args.budget_s} spent", flush=True)
-                    continue
-                print(f"== {name} (at most {time_box:.0f} s)", flush=True)
-                record, output = run_stage(name, args.dry, out, time_box, logs)
+                time_box = round(min(DRY_TIME_BOX if args.dry else TIME_BOX[name], deadline - time.perf_counter()), 1)
+                if time_box <= 0:
+                    record = {"status": "not run", "reason": f"--budget_s {args.budget_s} spent"}
+                    status = f"not run, {record['reason']}"
+                else:
+                    print(f"== {name} (at most {time_box:.0f} s)", flush=True)
+                    record, output = run_stage(name, args.dry, out, time_box, logs)
+                    status = f"{record['status']} in {record['seconds']:.0f} s"
+                    full_log.write(f"== {name}: {status}\n{output}\n")
+                    full_log.flush()
+                    print(output[-1500 if record["status"] == "ok" else -3000:], flush=True)
+                print(f"== {name}: {status}", flush=True)
                 summary["stages"][name] = record
-                status = f"{record['status']} in {record['seconds']:.0f} s"
-                full_log.write(f"== {name}: {status}\n{output}\n")
-                full_log.flush()
-                print(f"{output[-1500 if record['status'] == 'ok' else -3000:]}\n== {name}: {status}", flush=True)
                 (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out)
     not_ok = {name: r["status"] for name, r in summary["stages"].items() if r["status"] != "ok"}
@@ -357,7 +358,12 @@ def main(argv: list[str]) -> int:
 
 
 def plot(summary: dict, out: Path) -> None:
-    """gpu_check.png: decode ms/token against context, and training tokens/s, linear vs Llama."""
+    """gpu_check.png: decode ms/token against context, and training tokens/s, linear vs Llama (when measured)."""
+    decode = summary["stages"].get("decode", {}).get("rows", [])
+    train = summary["stages"].get("train", {}).get("rows", [])
+    if not decode and not train:
+        print("(no decode or train rows: no gpu_check.png)")
+        return
     try:
         import matplotlib
 
@@ -367,16 +373,14 @@ def plot(summary: dict, out: Path) -> None:
         print("(no matplotlib: no gpu_check.png)")
         return
     fig, (ax_decode, ax_train) = plt.subplots(1, 2, figsize=(10, 4))
-    decode = summary["stages"].get("decode", {}).get("rows", [])
-    train = summary["stages"].get("train", {}).get("rows", [])
-    for kind in ("linear", "llama"):
-        mine = [r for r in decode if r["model"] == kind]
-        ax_decode.plot([r["context"] for r in mine], [r["ms_per_token"] for r in mine], "o-", label=kind)
-        mine = [r for r in train if r["model"] == kind]
-        ax_train.plot([r["seq_len"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=kind)
-    ax_decode.set(xscale="log", yscale="log", xlabel="context", ylabel="ms per decode token")
-    ax_train.set(xscale="log", xlabel="sequence length", ylabel="training tokens/s")
-    ax_decode.legend()
+    for ax, rows, x, y, scales in ((ax_decode, decode, "context", "ms_per_token", {"xscale": "log", "yscale": "log"}),
+                                   (ax_train, train, "seq_len", "tokens_per_s", {"xscale": "log"})):
+        for kind in ("linear", "llama"):
+            mine = [r for r in rows if r["model"] == kind]
+            ax.plot([r[x] for r in mine], [r[y] for r in mine], "o-", label=kind)
+        ax.set(xlabel=x, ylabel=y.replace("_", " "), **(scales if rows else {}))
+        if rows:
+            ax.legend()
     fig.suptitle(summary["device"])
     fig.tight_layout()
     fig.savefig(out / "gpu_check.png", dpi=120)
