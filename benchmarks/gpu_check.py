@@ -55,7 +55,7 @@ class GpuCheckArguments:
     stages: list[str] = field(default_factory=lambda: list(STAGES), metadata={"help": "Stages to run, in order."})
     wheels: str = field(default="", metadata={"help": "A folder of wheels to put on the stages' path."})
     dry: bool = field(default=False, metadata={"help": "Every stage on CPU at toy sizes: the script cannot rot."})
-    budget_s: float = field(default=450.0, metadata={
+    budget_s: float = field(default=440.0, metadata={
         "help": "Seconds for all the stages: each gets its own time box or what is left of this, the smaller."})
     output_dir: str = "outputs/gpu_check"
 
