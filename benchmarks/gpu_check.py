@@ -283,6 +283,9 @@ def run_stage(name: str, dry: bool, out: Path, time_box: float, logs: Path) -> t
     record["seconds"] = time.perf_counter() - start
     if result_path.exists():  # the result, or what a stage stopped part-way saved
         record.update(json.loads(result_path.read_text()))
+        failed_rows = sum("error" in row for row in record.get("rows", []))
+        if failed_rows:  # measurements that raised (recorded in their rows) while the stage went on
+            record["failed_rows"] = failed_rows
     output = log_path.read_text(errors="replace") if log_path.exists() else ""
     if name == "triton_tests":
         record["summary"] = (output.strip().splitlines() or [""])[-1]
@@ -353,7 +356,9 @@ def main(argv: list[str]) -> int:
                 (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out)
     not_ok = {name: r["status"] for name, r in summary["stages"].items() if r["status"] != "ok"}
-    print(f"wrote {out}/gpu_check.json and gpu_check.log; stages not ok: {not_ok or 'none'}")
+    failed_rows = {name: r["failed_rows"] for name, r in summary["stages"].items() if "failed_rows" in r}
+    print(f"wrote {out}/gpu_check.json and gpu_check.log; stages not ok: {not_ok or 'none'}; "
+          f"rows that failed: {failed_rows or 'none'}")
     return 0
 
 
