@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -224,7 +225,7 @@ def stage_triton_tests(dry: bool) -> dict:
     return {}
 
 
-def stage_kernels(dry: bool, out: Path, save) -> dict:
+def stage_kernels(dry: bool, out: Path, save: Callable[[dict], None]) -> dict:
     """The kernel benchmark, its kernels.{md,json,png} in `out`; `save` keeps the rows measured so far."""
     if dry:  # the interpreter, chosen before the kernels are defined (kernel_timing imports them)
         os.environ["TRITON_INTERPRET"] = "1"
