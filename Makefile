@@ -96,22 +96,27 @@ bench: install
 		--vocab_size 256 --peak_memory --output_dir outputs/bench_prefill_1m
 	$(PY) benchmarks/bench_train.py
 
-# fla's pure-Python wheels (and einops, which fla imports) into build/wheels, for the kernel report (CPU) and the GPU
-# check, whose machine has no network: a device run carries build/wheels.
+# fla's pure-Python wheels (and einops, which fla imports) into build/wheels (about 1.5 MB), for the kernel report
+# (CPU) and the GPU check, whose machine has no network: a device run carries build/wheels. pip alone, no venv.
 WHEELS := build/wheels
+FLA_VERSION ?= 0.6.0
 fla-wheels: $(WHEELS)/.fetched
-$(WHEELS)/.fetched: | $(VENV)/.installed
-	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d $(WHEELS) fla-core flash-linear-attention einops
+$(WHEELS)/.fetched:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d $(WHEELS) "fla-core==$(FLA_VERSION)" \
+		"flash-linear-attention==$(FLA_VERSION)" einops
+	du -sh $(WHEELS)
 	touch $@
 
 # The CPU report on the Triton kernels: sm_90 registers / spills / shared memory, and fwd+bwd HBM bytes vs fla's.
 kernel-report: install fla-wheels
 	$(PY) benchmarks/kernel_report.py --fla_dir $(WHEELS)
 
-# The one-shot GPU check (≤ 8 minutes on an H200): tests, kernel benchmark, decode, training, FSDP / DeepSpeed.
-gpu-check: install fla-wheels
-	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) benchmarks/gpu_check.py --wheels $(WHEELS) --output_dir outputs/gpu_check
+# The one-shot GPU check (≤ 8 minutes on an H200): tests, kernel benchmark, decode, training, FSDP / DeepSpeed. It runs
+# on the GPU machine's own python (torch, triton, transformers, matplotlib, pytest there), the checkout on PYTHONPATH,
+# nothing installed; the wheels come from `make fla-wheels` on a machine with network.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py --wheels $(WHEELS) --output_dir outputs/gpu_check
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,46 +1,54 @@
 """One-shot GPU check (≤ 8 minutes on an H200): every measurement the project wants from its first GPU, in one
-output folder, each stage in its own time-boxed child process (a stage that fails or runs over is recorded, and the
-next one runs).
+output folder. Each stage runs in its own process (multiprocessing, spawned), time-boxed: a stage that fails or runs
+over is recorded, with its output, and the next one runs.
 
 Stages:
   triton_tests  the Triton test modules, their kernels compiled on the GPU (pytest)
-  kernels       benchmarks/bench_kernels.py: ours vs fla vs SDPA-flash on the four shapes and T 1K ... 64K
-                (ms, TFLOP/s, % of bf16 peak)
+  kernels       the kernel benchmark (benchmarks/kernel_timing.py): ours vs fla vs SDPA-flash on the four shapes and
+                T 1K ... 64K (ms, TFLOP/s, % of bf16 peak); rows measured before a time-out are kept
   decode        ms per decode token after growing contexts, linear model vs Llama (SDPA, dynamic cache)
   train         training tokens/s (forward + backward + AdamW, bf16) of a ~340M linear model vs the same Llama
   fsdp          a few FSDP2 (fully_shard) training steps of the linear model, one process
   deepspeed     a few DeepSpeed ZeRO-2 steps, one process (skipped with a line when deepspeed is not installed)
 
-    python benchmarks/gpu_check.py --wheels build/wheels --output_dir outputs/gpu_check   # make gpu-check
-    python benchmarks/gpu_check.py --dry      # every stage on CPU at toy sizes (CI)
+    PYTHONPATH=. python benchmarks/gpu_check.py --wheels build/wheels     # make gpu-check
+    PYTHONPATH=. python benchmarks/gpu_check.py --dry                     # every stage on CPU at toy sizes (CI)
 
---wheels: a folder of wheels installed (pip --no-index --target) into a temporary folder on the stages' path:
-the GPU machine has no network (`make fla-wheels` downloads fla's). Writes gpu_check.json (every stage's status,
-seconds and rows), gpu_check.png (decode and train), the kernel benchmark's kernels.{md,json,png} and
-triton_tests.log: at most 6 files, so that a device run's output folder brings all of them back.
+It runs from a checkout with the repository on PYTHONPATH (nothing installed); --wheels: a folder of wheels
+installed (pip --no-index --no-deps --target) into a temporary folder put on the stages' path, for a GPU machine
+without network (`make fla-wheels` downloads fla's). The versions of the packages the stages use are recorded
+first. Writes, to --output_dir: gpu_check.json (versions; every stage's status, seconds and rows),
+gpu_check.log (every stage's output), gpu_check.png (decode and train) and the kernel benchmark's
+kernels.{md,json,png}: 6 files, so that a device run's output folder brings all of them back.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from transformers import HfArgumentParser
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = ["tests/test_triton_ops.py", "tests/test_window_ops.py", "tests/test_delta_rule_triton.py"]
 STAGES = ("triton_tests", "kernels", "decode", "train", "fsdp", "deepspeed")
-# Seconds each stage may take on the GPU (their sum stays under 8 minutes with the start-ups).
-TIME_BOX = {"triton_tests": 150, "kernels": 170, "decode": 40, "train": 60, "fsdp": 25, "deepspeed": 25}
+# Seconds each stage may take on the GPU, its process's start included; --budget_s bounds their sum.
+TIME_BOX = {"triton_tests": 130, "kernels": 160, "decode": 40, "train": 55, "fsdp": 25, "deepspeed": 25}
 DRY_TIME_BOX = 120
+# The packages the stages use (distribution names), whose versions gpu_check.json records.
+PACKAGES = ("torch", "triton", "transformers", "accelerate", "safetensors", "huggingface_hub", "einops", "fla-core",
+            "flash-linear-attention", "deepspeed", "matplotlib", "pytest")
 
 
 @dataclass
@@ -48,8 +56,9 @@ class GpuCheckArguments:
     stages: list[str] = field(default_factory=lambda: list(STAGES), metadata={"help": "Stages to run, in order."})
     wheels: str = field(default="", metadata={"help": "A folder of wheels to put on the stages' path."})
     dry: bool = field(default=False, metadata={"help": "Every stage on CPU at toy sizes: the script cannot rot."})
+    budget_s: float = field(default=440.0, metadata={
+        "help": "Seconds for all the stages: each gets its own time box or what is left of this, the smaller."})
     output_dir: str = "outputs/gpu_check"
-    stage: str = field(default="", metadata={"help": "Internal: run this one stage and write its JSON."})
 
 
 @dataclass
@@ -69,6 +78,8 @@ SIZE_TOY = ModelSize(32, 2, 2, 64, 128)
 
 def build(kind: str, size: ModelSize, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """A randomly initialised linear-attention model ("linear", triton kernels on a GPU) or Llama with SDPA."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: a stage's process imports what it uses
+
     import hf_linear_attn
 
     torch.manual_seed(0)
@@ -202,23 +213,104 @@ def stage_deepspeed(dry: bool, device: str) -> dict:
     return {"rows": [{"seq_len": length, "step_s": seconds, "tokens_per_s": length / seconds}]}
 
 
-def run_stage(name: str, args: GpuCheckArguments, out: Path) -> dict:
-    """The stage `name` in this process (the child): its result dict."""
-    device = "cpu" if args.dry else "cuda"
-    if name in ("triton_tests", "kernels"):
-        raise ValueError(f"stage {name} runs as its own command, not with --stage")
-    return {"decode": stage_decode, "train": stage_train, "fsdp": stage_fsdp,
-            "deepspeed": stage_deepspeed}[name](args.dry, device)
+def stage_triton_tests(dry: bool) -> dict:
+    """The Triton test modules under pytest, kernels compiled (a dry run collects them only: the interpreter runs
+    them in the ordinary test suite). Failing tests fail the stage."""
+    import pytest
+
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *(["--co"] if dry else []),
+                        *(str(ROOT / module) for module in TRITON_TESTS)])
+    if code != 0:
+        raise SystemExit(int(code))
+    return {}
 
 
-def stage_command(name: str, args: GpuCheckArguments, argv: list[str], out: Path, result_json: Path) -> list[str]:
-    if name == "triton_tests":  # dry: collection only (the interpreter runs them in the ordinary test suite)
-        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(["--co"] if args.dry else []),
-                *TRITON_TESTS]
-    if name == "kernels":
-        return [sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--output_dir", str(out),
-                *(["--dry-run"] if args.dry else [])]
-    return [sys.executable, __file__, *argv, "--stage", name, "--output_dir", str(result_json)]
+def stage_kernels(dry: bool, out: Path, save: Callable[[dict], None]) -> dict:
+    """The kernel benchmark, its kernels.{md,json,png} in `out`; `save` keeps the rows measured so far."""
+    if dry:  # the interpreter, chosen before the kernels are defined (kernel_timing imports them)
+        os.environ["TRITON_INTERPRET"] = "1"
+    from kernel_timing import KernelBenchmarkArguments, benchmark, report
+
+    args = KernelBenchmarkArguments(dry_run=dry, output_dir=str(out))
+    rows = benchmark(args, on_row=lambda rows: save({"rows": rows}))
+    report(rows, args)
+    return {"rows": rows}
+
+
+def stage_process(name: str, dry: bool, out: str, log_path: str, result_path: str) -> None:
+    """The body of a stage's process: its output (Python's and the libraries') into `log_path`, its result as JSON
+    into `result_path`, rewritten whenever the stage saves a partial one."""
+    log = open(log_path, "a", buffering=1)  # this process's stdout and stderr until it ends
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+
+    def save(result: dict) -> None:
+        partial = Path(result_path + ".partial")
+        partial.write_text(json.dumps(result))
+        partial.replace(result_path)  # whole, even when the process is stopped while writing
+
+    device = "cpu" if dry else "cuda"
+    if name == "triton_tests":
+        result = stage_triton_tests(dry)
+    elif name == "kernels":
+        result = stage_kernels(dry, Path(out), save)
+    else:
+        result = {"decode": stage_decode, "train": stage_train, "fsdp": stage_fsdp,
+                  "deepspeed": stage_deepspeed}[name](dry, device)
+    save(result)
+
+
+def run_stage(name: str, dry: bool, out: Path, time_box: float, logs: Path) -> tuple[dict, str]:
+    """Run stage `name` in a spawned process for at most `time_box` seconds: its record (status "ok", "failed" or
+    "timed out", seconds, the stage's result, and the end of its output when not ok) and its whole output."""
+    log_path, result_path = logs / f"{name}.log", logs / f"{name}.json"
+    process = multiprocessing.get_context("spawn").Process(
+        target=stage_process, args=(name, dry, str(out), str(log_path), str(result_path)), name=f"stage-{name}")
+    start = time.perf_counter()
+    process.start()
+    process.join(time_box)
+    record = {"time_box_s": time_box}
+    if process.is_alive():
+        process.terminate()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        record["status"] = "timed out"
+    else:
+        record["status"] = "ok" if process.exitcode == 0 else "failed"
+        record["exit_code"] = process.exitcode
+    record["seconds"] = time.perf_counter() - start
+    if result_path.exists():  # the result, or what a stage stopped part-way saved
+        record.update(json.loads(result_path.read_text()))
+        failed_rows = sum("error" in row for row in record.get("rows", []))
+        if failed_rows:  # measurements that raised (recorded in their rows) while the stage went on
+            record["failed_rows"] = failed_rows
+    output = log_path.read_text(errors="replace") if log_path.exists() else ""
+    if name == "triton_tests":
+        record["summary"] = (output.strip().splitlines() or [""])[-1]
+    if record["status"] != "ok":
+        record["output_tail"] = output[-4000:]
+    return record, output
+
+
+def install_wheels(folder: str, site: Path) -> None:
+    """pip-install the wheels of `folder` into `site` (no index, no dependencies)."""
+    wheels = sorted(str(w) for w in Path(folder).glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", str(site), *wheels], check=True)
+
+
+def versions() -> dict:
+    """{distribution: version, or "not installed"} for the packages the stages use."""
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
 
 
 def main(argv: list[str]) -> int:
@@ -226,62 +318,58 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(args.stages) - set(STAGES))
     if unknown:
         raise SystemExit(f"unknown stages {unknown}; the stages are {list(STAGES)}")
-    if args.stage:  # a child: one stage, its result as JSON at --output_dir
-        Path(args.output_dir).write_text(json.dumps(run_stage(args.stage, args, Path(args.output_dir))))
-        return 0
+    if args.wheels and not list(Path(args.wheels).glob("*.whl")):
+        raise SystemExit(f"--wheels {args.wheels}: no .whl files there (make fla-wheels writes build/wheels)")
     if not args.dry and not torch.cuda.is_available():
         raise SystemExit("gpu_check.py needs a CUDA GPU (or --dry on CPU)")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    site = tempfile.mkdtemp(prefix="gpu_check_site_")
-    if args.wheels:
-        wheels = sorted(str(w) for w in Path(args.wheels).glob("*.whl"))
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--target", site, *wheels], check=True)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (site, str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry else "cpu (dry)",
-               "torch": torch.__version__, "stages": {}}
-    child_argv = [a for a in argv if a != "--stage"]
-    for name in args.stages:
-        time_box = DRY_TIME_BOX if args.dry else TIME_BOX[name]
-        result_json = out / f".{name}.json"
-        start = time.perf_counter()
-        print(f"== {name} (at most {time_box} s)", flush=True)
-        record = {"time_box_s": time_box}
-        try:
-            done = subprocess.run(stage_command(name, args, child_argv, out, result_json), env=env, cwd=ROOT,
-                                  timeout=time_box, capture_output=True, text=True)
-            record["returncode"] = done.returncode
-            record["status"] = "ok" if done.returncode == 0 else "failed"
-            output = done.stdout + done.stderr
-        except subprocess.TimeoutExpired as expired:
-            record["status"] = "timed out"
-            output = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(errors="replace")
-        record["seconds"] = time.perf_counter() - start
-        print(output[-3000:], flush=True)
-        if name == "triton_tests":
-            (out / "triton_tests.log").write_text(output)
-            record["summary"] = (output.strip().splitlines() or [""])[-1]
-        elif name == "kernels" and (out / "kernels.json").exists():
-            record["rows"] = json.loads((out / "kernels.json").read_text())["rows"]
-        elif result_json.exists():
-            record.update(json.loads(result_json.read_text()))
-            result_json.unlink()
-        if record["status"] != "ok":
-            record["output_tail"] = output[-4000:]
-        summary["stages"][name] = record
-        print(f"== {name}: {record['status']} in {record['seconds']:.0f} s", flush=True)
-        (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        site, logs = Path(tmp) / "site", Path(tmp) / "logs"
+        logs.mkdir()
+        if args.wheels:
+            install_wheels(args.wheels, site)
+        # What the spawned stages inherit: the wheels and the checkout on their path, kernels compiled.
+        paths = [str(site), str(ROOT)] if args.wheels else [str(ROOT)]
+        sys.path[:0] = paths
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+        os.environ.pop("TRITON_INTERPRET", None)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        summary = {"device": "cpu (dry)" if args.dry else torch.cuda.get_device_name(), "versions": versions(),
+                   "stages": {}}
+        print(f"{summary['device']}; " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), flush=True)
+        deadline = time.perf_counter() + args.budget_s
+        with open(out / "gpu_check.log", "w") as full_log:
+            for name in args.stages:
+                time_box = round(min(DRY_TIME_BOX if args.dry else TIME_BOX[name], deadline - time.perf_counter()), 1)
+                if time_box <= 0:
+                    record = {"status": "not run", "reason": f"--budget_s {args.budget_s} spent"}
+                    status = f"not run, {record['reason']}"
+                else:
+                    print(f"== {name} (at most {time_box:.0f} s)", flush=True)
+                    record, output = run_stage(name, args.dry, out, time_box, logs)
+                    status = f"{record['status']} in {record['seconds']:.0f} s"
+                    full_log.write(f"== {name}: {status}\n{output}\n")
+                    full_log.flush()
+                    print(output[-1500 if record["status"] == "ok" else -3000:], flush=True)
+                print(f"== {name}: {status}", flush=True)
+                summary["stages"][name] = record
+                (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out)
-    failed = [name for name, r in summary["stages"].items() if r["status"] != "ok"]
-    print(f"wrote {out}/gpu_check.json; stages not ok: {failed or 'none'}")
+    not_ok = {name: r["status"] for name, r in summary["stages"].items() if r["status"] != "ok"}
+    failed_rows = {name: r["failed_rows"] for name, r in summary["stages"].items() if "failed_rows" in r}
+    print(f"wrote {out}/gpu_check.json and gpu_check.log; stages not ok: {not_ok or 'none'}; "
+          f"rows that failed: {failed_rows or 'none'}")
     return 0
 
 
 def plot(summary: dict, out: Path) -> None:
-    """gpu_check.png: decode ms/token against context, and training tokens/s, linear vs Llama."""
+    """gpu_check.png: decode ms/token against context, and training tokens/s, linear vs Llama (when measured)."""
+    decode = summary["stages"].get("decode", {}).get("rows", [])
+    train = summary["stages"].get("train", {}).get("rows", [])
+    if not decode and not train:
+        print("(no decode or train rows: no gpu_check.png)")
+        return
     try:
         import matplotlib
 
@@ -291,16 +379,14 @@ def plot(summary: dict, out: Path) -> None:
         print("(no matplotlib: no gpu_check.png)")
         return
     fig, (ax_decode, ax_train) = plt.subplots(1, 2, figsize=(10, 4))
-    decode = summary["stages"].get("decode", {}).get("rows", [])
-    train = summary["stages"].get("train", {}).get("rows", [])
-    for kind in ("linear", "llama"):
-        mine = [r for r in decode if r["model"] == kind]
-        ax_decode.plot([r["context"] for r in mine], [r["ms_per_token"] for r in mine], "o-", label=kind)
-        mine = [r for r in train if r["model"] == kind]
-        ax_train.plot([r["seq_len"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=kind)
-    ax_decode.set(xscale="log", yscale="log", xlabel="context", ylabel="ms per decode token")
-    ax_train.set(xscale="log", xlabel="sequence length", ylabel="training tokens/s")
-    ax_decode.legend()
+    for ax, rows, x, y, scales in ((ax_decode, decode, "context", "ms_per_token", {"xscale": "log", "yscale": "log"}),
+                                   (ax_train, train, "seq_len", "tokens_per_s", {"xscale": "log"})):
+        for kind in ("linear", "llama"):
+            mine = [r for r in rows if r["model"] == kind]
+            ax.plot([r[x] for r in mine], [r[y] for r in mine], "o-", label=kind)
+        ax.set(xlabel=x, ylabel=y.replace("_", " "), **(scales if rows else {}))
+        if rows:
+            ax.legend()
     fig.suptitle(summary["device"])
     fig.tight_layout()
     fig.savefig(out / "gpu_check.png", dpi=120)

@@ -16,20 +16,20 @@ Target: ours / fla ≤ 1.0 on every shape and decay mode.
 
     python benchmarks/kernel_report.py                          # full report (several minutes)
     python benchmarks/kernel_report.py --fla_dir build/wheels   # fla's wheels (make fla-wheels) or packages
-    python benchmarks/kernel_report.py --dry                    # tiny shapes, a few kernels: seconds (CI)
+    python benchmarks/kernel_report.py --dry                    # tiny shapes, one kernel compiled (CI)
 
-Run it WITHOUT TRITON_INTERPRET (the traffic runs in a child process with it). Prints the tables and writes
+Run it WITHOUT TRITON_INTERPRET (the traffic is counted in a spawned process with it). Prints the tables and writes
 kernel_compile.{md,json} and kernel_traffic.{md,json} to --output_dir.
 """
 
 from __future__ import annotations
 
-import json
+import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,9 +54,8 @@ class KernelReportArguments:
     fla_dir: str = field(default="", metadata={
         "help": "A folder of fla's wheels (fla-core, flash-linear-attention; make fla-wheels) or of its unpacked "
                 "packages; empty: fla as installed, if it is."})
-    dry: bool = field(default=False, metadata={"help": "Tiny shapes and two kernels compiled: seconds, on CPU."})
+    dry: bool = field(default=False, metadata={"help": "Tiny shapes and one kernel config compiled (CI)."})
     output_dir: str = "outputs/kernel_report"
-    traffic_child: str = field(default="", metadata={"help": "Internal: write the traffic counts to this JSON."})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,8 +70,8 @@ def compile_rows(args: KernelReportArguments) -> list[dict]:
     dims = [(d, d) for d in args.compile_dims]
     seen = record_workload([torch.bfloat16], dims, [False] if args.dry else [False, True])
     specs = list(seen.values())
-    if args.dry:  # one specialization of each of two kernels
-        specs = list({spec.kernel.__name__: spec for spec in reversed(specs)}.values())[-2:]
+    if args.dry:  # the first specialization launched
+        specs = specs[:1]
     rows = []
     for spec in specs:
         for config in spec.configs[:1] if args.dry else spec.configs:
@@ -91,7 +90,7 @@ def compile_rows(args: KernelReportArguments) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Traffic: bytes per forward + backward (the child process, under TRITON_INTERPRET=1)
+# Traffic: bytes per forward + backward (in a spawned process, under TRITON_INTERPRET=1)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -140,20 +139,27 @@ def count_all(args: KernelReportArguments) -> dict:
     return {"fla_error": fla_error, "runs": runs}
 
 
-def run_traffic_child(args: KernelReportArguments, argv: list[str], out_json: Path) -> dict:
-    """count_all in a child process with TRITON_INTERPRET=1 (set before any kernel is defined) and fla's
-    packages (from --fla_dir's wheels, unpacked into a temporary folder) on its path."""
+def count_in_this_process(args: KernelReportArguments, fla_path: str) -> dict:
+    """count_all in a fresh process: the interpreter chosen before any kernel is defined, fla's packages first on
+    the path."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    if fla_path:
+        sys.path.insert(0, fla_path)
+    return count_all(args)
+
+
+def count_in_child(args: KernelReportArguments) -> dict:
+    """count_all in a spawned process (this one compiles real kernels), with fla's packages from --fla_dir (its
+    wheels unpacked into a temporary folder, or the folder itself) on its path."""
     with tempfile.TemporaryDirectory() as unpacked:
-        paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        fla_path = ""
         if args.fla_dir:
             wheels = sorted(Path(args.fla_dir).glob("*.whl"))
             for wheel in wheels:
                 zipfile.ZipFile(wheel).extractall(unpacked)
-            paths.insert(0, unpacked if wheels else args.fla_dir)
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
-        command = [sys.executable, __file__, *argv, "--traffic_child", str(out_json)]
-        subprocess.run(command, env=env, check=True)
-    return json.loads(out_json.read_text())
+            fla_path = unpacked if wheels else args.fla_dir
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(count_in_this_process, args, fla_path).result()
 
 
 def fit(runs: list[dict], phase: str) -> tuple[float, float, float]:
@@ -208,15 +214,11 @@ def main(argv: list[str]) -> int:
         args.shapes, args.fit_lengths, args.compile_dims = ["2x256x3x16"], [64, 128, 192], [16]
     if len(args.fit_lengths) != 3 or any(t % 64 for t in args.fit_lengths):
         raise SystemExit(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
-    if args.traffic_child:
-        Path(args.traffic_child).write_text(json.dumps(count_all(args)))
-        return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
 
     print("Traffic (interpreted forward + backward passes):", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        counts = run_traffic_child(args, argv, Path(tmp) / "traffic.json")
+    counts = count_in_child(args)
     if counts["fla_error"]:
         print(f"fla is not importable ({counts['fla_error']}): no fla columns (make fla-wheels, then --fla_dir)")
     rows = traffic_rows(counts, args)

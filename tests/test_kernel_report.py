@@ -5,6 +5,7 @@ import json
 import textwrap
 
 import pytest
+import torch
 from helpers import run_script
 
 from hf_linear_attn.ops_triton import HAS_TRITON
@@ -24,16 +25,29 @@ FAKE_FLA_OPS = textwrap.dedent(
         return linear_attention(q, k, v, g, scale=scale, backend="torch")
     '''
 )
+# The kernel benchmark's ops, one failing as an fla build that does not run on some GPU would: that row records the
+# error, and the benchmark goes on.
+FAKE_FLA_WITH_A_FAILING_OP = FAKE_FLA_OPS + textwrap.dedent(
+    '''
+    def chunk_linear_attn(q, k, v, scale=None, normalize=True):
+        raise RuntimeError("this fla has no chunk_linear_attn")
+    '''
+)
+
+
+def write_fake_fla(folder, ops: str):
+    """The package fla with `ops` as fla.ops, in `folder` (a path entry)."""
+    (folder / "fla").mkdir(parents=True)
+    (folder / "fla" / "__init__.py").write_text("")
+    (folder / "fla" / "ops.py").write_text(ops)
+    return folder
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the report compiles and interprets Triton kernels")
 def test_kernel_report_dry(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the report compiles; it interprets in a child
-    fla = tmp_path / "fla_packages" / "fla"
-    fla.mkdir(parents=True)
-    (fla / "__init__.py").write_text("")
-    (fla / "ops.py").write_text(FAKE_FLA_OPS)
-    result = run_script("kernel_report.py", "--dry", "--fla_dir", str(fla.parent), "--output_dir", str(tmp_path))
+    fla_dir = write_fake_fla(tmp_path / "fla_packages", FAKE_FLA_OPS)
+    result = run_script("kernel_report.py", "--dry", "--fla_dir", str(fla_dir), "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     traffic = json.loads((tmp_path / "kernel_traffic.json").read_text())
     assert traffic["fla_error"] is None
@@ -54,24 +68,51 @@ def test_kernel_report_dry(tmp_path, monkeypatch):
                     for decay in ("none", "vector")}
     assert kernel_bytes["vector"] > kernel_bytes["none"]
     compiled = json.loads((tmp_path / "kernel_compile.json").read_text())["all"]
-    assert len(compiled) == 2 and all("error" not in r for r in compiled)
+    assert len(compiled) == 1 and all("error" not in r for r in compiled)
     assert all(r["registers"] > 0 and r["shared_bytes"] >= 0 and r["spill_stores"] >= 0 for r in compiled)
     assert "kernel configs compiled for sm_90" in result.stdout and "| 2x256x3x16 | vector |" in result.stdout
 
 
-def test_gpu_check_dry_stages(tmp_path):
-    """The in-process stages run in time-boxed children; deepspeed is skipped with a line when not installed."""
-    result = run_script("gpu_check.py", "--dry", "--stages", "decode", "deepspeed", "--output_dir", str(tmp_path))
+def test_gpu_check_dry_stages(tmp_path, monkeypatch):
+    """Each stage runs in its own spawned process; the kernels stage writes the benchmark's report, a failing op's
+    row included; deepspeed is skipped with a line when not installed; every stage's output lands in gpu_check.log."""
+    monkeypatch.setenv("PYTHONPATH", str(write_fake_fla(tmp_path / "fla_packages", FAKE_FLA_WITH_A_FAILING_OP)))
+    result = run_script("gpu_check.py", "--dry", "--stages", "kernels", "decode", "deepspeed",
+                        "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert list(summary["stages"]) == ["decode", "deepspeed"]
+    assert summary["versions"]["torch"] == torch.__version__ and summary["versions"]["fla-core"] == "not installed"
+    assert list(summary["stages"]) == ["kernels", "decode", "deepspeed"]
     assert all(r["status"] == "ok" for r in summary["stages"].values()), summary
+    kernels = summary["stages"]["kernels"]["rows"]
+    assert json.loads((tmp_path / "kernels.json").read_text())["rows"] == kernels
+    failed = [r for r in kernels if "error" in r]
+    assert summary["stages"]["kernels"]["failed_rows"] == len(failed) == 2  # fla, no decay, at T = 32 and 70
+    assert all(r["method"] == "fla" and r["decay"] == "none" and "no chunk_linear_attn" in r["error"] for r in failed)
+    measured = [r for r in kernels if "error" not in r]
+    assert {r["method"] for r in measured} >= {"ours:torch", "fla", "sdpa"}
+    assert all(r["fwd_bwd_ms"] > 0 for r in measured)
+    ours = [r for r in measured if r["method"].startswith("ours")]
+    assert all(("fwd_bwd_vs_fla" in r) == (r["decay"] != "none") for r in ours)
     decode = summary["stages"]["decode"]["rows"]
     assert {(r["model"], r["context"]) for r in decode} == {(m, c) for m in ("linear", "llama") for c in (16, 64)}
     assert all(r["ms_per_token"] > 0 for r in decode)
     deepspeed = summary["stages"]["deepspeed"]
     assert "rows" in deepspeed or deepspeed["skipped"] == "deepspeed is not installed"
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "== kernels: ok" in log and "decode linear context     64" in log and "== deepspeed: ok" in log
     assert (tmp_path / "gpu_check.png").exists()
+
+
+def test_gpu_check_stops_a_late_stage_and_keeps_to_its_budget(tmp_path):
+    """A stage past its time box is stopped and recorded, and the check goes on: with a 1 s budget the first stage
+    (its process cannot even import torch in that time) times out and the next is not started."""
+    result = run_script("gpu_check.py", "--dry", "--stages", "decode", "train", "--budget_s", "1",
+                        "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    stages = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]
+    assert stages["decode"]["status"] == "timed out" and "rows" not in stages["decode"]
+    assert stages["train"] == {"status": "not run", "reason": "--budget_s 1.0 spent"}
 
 
 def test_gpu_check_rejects_unknown_stages(tmp_path):
