@@ -141,10 +141,13 @@ def count_all(args: KernelReportArguments) -> dict:
 
 def count_in_this_process(args: KernelReportArguments, fla_path: str) -> dict:
     """count_all in a fresh process: the interpreter chosen before any kernel is defined, fla's packages first on
-    the path."""
+    the path, and no input value checks (`ops_common.checks_values`), which a GPU run skips."""
     os.environ["TRITON_INTERPRET"] = "1"
     if fla_path:
         sys.path.insert(0, fla_path)
+    from hf_linear_attn import ops_common
+
+    ops_common.checks_values = lambda x: False  # as on a GPU: the value checks run on CPU tensors only
     return count_all(args)
 
 

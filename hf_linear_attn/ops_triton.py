@@ -101,6 +101,9 @@ if not HAS_TRITON:
 # The kernels' DECAY: no decay, one per head, one per key dim. Kernels may read only constexpr globals; host code
 # passes and compares their .value.
 DECAY_NONE, DECAY_SCALAR, DECAY_VECTOR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# Log decays below it (−inf, a reset, included) are raised to it when b is summed and get no gradient, as
+# log_decay.clamp(min=floor) would, see `log_decay_floor`.
+LOG_DECAY_FLOOR = tl.constexpr(log_decay_floor(torch.float32))
 
 
 def _configs() -> list:
@@ -251,9 +254,10 @@ def _sub_chunk_decay(b, SUB: tl.constexpr):
 @triton.jit
 def _chunk_cumsum_kernel(
     terms, sums, chunk_info, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-    REVERSE: tl.constexpr,
+    REVERSE: tl.constexpr, CLAMP: tl.constexpr,
 ):
-    """sums = cumulative sum of terms over the tokens of each chunk, from its start (or from its end if REVERSE).
+    """sums = cumulative sum of terms over the tokens of each chunk, from its start (or from its end if REVERSE),
+    each term first raised to LOG_DECAY_FLOOR if CLAMP.
 
     terms, sums: [tokens, H, D], sums fp32. Grid: (chunks, H).
     """
@@ -262,6 +266,8 @@ def _chunk_cumsum_kernel(
     rows = start + tl.arange(0, CHUNK)
     cols = tl.arange(0, BLOCK_D)
     tile = _load_tile(terms + h * D, rows, end, H * D, cols, D).to(tl.float32)
+    if CLAMP:
+        tile = tl.maximum(tile, LOG_DECAY_FLOOR)
     _store_tile(sums + h * D, tl.cumsum(tile, axis=0, reverse=REVERSE), rows, end, H * D, cols, D)
 
 
@@ -412,8 +418,8 @@ def _chunk_output_kernel(
                  prune_configs_by={"early_config_prune": _dqk_value_blocks})
 @triton.jit
 def _chunk_dqk_kernel(
-    q, k, v, do, b, states, dstates, dq, dk, dA, state_term, d_log_decay, chunk_info, scale, tokens, work_bucket,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
+    q, k, v, do, log_decay, b, states, dstates, dq, dk, dA, state_term, d_log_decay, chunk_info, scale, tokens,
+    work_bucket, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
     """dq = scale · dq̂ (dq̂: the gradient w.r.t. q̂ = scale·q) and dk of each chunk, for one block of K, looping
@@ -426,7 +432,8 @@ def _chunk_dqk_kernel(
     S_{j+1} = e^{b_last} ⊙ S_j + Σ_i (k_i ⊙ e^{b_last − b_i}) v_iᵀ makes it e^{b_last} ⊙ Σ_v S_j ⊙ dS_{j+1} +
     Σ_i k_i ⊙ (the state part of dk_i). Per-head decay: d_log_decay (fp32 [K / BLOCK_K, tokens, H], one partial
     sum per K block; in log_decay's dtype when one block covers K) receives Σ_{s ≥ t} Σ_k (q̂_s dq̂_s − k_s dk_s)
-    + the state term, summed over the block's k. Per-key-dim decay: the intra-chunk sums are left to
+    + the state term, summed over the block's k, and 0 where log_decay (its raw values, [tokens, H]) is below
+    LOG_DECAY_FLOOR. Per-key-dim decay: the intra-chunk sums are left to
     `_vector_grads_kernel`; dq, dk (fp32 [tokens, H, K]) receive the state parts only (dq̂, unscaled), dA (fp32
     [tokens, H, CHUNK], like `scores`) and the state term (fp32 [chunks, H, K]) are stored for it.
     Otherwise dq, dk are in q's and k's dtypes. work_bucket (unread) keys the autotuner: the program count rounded
@@ -476,6 +483,8 @@ def _chunk_dqk_kernel(
         if DECAY_GRAD:
             db = tl.sum(q_tile * dq_acc - k_tile.to(tl.float32) * dk_acc, axis=1)  # [CHUNK]: d/db_t, no state term
             d_log = tl.cumsum(db, axis=0, reverse=True) + tl.sum(term)
+            raw = tl.load(log_decay + rows.to(tl.int64) * H + h, mask=rows < end, other=0.0)
+            d_log = tl.where(raw.to(tl.float32) >= LOG_DECAY_FLOOR, d_log, 0.0)
             partial = d_log_decay + pid_k.to(tl.int64) * tokens * H
             tl.store(partial + rows.to(tl.int64) * H + h, d_log.to(d_log_decay.dtype.element_ty), mask=rows < end)
         _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
@@ -485,7 +494,7 @@ def _chunk_dqk_kernel(
 @triton.autotune(configs=_configs(), key=["K", "BLOCK_K", "DECAY_GRAD"])
 @triton.jit
 def _vector_grads_kernel(
-    q, k, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunk_info, scale,
+    q, k, log_decay, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
     DECAY_GRAD: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
@@ -498,8 +507,9 @@ def _vector_grads_kernel(
     Earlier keys, and later queries, in one dot each around the reference r = b at the first, and the last, row of
     sub-chunk m (both factors ≤ 1); pairs inside sub-chunk m with the explicit decay. If DECAY_GRAD, also
     d_log_decay_t = Σ_{s ≥ t} (q̂_s ⊙ dq̂_s − k_s ⊙ dk_s) + the chunk's state term, the sum over later sub-chunks
-    carried from one to the next. dq_state, dk_state: fp32 [tokens, H, K]; dA: fp32 [tokens, H, CHUNK];
-    state_term: fp32 [chunks, H, K]; dq, dk, d_log_decay: [tokens, H, K] in q's, k's and log_decay's dtypes.
+    carried from one to the next, and 0 where log_decay (raw, [tokens, H, K]) is below LOG_DECAY_FLOOR.
+    dq_state, dk_state: fp32 [tokens, H, K]; dA: fp32 [tokens, H, CHUNK]; state_term: fp32 [chunks, H, K]; dq, dk,
+    d_log_decay: [tokens, H, K] in q's, k's and log_decay's dtypes.
     Grid: (chunks, H, K / BLOCK_K).
     """
     tl.static_assert(CHUNK % SUB == 0)
@@ -543,8 +553,9 @@ def _vector_grads_kernel(
         _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
         if DECAY_GRAD:
             db = q_rows * dq_acc - k_rows * dk_acc  # [SUB, BLOCK_K]
-            _store_tile(d_log_decay + h * K, tl.cumsum(db, axis=0, reverse=True) + later[None, :], rows, end, H * K,
-                        kk, K)
+            d_log = tl.cumsum(db, axis=0, reverse=True) + later[None, :]
+            raw = _load_tile(log_decay + h * K, rows, end, H * K, kk, K).to(tl.float32)
+            _store_tile(d_log_decay + h * K, tl.where(raw >= LOG_DECAY_FLOOR, d_log, 0.0), rows, end, H * K, kk, K)
             later += tl.sum(db, axis=0)
 
 
@@ -606,13 +617,14 @@ def _packed_chunks(cu_seqlens: Tensor, device: torch.device) -> _Chunks:
     return chunks
 
 
-def _chunk_cumsum(terms: Tensor, chunks: _Chunks, reverse: bool) -> Tensor:
-    """fp32 cumulative sum of terms [.., H, D] over the tokens of each chunk (see `_chunk_cumsum_kernel`)."""
+def _chunk_cumsum(terms: Tensor, chunks: _Chunks, reverse: bool, clamp: bool = False) -> Tensor:
+    """fp32 cumulative sum of terms [.., H, D] over the tokens of each chunk, terms raised to LOG_DECAY_FLOOR first
+    if clamp (see `_chunk_cumsum_kernel`)."""
     heads, dim = terms.shape[-2:]
     sums = torch.empty(terms.shape, dtype=torch.float32, device=terms.device)
     _chunk_cumsum_kernel[(chunks.num_chunks, heads)](
         terms, sums, chunks.chunk_info, H=heads, D=dim, BLOCK_D=triton.next_power_of_2(dim), CHUNK=CHUNK_SIZE,
-        REVERSE=reverse,
+        REVERSE=reverse, CLAMP=clamp,
     )
     return sums
 
@@ -682,7 +694,7 @@ def _chunk_grads(
     dstates: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool, decay_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """dq, dk [.., H, K] in q's and k's dtypes and, if decay_grad, d log_decay in log_decay's shape and dtype
-    (see `_chunk_dqk_kernel` and `_vector_grads_kernel`)."""
+    (see `_chunk_dqk_kernel` and `_vector_grads_kernel`); log_decay: the raw values, b: their clamped prefix sums."""
     heads, key_dim, value_dim = k.shape[-2], k.shape[-1], v.shape[-1]
     tokens = k.numel() // (heads * key_dim)
     decay = _decay_mode(b)
@@ -704,7 +716,8 @@ def _chunk_grads(
     else:
         dq_state, dk_state, dA = dq, dk, unused
     _chunk_dqk_kernel[(chunks.num_chunks, heads, k_blocks)](
-        q, k, v, do, states if b is None else b, states, dstates, dq_state, dk_state, dA, state_term, d_log_decay,
+        q, k, v, do, states if log_decay is None else log_decay, states if b is None else b, states, dstates,
+        dq_state, dk_state, dA, state_term, d_log_decay,
         chunks.chunk_info, scale, tokens, triton.next_power_of_2(chunks.num_chunks * heads * k_blocks), H=heads,
         K=key_dim, V=value_dim, DECAY=decay, DECAY_GRAD=decay_grad, CHUNK=CHUNK_SIZE, BLOCK_K=block_k,
         BF16_DOT=bf16_dot,
@@ -712,8 +725,8 @@ def _chunk_grads(
     if decay == DECAY_VECTOR.value:
         block_k = _block(key_dim, 32)
         _vector_grads_kernel[(chunks.num_chunks, heads, triton.cdiv(key_dim, block_k))](
-            q, k, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunks.chunk_info, scale, H=heads,
-            K=key_dim, CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK, BLOCK_K=block_k, DECAY_GRAD=decay_grad,
+            q, k, log_decay, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunks.chunk_info, scale,
+            H=heads, K=key_dim, CHUNK=CHUNK_SIZE, SUB=VECTOR_SUB_CHUNK, BLOCK_K=block_k, DECAY_GRAD=decay_grad,
             BF16_DOT=bf16_dot,
         )
     elif decay_grad:
@@ -722,12 +735,14 @@ def _chunk_grads(
 
 
 class _ChunkedLinearAttention(torch.autograd.Function):
-    """Unnormalised chunked linear attention with carried states; states and b are recomputed in backward."""
+    """Unnormalised chunked linear attention with carried states. log_decay arrives raw (−inf allowed): the cumsum
+    kernel raises it to LOG_DECAY_FLOOR, the gradient kernels zero its gradient there. Backward reuses b and, for
+    a per-key-dim decay, the scores A of the forward pass, and recomputes the chunk states."""
 
     @staticmethod
     def forward(ctx, q, k, v, log_decay, initial_state, scale, chunks, out_dtype):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
-        b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
+        b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False, clamp=True)
         states, final_state = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0,
                                           bf16_dot=bf16_dot, states_dtype=_states_dtype(k.dtype))
         scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
@@ -735,22 +750,22 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             q, k, v, b, scores, states, chunks, transpose=False, row_scale=scale, col_scale=1.0, out_dtype=out_dtype,
             bf16_dot=bf16_dot,
         )
-        ctx.save_for_backward(q, k, v, log_decay, initial_state)
+        ctx.save_for_backward(q, k, v, log_decay, initial_state, b, scores)
         ctx.scale, ctx.chunks, ctx.bf16_dot = scale, chunks, bf16_dot
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to write and read
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, d_final_state):
-        q, k, v, log_decay, initial_state = ctx.saved_tensors
+        q, k, v, log_decay, initial_state, b, scores = ctx.saved_tensors
         scale, chunks, bf16_dot = ctx.scale, ctx.chunks, ctx.bf16_dot
-        do = do.contiguous()
-        b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
+        do = v.new_zeros(v.shape) if do is None else do.contiguous()
+        d_final_state = None if d_final_state is None else d_final_state.contiguous()
         states, _ = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot,
                                 states_dtype=_states_dtype(k.dtype))
         dstates, d_initial = _state_pass(
-            q, do, b, d_final_state.contiguous(), chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
+            q, do, b, d_final_state, chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
         )
-        scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
         dv = _chunk_output(
             k, q, do, b, scores, dstates, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=v.dtype,
             bf16_dot=bf16_dot,
@@ -1029,8 +1044,7 @@ def unsupported_inputs(tensors: dict[str, Tensor], window_head_dims: tuple[int, 
 def _linear(q, k, v, log_decay, initial_state, *, scale, chunks, out_dtype):
     """o [B, T, H, V] in out_dtype and the fp32 final states of the unnormalised linear attention."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    # Kernels take decays as differences of prefix sums: −inf (a reset) would give nan, see `log_decay_floor`.
-    log_decay = None if log_decay is None else log_decay.clamp(min=log_decay_floor(torch.float32)).contiguous()
+    log_decay = None if log_decay is None else log_decay.contiguous()  # raised to the floor in the kernels
     initial_state = None if initial_state is None else initial_state.contiguous()
     return _ChunkedLinearAttention.apply(q, k, v, log_decay, initial_state, scale, chunks, out_dtype)
 
