@@ -173,6 +173,39 @@ def test_bfloat16_inputs_store_bfloat16_chunk_states(launches, decay):
     assert reverse and all(p["states"].dtype == torch.float32 for p in reverse)
 
 
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_backward_reuses_the_forward_decay_sums_and_scores(launches, decay):
+    """log_decay (resets included) reaches the kernels raw: the forward cumulative sum raises it to the floor, and
+    backward reuses that sum and, for a per-key-dim decay, the scores, with no torch op on log_decay in between."""
+    inputs = make_inputs(decay, False, 2 * C + 5, 16, 8, with_state=True)
+    inputs["log_decay"] = with_resets(inputs["log_decay"])
+    compare_with_oracle(linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW,
+                        tol=max(1e-4, TOLERANCE[torch.float32]))
+    names = [name for name, _ in launches]
+    sums = [kwargs for name, kwargs in launches if name == "_chunk_cumsum_kernel"]
+    assert len(sums) == 1 and sums[0]["CLAMP"] and sums[0]["terms"].isneginf().any()
+    assert names.count("_vector_scores_kernel") == (decay == "vector")
+
+
+@pytest.mark.parametrize("used", ["output", "final_state"])
+@pytest.mark.parametrize("decay", [None, "vector"])
+def test_gradient_of_one_output_only(decay, used):
+    """A loss on the output alone, or on the final state alone: the unused one's gradient stays None in backward
+    (no zeros materialised), and the gradients match the oracle's."""
+    inputs = make_inputs(decay, False, C + 9, 16, 8, with_state=True)
+    results = {}
+    for backend in ("recurrent", "triton"):
+        tensors = {name: None if x is None else x.detach().float().to("cpu" if backend == "recurrent" else DEVICE)
+                   .requires_grad_() for name, x in inputs.items()}
+        o, state = linear_attention(**tensors, output_final_state=True, backend=backend)
+        loss = (o.square().sum() if used == "output" else state.square().sum())
+        leaves = [x for x in tensors.values() if x is not None]
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # q: none from the final state
+        results[backend] = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
+    assert_all_close([g.double().cpu() for g in results["triton"]], [g.double() for g in results["recurrent"]],
+                     max(1e-4, TOLERANCE[torch.float32]))
+
+
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
