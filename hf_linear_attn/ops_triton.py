@@ -115,6 +115,15 @@ def _configs() -> list:
     return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
 
 
+def _spill_free(configs: list, named_args: dict, **kwargs) -> list:
+    """The configs the autotuner may pick for the state pass, output and per-key-dim decay kernels: at head dims ≥ 64
+    only 8 warps and 2 stages (an sm_90 compile of the others spills registers at K = V = 64 and 128, up to 2 KB with
+    4 warps and 3 stages); all of them below, and under the interpreter."""
+    if INTERPRET or max(kwargs["K"], kwargs.get("V", 0)) < 64:
+        return configs
+    return [c for c in configs if (c.num_warps, c.num_stages) == (8, 2)]
+
+
 def _dqk_configs() -> list:
     """Launch configurations of `_chunk_dqk_kernel`: 8 warps and a BLOCK_V for V, see `_dqk_value_blocks` (an sm_90
     compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, and with 128-wide K blocks). One under the
@@ -271,7 +280,8 @@ def _chunk_cumsum_kernel(
     _store_tile(sums + h * D, tl.cumsum(tile, axis=0, reverse=REVERSE), rows, end, H * D, cols, D)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE", "HAS_INIT", "work_bucket"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "REVERSE", "HAS_INIT", "work_bucket"],
+                 prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _state_pass_kernel(
     outer_k, outer_v, b, init, states, last, seq_info, outer_k_scale, work_bucket,
@@ -321,7 +331,7 @@ def _state_pass_kernel(
     _store_tile(_state_base(last, tl.program_id(2) // H, h, H, K, V), state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "BLOCK_K"])
+@triton.autotune(configs=_configs(), key=["K", "BLOCK_K"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _vector_scores_kernel(
     q, k, b, scores, chunk_info, scale,
@@ -364,7 +374,8 @@ def _vector_scores_kernel(
     _store_tile(base, diagonal, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "TRANSPOSE"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "TRANSPOSE"],
+                 prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _chunk_output_kernel(
     row_k, col_k, col_v, b, scores, states, out, chunk_info, row_scale, col_scale,
@@ -491,7 +502,8 @@ def _chunk_dqk_kernel(
     _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
 
 
-@triton.autotune(configs=_configs(), key=["K", "BLOCK_K", "DECAY_GRAD"])
+@triton.autotune(configs=_configs(), key=["K", "BLOCK_K", "DECAY_GRAD"],
+                 prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _vector_grads_kernel(
     q, k, log_decay, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunk_info, scale,
