@@ -95,3 +95,10 @@ def test_the_demo_checks_the_long_texts_before_any_work(tmp_path, monkeypatch, c
     assert exit_info.value.code == 2
     assert "long_context prepare" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(CONFIGS.glob("demo*.yaml")), ids=lambda p: p.name)
+def test_demo_recipes_parse_into_valid_attention_options(recipe):
+    parsed = parse_recipe_args(DemoArguments, ["--config", str(recipe)])
+    AttentionOptions(**attention_options(parsed))  # the recipe's options are valid together
+    assert not parsed.memory_sizes or parsed.window_size > 0
