@@ -12,8 +12,12 @@ from pathlib import Path
 
 from training.report import machine, write_report
 
-__all__ = ["added_peak_mib", "machine", "measure", "reset_peak_rss", "return_freed_memory_to_the_os", "rss_kib",
-           "write_report"]
+__all__ = ["KERNEL_DECAYS", "KERNEL_SHAPES", "added_peak_mib", "machine", "measure", "reset_peak_rss",
+           "return_freed_memory_to_the_os", "rss_kib", "write_report"]
+
+# The kernel benchmark's and kernel report's problems: B x T x H x D shapes, and the decay modes of linear_attention.
+KERNEL_SHAPES = ["1x8192x96x128", "2x16384x16x128", "4x2048x16x128", "8x1024x8x64"]
+KERNEL_DECAYS = ("none", "scalar", "vector")
 
 
 def return_freed_memory_to_the_os() -> None:

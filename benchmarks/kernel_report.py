@@ -35,18 +35,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import KERNEL_DECAYS as DECAYS
+from common import KERNEL_SHAPES as SHAPES
 from common import write_report
 from transformers import HfArgumentParser
 
-DECAYS = ("none", "scalar", "vector")
 FLA_OPS = {"none": "chunk_simple_gla", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}
 
 
 @dataclass
 class KernelReportArguments:
     shapes: list[str] = field(
-        default_factory=lambda: ["1x8192x96x128", "2x16384x16x128", "4x2048x16x128", "8x1024x8x64"],
-        metadata={"help": "BxTxHxD shapes of the traffic table."})
+        default_factory=lambda: list(SHAPES), metadata={"help": "BxTxHxD shapes of the traffic table."})
     fit_lengths: list[int] = field(default_factory=lambda: [128, 256, 512], metadata={
         "help": "Three T (multiples of 64) of the (1, T, 1, D) runs: the first two fit the byte counts, the third "
                 "checks the fit."})

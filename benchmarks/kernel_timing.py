@@ -25,21 +25,21 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from common import KERNEL_DECAYS as DECAYS
+from common import KERNEL_SHAPES as SHAPES
 from common import machine, write_report
 
 from hf_linear_attn.ops import linear_attention
 from hf_linear_attn.ops_triton import HAS_TRITON
 
 CHUNK = 64  # chunk size of the FLOP count (ours and fla both use 64)
-DECAYS = ("none", "scalar", "vector")
 FLA_OPS = {"none": "chunk_linear_attn", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}
 
 
 @dataclass
 class KernelBenchmarkArguments:
     shapes: list[str] = field(
-        default_factory=lambda: ["1x8192x96x128", "2x16384x16x128", "4x2048x16x128", "8x1024x8x64"],
-        metadata={"help": "BxTxHxD shapes."},
+        default_factory=lambda: list(SHAPES), metadata={"help": "BxTxHxD shapes."},
     )
     sweep_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536],
                                      metadata={"help": "T of the sweep at (1, T, --sweep_heads, --sweep_dim)."})
