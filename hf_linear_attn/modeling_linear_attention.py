@@ -355,6 +355,20 @@ class LinearAttention(AttentionProjections):
         sizes = [q.shape[2] * self.head_dim, k.shape[2] * self.head_dim, v.shape[2] * self.head_dim]
         return tuple(part.reshape(b, t, -1, self.head_dim) for part in y.split(sizes, dim=-1))
 
+    def delta_rule_inputs(
+        self, hidden_states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, new_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the delta rule reads of a layer's input: q̂, k̂ [B, T, H, K] (φ after RoPE, then L2-normalised:
+        the op needs unit keys, and unit queries keep the read-out bounded), β [B, T, H] fp32, and log a
+        [B, T, H] or None, 0 at pad steps (a pad decays nothing)."""
+        q_hat = l2_normalize(self.feature_map_q(q))
+        k_hat = l2_normalize(self.feature_map_k(self.repeat_kv(k)))
+        beta = torch.sigmoid(self.beta_proj(hidden_states).float())
+        log_decay = self.log_decay(hidden_states)
+        if log_decay is not None and new_mask is not None:
+            log_decay = log_decay * new_mask[:, :, None].to(log_decay.dtype)
+        return q_hat, k_hat, beta, log_decay
+
     def delta_forward(
         self,
         hidden_states: torch.Tensor,
@@ -367,20 +381,13 @@ class LinearAttention(AttentionProjections):
     ) -> torch.Tensor:
         """The delta rule from the cached state (or per packed document): o [B, T, H, V].
 
-        φ is applied to q and k (after RoPE, as in `linear_forward`), then both are L2-normalised: the op needs
-        unit keys, and unit queries keep the read-out bounded. Pads set β = 0 and log a = 0, so a pad step is
+        q̂, k̂, β and log a come from `delta_rule_inputs`. Pads set β = 0 and log a = 0, so a pad step is
         S ← 1 · (I − 0) S + 0 = S: the state is exactly unchanged.
         """
-        q = l2_normalize(self.feature_map_q(q))  # [B, T, H, K]
-        k = l2_normalize(self.feature_map_k(self.repeat_kv(k)))  # [B, T, H, K]
+        q, k, beta, log_decay = self.delta_rule_inputs(hidden_states, q, k, new_mask)
         v = self.repeat_kv(v)
-        beta = torch.sigmoid(self.beta_proj(hidden_states).float())  # [B, T, H]
-        log_decay = self.log_decay(hidden_states)  # None or [B, T, H]
         if new_mask is not None:
-            keep = new_mask[:, :, None].to(beta.dtype)
-            beta = beta * keep
-            if log_decay is not None:
-                log_decay = log_decay * keep
+            beta = beta * new_mask[:, :, None].to(beta.dtype)
         return self.recurrent_op(delta_rule_attention, q, k, v, beta, log_decay, scale=self.key_dim**-0.5,
                                  cache_layer=cache_layer, cu_seqlens=cu_seqlens)
 
@@ -411,14 +418,9 @@ class LinearAttention(AttentionProjections):
                               for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
-        q_hat = l2_normalize(self.feature_map_q(q))  # [B, T, H, K]
-        k_hat = l2_normalize(self.feature_map_k(self.repeat_kv(k)))  # [B, T, H, K]
-        beta = torch.sigmoid(self.beta_proj(hidden_states).float())  # [B, T, H]
-        log_decay = self.log_decay(hidden_states)  # None or [B, T, H]
+        q_hat, k_hat, beta, log_decay = self.delta_rule_inputs(hidden_states, q, k, new_mask)
         masked = new_mask is not None  # else no mask reaches the softmax op ("auto" may then pick Triton)
         real = new_mask if masked else torch.ones(b, t, dtype=torch.bool, device=q.device)
-        if log_decay is not None and masked:
-            log_decay = log_decay * real[..., None]  # a pad step decays nothing
         mask, ring = real, 0  # over every key: [retained sinks and window,] new tokens; the window positions held
         if cache_layer is not None and cache_layer.state is not None:
             retained_k, retained_v, retained_k_hat, retained_mask = cache_layer.retained_window(window)
