@@ -129,10 +129,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [B, T, H, D] with cos/sin [B, T, D] (Llama's half-split convention)."""
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [B, T, H, D] and k [B, T, H_kv, D] with cos/sin [B, T, D] (Llama's half-split convention)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + rotate_half(x) * sin
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 class LinearAttentionMLP(nn.Module):
@@ -187,7 +189,7 @@ class AttentionProjections(nn.Module):
         """q, k, v as the softmax teacher computes them: `project_unrotated`, then RoPE on q and k."""
         q, k, v = self.project_unrotated(x)
         cos, sin = position_embeddings
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return *apply_rotary(q, k, cos, sin), v
 
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
         """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head
@@ -216,6 +218,11 @@ def causal_conv1d(
     return y, inputs[:, inputs.shape[1] - (width - 1) :]
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, without dispatching a cast when it already is (a decode step's ops are counted)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / ‖x‖ over the last dimension, computed in fp32 (a zero vector stays zero)."""
     return F.normalize(x.float(), dim=-1, eps=eps).to(x.dtype)
@@ -237,6 +244,11 @@ class LinearAttention(AttentionProjections):
         self.feature_map_q = build_feature_map(config.feature_map, heads, config.head_dim, config.feature_dim)
         self.feature_map_k = build_feature_map(config.feature_map, heads, config.head_dim, config.feature_dim)
         self.key_dim = self.feature_map_q.output_dim  # K: key side of the state
+        # What the layer's weights were built for, read once (transformers' config attribute access costs about a
+        # microsecond, which a one-token decode step would pay a dozen times per layer). The backend and the sparse
+        # memory size stay read from the config: a loaded model may switch them.
+        self.update_rule, self.decay = config.update_rule, config.decay
+        self.window_size, self.num_sink_tokens = config.window_size, config.num_sink_tokens
         if config.decay == "scalar":
             self.decay_proj = nn.Linear(h, heads, bias=True)
         elif config.decay == "vector":
@@ -263,16 +275,16 @@ class LinearAttention(AttentionProjections):
         """log a_t ≤ 0: None, [B, T, H] (fixed, scalar) or [B, T, H, K] (vector), in fp32."""
         b, t, _ = x.shape
         heads = self.num_heads
-        if self.config.decay == "none":
+        if self.decay == "none":
             return None
-        if self.config.decay == "fixed":
+        if self.decay == "fixed":
             # γ_h = 1 - 2^(-E-h), a constant per head (computed, not stored: nothing to load); E as documented above.
-            first = HYBRID_DECAY_EXPONENT if self.config.window_size > 0 else RETNET_DECAY_EXPONENT
+            first = HYBRID_DECAY_EXPONENT if self.window_size > 0 else RETNET_DECAY_EXPONENT
             exponents = -first - torch.arange(heads, device=x.device, dtype=torch.float32)
             return torch.log1p(-torch.exp2(exponents)).expand(b, t, heads)
         gate = self.decay_proj(x).float()
         log_a = F.logsigmoid(gate) / GATE_LOGIT_NORMALIZER
-        if self.config.decay == "vector":
+        if self.decay == "vector":
             return log_a.view(b, t, heads, self.key_dim)
         return log_a
 
@@ -296,19 +308,19 @@ class LinearAttention(AttentionProjections):
         if hasattr(self, "qkv_conv"):
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
         cos, sin = position_embeddings
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.config.update_rule == "delta" and self.config.window_size > 0:  # (norm and gate: on its state part)
+        q, k = apply_rotary(q, k, cos, sin)
+        if self.update_rule == "delta" and self.window_size > 0:  # (norm and gate: on its state part)
             o = self.delta_window_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
             return self.o_proj(o.reshape(b, t, -1))
-        if self.config.window_size > 0 and cu_seqlens is not None:  # one document at a time
+        if self.window_size > 0 and cu_seqlens is not None:  # one document at a time
             bounds = cu_seqlens.tolist()
             log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
             o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j],
                                                None if log_decay is None else log_decay[:, i:j], None, None)
                            for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
-        elif self.config.window_size > 0:
+        elif self.window_size > 0:
             o = self.window_forward(q, k, v, self.log_decay(hidden_states), new_mask, cache_layer)
-        elif self.config.update_rule == "delta":
+        elif self.update_rule == "delta":
             o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         else:
             o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
@@ -534,18 +546,17 @@ class LinearAttention(AttentionProjections):
         slots per KV head carry on.
         """
         b, t = q.shape[:2]
-        window, sinks = self.config.window_size, self.config.num_sink_tokens
+        window, sinks = self.window_size, self.num_sink_tokens
         sparse = self.config.sparse_cache_size > 0
         ring = window + MEMORY_BLOCK_SIZE if sparse else window  # the raw positions a cache keeps
         masked = new_mask is not None  # else no mask reaches the op: "auto" then may pick the Triton kernels
-        if new_mask is None:
-            new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
-        elif log_decay is not None:
+        if masked and log_decay is not None:
             log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
         q_feat, k_feat = self.feature_map_q(q), self.key_features(k)  # [B, T, H, F]
         if self._decode_step(q, cache_layer, None):
-            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask if masked else None,
-                                           cache_layer)
+            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask, cache_layer, sparse)
+        if not masked:
+            new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         state = None
         if cache_layer is not None and cache_layer.state is not None:
             # The retained tokens run in front of the new ones; their features were computed when they came in.
@@ -601,6 +612,7 @@ class LinearAttention(AttentionProjections):
         log_decay: torch.Tensor | None,
         real: torch.Tensor | None,
         cache_layer: LinearStateLayer,
+        sparse: bool,
     ) -> torch.Tensor:
         """One token of the window hybrid from the cache, fixed-shape and in place: o [B, 1, H, V].
 
@@ -612,23 +624,26 @@ class LinearAttention(AttentionProjections):
         repeat) and one read-out of the state share the normaliser. The same sums as `window_attention` over the
         retained keys and the new one (its "recurrent" form is the twin the tests hold this against).
 
-        With a sparse memory (m > 0) the ring holds window_size + R positions (R = MEMORY_BLOCK_SIZE); the softmax
-        row covers the sinks, the ring slots from the block start's window on and the m memory slots, the linear
-        part reads the state; and at a block end (without a Python branch: computed at every step, kept where the
-        step ends a block) the memory and the R tokens that left during the block are re-scored (`block_end`).
+        With a sparse memory (`sparse`: m > 0) the ring holds window_size + R positions (R = MEMORY_BLOCK_SIZE); the
+        softmax row covers the sinks, the ring slots from the block start's window on and the m memory slots, the
+        linear part reads the state; and at a block end (without a Python branch: computed at every step, kept
+        where the step ends a block) the memory and the R tokens that left during the block are re-scored
+        (`block_end`).
+
+        Every op here runs once per layer and token, so the step spends no op on what it can skip: no cast of a
+        tensor already in the state's dtype (`_cast`), the numerator's sum and add in one `baddbmm`.
         """
         b, _, heads, head_dim = q.shape
-        kv_heads = self.num_kv_heads
+        kv_heads, value_dim = self.num_kv_heads, v.shape[-1]
         state = cache_layer.state  # [B, H, F, V + 1], fp32
         dtype = state.dtype
-        sinks, window = self.config.num_sink_tokens, self.config.window_size
-        sparse = self.config.sparse_cache_size > 0
+        sinks, window = self.num_sink_tokens, self.window_size
         ring = window + MEMORY_BLOCK_SIZE if sparse else window
         position = cache_layer.seen  # 0-d: this token's position
         leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
             k, v, k_feat, real, ring, sinks, log_decay if sparse else None)
         if log_decay is not None:
-            state.mul_(log_decay[:, 0].to(dtype).exp().view(b, heads, -1, 1))
+            state.mul_(_cast(log_decay[:, 0], dtype).exp().view(b, heads, -1, 1))
         mask = cache_layer.window_mask
         if sparse:  # nothing leaves into the state until the block ends; the ring masks what left before it
             if cache_layer.memory_log_decay is not None:
@@ -638,37 +653,36 @@ class LinearAttention(AttentionProjections):
             current = slot_positions >= position - position % MEMORY_BLOCK_SIZE - window
             mask = torch.cat([mask[:, :sinks], mask[:, sinks:] & current], dim=1)
         else:  # S += φ(k) [v, 1]ᵀ, the query heads of a KV head [B, H_kv, G, F, V + 1] sharing its v: no repeat
-            fold_k = leaving_feat.to(dtype) * leaving_real.view(b, 1, 1, 1)  # [B, 1, H, F]
-            fold_v = F.pad(leaving_v.to(dtype), (0, 1), value=1.0)  # [B, 1, H_kv, V + 1]
-            state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(
-                fold_k.view(b, kv_heads, -1, state.shape[2], 1), fold_v.view(b, kv_heads, 1, 1, -1))
+            fold_k = _cast(leaving_feat, dtype).view(b, kv_heads, -1, state.shape[2], 1)
+            fold_k = fold_k * leaving_real.view(b, 1, 1, 1, 1)  # [B, H_kv, G, F, 1]: 0 unless it folds
+            fold_v = F.pad(_cast(leaving_v, dtype), (0, 1), value=1.0).view(b, kv_heads, 1, 1, -1)  # [.., V + 1]
+            state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(fold_k, fold_v)
         # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R] (and the memory's [B, H_kv, D, m]).
         keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
         mask = mask.view(b, 1, 1, -1)
-        linear = q_feat.view(b, heads, 1, -1).to(dtype) @ state  # [B, H, 1, V + 1]
+        linear = _cast(q_feat, dtype).view(b, heads, 1, -1) @ state  # [B, H, 1, V + 1]
         if sparse:
             keys = torch.cat([keys, cache_layer.memory_keys.transpose(-1, -2)], dim=-1)
             values = torch.cat([values, cache_layer.memory_values], dim=-2)
             mask = torch.cat([mask.expand(-1, kv_heads, -1, -1), cache_layer.memory_mask[:, :, None]], dim=-1)
-        query = q.view(b, kv_heads, heads // kv_heads, head_dim).to(dtype)
-        scores = query @ keys.to(dtype) * self.head_dim**-0.5
-        scores = torch.where(mask, scores, -torch.inf)
+        query = _cast(q, dtype).view(b, kv_heads, heads // kv_heads, head_dim)
+        scores = torch.where(mask, query @ _cast(keys, dtype) * self.head_dim**-0.5, -torch.inf)
         top = scores.amax(-1, keepdim=True)
         if real is not None:
             top = top.clamp(min=torch.finfo(dtype).min)  # a pad's empty window: no nan
-        gamma = torch.sigmoid(self.window_gate.to(dtype)).view(kv_heads, -1, 1)
-        weights = (scores - top).exp() * gamma  # [B, H_kv, G, R (+ m)]
-        numerator = weights @ values.to(dtype)  # [B, H_kv, G, V]
-        denominator = weights.sum(-1, keepdim=True)
-        linear_numerator, linear_denominator = linear.view(b, kv_heads, -1, v.shape[-1] + 1).split(v.shape[-1], -1)
-        o = (numerator + linear_numerator) / (denominator + linear_denominator)
-        o = o.reshape(b, 1, heads, -1)
+        gamma = torch.sigmoid(_cast(self.window_gate, dtype)).view(kv_heads, -1, 1)
+        weights = (scores - top).exp_().mul_(gamma)  # [B, H_kv, G, R (+ m)]
+        linear = linear.view(b * kv_heads, -1, value_dim + 1)
+        numerator = torch.baddbmm(linear[..., :value_dim], weights.view(b * kv_heads, *weights.shape[2:]),
+                                  _cast(values, dtype).reshape(b * kv_heads, *values.shape[2:]))  # [B·H_kv, G, V]
+        denominator = linear[..., value_dim:] + weights.sum(-1).view(b * kv_heads, -1, 1)
+        o = (numerator / denominator).view(b, 1, heads, value_dim)
         if real is not None:
             o = o.masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
         if sparse:
             self.memory_block_end(cache_layer, position, ring)
         cache_layer.advance(1, q.device)
-        return o.to(v.dtype)
+        return _cast(o, v.dtype)
 
     def memory_block_end(self, cache_layer: LinearStateLayer, position: torch.Tensor, ring: int) -> None:
         """After the query at `position` (0-d): if it ends a block, re-score the memory and the R ring tokens that
@@ -676,7 +690,7 @@ class LinearAttention(AttentionProjections):
         and fold the rest into the state, in place. Eager, it returns at once between block ends (one read of
         the position); traced (compile, export), it is computed at every step and kept only at a block end, so
         that the step has no branch on a tensor's value."""
-        sinks, window, block = self.config.num_sink_tokens, self.config.window_size, MEMORY_BLOCK_SIZE
+        sinks, window, block = self.num_sink_tokens, self.window_size, MEMORY_BLOCK_SIZE
         ends = (position + 1) % block == 0
         if not _tracing() and not bool(ends):
             return
