@@ -169,6 +169,8 @@ class AttentionProjections(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_out_bias)
+        # Optional submodules are None when absent (a failed attribute lookup on a module costs microseconds).
+        self.q_norm = self.k_norm = None
         if config.use_qk_norm:
             self.q_norm = LinearAttentionRMSNorm(d, eps=config.rms_norm_eps)
             self.k_norm = LinearAttentionRMSNorm(d, eps=config.rms_norm_eps)
@@ -179,7 +181,7 @@ class AttentionProjections(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -260,6 +262,7 @@ class LinearAttention(AttentionProjections):
             # Per head, what mixes the window's softmax with the state part: γ_h = sigmoid(window_gate[h]) weighs the
             # softmax part against the linear part (additive); λ_h = window_gate[h] weighs the delta part (delta rule).
             self.window_gate = nn.Parameter(torch.zeros(heads))
+        self.o_norm = self.qkv_conv = self.g_proj = None
         if config.output_norm:
             self.o_norm = LinearAttentionRMSNorm(config.head_dim, eps=config.rms_norm_eps)
         if config.update_rule == "delta":
@@ -305,7 +308,7 @@ class LinearAttention(AttentionProjections):
         b, t, _ = hidden_states.shape
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
         q, k, v = self.project_unrotated(hidden_states)  # [B, T, H, D], [B, T, H_kv, D] x 2
-        if hasattr(self, "qkv_conv"):
+        if self.qkv_conv is not None:
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)
@@ -329,9 +332,9 @@ class LinearAttention(AttentionProjections):
     def normed_and_gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] after the optional output norm and output gate (Gated DeltaNet's RMSNorm(o) · silu(x W_g),
         per channel); hidden_states [B, T, hidden] are the layer's inputs."""
-        if hasattr(self, "o_norm"):
+        if self.o_norm is not None:
             o = self.o_norm(o)
-        if hasattr(self, "g_proj"):
+        if self.g_proj is not None:
             o = o * F.silu(self.g_proj(hidden_states)).view_as(o)
         return o
 
@@ -886,7 +889,7 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
                 gate = module.decay_proj[-1] if isinstance(module.decay_proj, nn.Sequential) else module.decay_proj
                 init.zeros_(gate.weight)
                 init.constant_(gate.bias, hybrid_decay_gate_bias(self.config.decay_horizon))
-        if isinstance(module, LinearAttention) and hasattr(module, "qkv_conv"):
+        if isinstance(module, LinearAttention) and module.qkv_conv is not None:
             # The short convolution starts near the identity (last tap 1, the others N(0, initializer_range)):
             # each token first sees its own q/k/v. Conversion sets the exact identity (`conversion.py`).
             weight = module.qkv_conv.weight
