@@ -119,8 +119,8 @@ def record_decode_steps(dtype: torch.dtype, key_dim: int, value_dim: int, normal
     batch, heads, slots = 2, 2, 10
     q = torch.randn(batch, 1, heads, key_dim, dtype=dtype)
     v = torch.randn(batch, 1, heads, value_dim, dtype=dtype)
-    keys, values = torch.randn(batch, slots, heads, key_dim, dtype=dtype), torch.randn(batch, slots, heads, value_dim,
-                                                                                          dtype=dtype)
+    keys = torch.randn(batch, slots, heads, key_dim, dtype=dtype)
+    values = torch.randn(batch, slots, heads, value_dim, dtype=dtype)
     mask = torch.ones(batch, slots, dtype=torch.bool)
     for decay in (None, (batch, 1, heads), (batch, 1, heads, key_dim)):
         log_decay = None if decay is None else -torch.rand(decay)

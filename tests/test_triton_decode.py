@@ -10,11 +10,11 @@ may then differ by one unit in the last place of that dtype.
 
 import pytest
 import torch
-from helpers import assert_close_in_float64, tiny_config, triton_test_device
+from helpers import assert_close_in_float64, assert_runs_without_triton, tiny_config, triton_test_device
 
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from hf_linear_attn.modeling_linear_attention import LinearAttention, linear_decode_step
-from hf_linear_attn.ops_triton_decode import triton_linear_decode_step, triton_window_decode_step
+from hf_linear_attn.ops_triton_decode import triton_linear_decode_step, triton_window_decode_step, use_decode_kernels
 
 DEVICE = triton_test_device()
 
@@ -284,3 +284,30 @@ def test_window_step_errors():
         step(state=buffers["state"].transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(ValueError, match="window head dims up to 256"):
         step(window_keys=torch.randn(2, 5, 2, 300, device=DEVICE), q=torch.randn(2, 1, 4, 300, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backend selection
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_auto_uses_the_kernels_on_cuda_only():
+    """Backend "auto" runs a decode step on the kernels for CUDA tensors alone: on CPU it stays on torch."""
+    x = torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16)
+    assert not use_decode_kernels(x, torch.zeros(1, 2, 4, 5))
+    if torch.cuda.is_available():
+        assert use_decode_kernels(x.cuda(), torch.zeros(1, 2, 4, 5, device="cuda"))
+        assert not use_decode_kernels(x.double().cuda())
+
+
+def test_module_imports_without_triton():
+    """Remote code loads where triton is missing: the decode kernels are then never picked, and a direct call says
+    why."""
+    code = """
+        import torch
+        from hf_linear_attn import ops_triton_decode
+        q = torch.randn(1, 1, 2, 4)
+        assert not ops_triton_decode.use_decode_kernels(q)
+        """
+    assert_runs_without_triton(code, "ops_triton_decode.triton_linear_decode_step(q, q, q, None, "
+                                     "torch.zeros(1, 2, 4, 4), scale=1.0, normalize=False)")
