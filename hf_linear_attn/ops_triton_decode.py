@@ -2,9 +2,8 @@
 
 A decode step of a cached layer is a handful of small products per head: decay the state, add one outer product,
 read the state out once (and, for the window hybrid, one row of softmax scores over the retained slots). In torch
-that is a dozen launches per layer and token; here it is one kernel, one program per (batch row, head), each
-program reading and writing its own [K, V (+ 1)] state exactly once, in float32, and reading q, k, v in their
-dtype. The kernels run on CUDA tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 before import).
+each is its own launch; here the step is one kernel, one program per (batch row, head), each program reading and
+writing its own [K, V (+ 1)] state exactly once, in float32, and reading q, k, v in their dtype. The kernels run on CUDA tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 before import).
 
 - `triton_linear_decode_step` is `modeling_linear_attention.linear_decode_step` (same arguments, same results):
 
@@ -21,8 +20,9 @@ dtype. The kernels run on CUDA tensors, or on CPU under the Triton interpreter (
   query heads read the slots of one KV head, so a program writing a slot would race with its neighbours reading it.
 
 Layout: the programs address the contiguous buffers with the pointer arithmetic of `ops_triton` (its tile helpers;
-every load masked and zero-filled, so block sizes are powers of two whatever the dims). No tensor value is read on
-the host: a step is fit for CUDA graphs.
+every load masked and zero-filled, so block sizes are powers of two whatever the dims). On a GPU no tensor value is
+read on the host (the input checks that read values run on CPU only, see `ops_common.checks_values`): a step can be
+captured in a CUDA graph.
 """
 
 import torch
@@ -227,7 +227,7 @@ def _tile_rows(cols: int, dim: int) -> int:
     return min(_block(dim, 128), max(16, TILE_ELEMENTS // cols))
 
 
-def _decay_mode(log_decay: Tensor | None) -> int:
+def _token_decay_mode(log_decay: Tensor | None) -> int:
     """The kernels' DECAY for log_decay None, [B, 1, H] or [B, 1, H, K]."""
     if log_decay is None:
         return DECAY_NONE.value
@@ -250,15 +250,16 @@ def _check_decode_inputs(tensors: dict[str, Tensor | None], state: Tensor, state
         raise ValueError("state must be contiguous: the decode kernel updates it in place (a cache's state is)")
 
 
-def _check_one_token(name: str, x: Tensor, dims: str, shape: tuple[int | None, ...]) -> None:
-    """x: a 4-D floating-point tensor of `shape` (None: any size), one token (T = 1)."""
+def _check_shape(name: str, x: Tensor, dims: str, shape: tuple[int | None, ...]) -> None:
+    """x: a 4-D floating-point tensor of `shape` (None: any size); dims names its layout in the message."""
     check_4d_floating(name, x, dims)
     if any(want is not None and got != want for got, want in zip(x.shape, shape, strict=True)):
-        expected = ", ".join("·" if want is None else str(want) for want in shape)
-        raise ValueError(f"{name} must be {dims} = ({expected}) for one decode token, got {tuple(x.shape)}")
+        expected = ", ".join("any" if want is None else str(want) for want in shape)
+        raise ValueError(f"{name} must be {dims} = ({expected}), got {tuple(x.shape)}")
 
 
 def _check_mask(name: str, mask: Tensor, shape: tuple[int, ...]) -> None:
+    """mask: a bool tensor of `shape`."""
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
         raise ValueError(f"{name} must be a bool tensor of shape {shape}, got {getattr(mask, 'shape', mask)!r} of "
                          f"type {getattr(mask, 'dtype', type(mask).__name__)}")
@@ -280,10 +281,10 @@ def triton_linear_decode_step(
     [B, 1, H, V], log_decay None / [B, 1, H] / [B, 1, H, K] (≤ 0), state fp32 [B, H, K, V (+ 1 if normalize)],
     contiguous. S ← a ⊙ S + φ(k) [v, 1]ᵀ, then o = scale φ(q)ᵀ S (divided by its normaliser column).
     """
-    _check_one_token("q_feat", q_feat, "[B, 1, H, K]", (None, 1, None, None))
+    _check_shape("q_feat", q_feat, "[B, 1, H, K]", (None, 1, None, None))
     batch, _, heads, key_dim = q_feat.shape
-    _check_one_token("k_feat", k_feat, "[B, 1, H, K]", tuple(q_feat.shape))
-    _check_one_token("v", v, "[B, 1, H, V]", (batch, 1, heads, None))
+    _check_shape("k_feat", k_feat, "[B, 1, H, K]", tuple(q_feat.shape))
+    _check_shape("v", v, "[B, 1, H, V]", (batch, 1, heads, None))
     if log_decay is not None:
         check_log_decay(log_decay, (batch, 1, heads), (batch, 1, heads, key_dim))
     scale = checked_scale(scale, key_dim**-0.5)
@@ -294,7 +295,7 @@ def triton_linear_decode_step(
     q_feat, k_feat, v = q_feat.contiguous(), k_feat.contiguous(), v.contiguous()
     _linear_decode_kernel[(batch * heads,)](
         q_feat, k_feat, v, state if log_decay is None else log_decay.contiguous(), state, out, scale,
-        H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(log_decay), NORMALIZE=int(bool(normalize)),
+        H=heads, K=key_dim, V=value_dim, DECAY=_token_decay_mode(log_decay), NORMALIZE=int(bool(normalize)),
         BLOCK_K=_block(key_dim), BLOCK_V=_block(value_dim),
     )
     return out
@@ -329,19 +330,19 @@ def triton_window_decode_step(
     window_gate [H]; real bool [B, 1], or None when every row's token is real; scale: of the softmax scores
     (head_dim ** -0.5 in the model). H must be a multiple of H_kv; D, V ≤ MAX_WINDOW_HEAD_DIM.
     """
-    _check_one_token("q", q, "[B, 1, H, D]", (None, 1, None, None))
+    _check_shape("q", q, "[B, 1, H, D]", (None, 1, None, None))
     batch, _, heads, head_dim = q.shape
-    _check_one_token("q_feat", q_feat, "[B, 1, H, F]", (batch, 1, heads, None))
+    _check_shape("q_feat", q_feat, "[B, 1, H, F]", (batch, 1, heads, None))
     feature_dim = q_feat.shape[-1]
-    _check_one_token("window_keys", window_keys, "[B, R, H_kv, D]", (batch, None, None, head_dim))
+    _check_shape("window_keys", window_keys, "[B, R, H_kv, D]", (batch, None, None, head_dim))
     num_slots, kv_heads = window_keys.shape[1:3]
     if num_slots == 0 or heads % kv_heads:
         raise ValueError(f"window_keys [B, R, H_kv, D] must hold R ≥ 1 slots of H_kv KV heads dividing H = {heads}, "
                          f"got {tuple(window_keys.shape)}")
-    _check_one_token("window_values", window_values, "[B, R, H_kv, V]", (batch, num_slots, kv_heads, None))
+    _check_shape("window_values", window_values, "[B, R, H_kv, V]", (batch, num_slots, kv_heads, None))
     value_dim = window_values.shape[-1]
-    _check_one_token("leaving_feat", leaving_feat, "[B, 1, H, F]", tuple(q_feat.shape))
-    _check_one_token("leaving_values", leaving_values, "[B, 1, H_kv, V]", (batch, 1, kv_heads, value_dim))
+    _check_shape("leaving_feat", leaving_feat, "[B, 1, H, F]", tuple(q_feat.shape))
+    _check_shape("leaving_values", leaving_values, "[B, 1, H_kv, V]", (batch, 1, kv_heads, value_dim))
     _check_mask("window_mask", window_mask, (batch, num_slots))
     _check_mask("leaving_real", leaving_real, (batch, 1))
     if real is not None:
@@ -363,7 +364,7 @@ def triton_window_decode_step(
         *(x.contiguous() for x in (window_keys, window_values, window_mask, leaving_feat, leaving_values,
                                    leaving_real, window_gate)),
         state if real is None else real.contiguous(), out, scale, num_slots,
-        H=heads, H_KV=kv_heads, D=head_dim, F=feature_dim, V=value_dim, DECAY=_decay_mode(log_decay),
+        H=heads, H_KV=kv_heads, D=head_dim, F=feature_dim, V=value_dim, DECAY=_token_decay_mode(log_decay),
         HAS_PADS=real is not None, BLOCK_SLOTS=_tile_rows(max(block_d, block_v), num_slots), BLOCK_D=block_d,
         BLOCK_F=_tile_rows(block_v, feature_dim), BLOCK_V=block_v,
     )

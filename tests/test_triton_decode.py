@@ -107,7 +107,7 @@ def test_linear_step_errors():
     def step(normalize=True, **changes):
         return triton_linear_decode_step(**{**inputs, **changes}, scale=0.5, normalize=normalize)
 
-    with pytest.raises(ValueError, match="one decode token"):
+    with pytest.raises(ValueError, match=r"q_feat must be \[B, 1, H, K\] = \(any, 1, any, any\), got \(2, 2, 2, 8\)"):
         step(q_feat=inputs["q_feat"].expand(2, 2, 2, 8))
     with pytest.raises(ValueError, match="k_feat must be"):
         step(k_feat=inputs["k_feat"][..., :5])
@@ -141,16 +141,20 @@ def window_layer(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, *
     return layer.to(DEVICE, dtype)
 
 
-def window_cache(batch: int, heads: int, kv_heads: int, head_dim: int, feature_dim: int, dtype: torch.dtype, *,
-                 window: int, sinks: int, seen: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """The buffers of a filled window-hybrid cache layer after `seen` positions: random ring slots of which about a
-    third are masked (pads, or not yet filled), the sinks filled in every row but the last, whose first sink only
-    holds a token; a state with a positive normaliser column."""
+def window_cache(
+    batch: int, heads: int, kv_heads: int, head_dim: int, feature_dim: int, dtype: torch.dtype, *, window: int,
+    sinks: int, seen: int, gen: torch.Generator, empty: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The buffers of a window-hybrid cache layer after `seen` positions: random ring slots of which about a third
+    are masked (pads, or not yet filled), the sinks filled in every row but the last, whose first sink only holds a
+    token (or, if empty, no slot held at all); a state with a positive normaliser column."""
     slots = sinks + window
     mask = torch.rand(batch, slots, generator=gen) > 0.35
     mask[:, :sinks] = True
     if batch > 1:
         mask[-1, 1:sinks] = False
+    if empty:
+        mask[:] = False
     state = torch.randn(batch, heads, feature_dim, head_dim + 1, generator=gen)
     state[..., -1] = state[..., -1].abs() + 1.0
     return dict(
@@ -185,33 +189,36 @@ def kernel_window_step(layer: LinearAttention, cache: LinearStateLayer, q, k, v,
 
 
 def compare_window_step(batch: int, heads: int, kv_heads: int, head_dim: int, feature_dim: int, decay: str | None,
-                        dtype: torch.dtype, *, pads: bool, window: int = 5, sinks: int = 2, seen: int = 11) -> None:
-    """The kernel step and the twin on copies of one cache: same output and same buffers afterwards."""
+                        dtype: torch.dtype, *, pads: bool, window: int = 5, sinks: int = 2, seen: int = 11,
+                        steps: int = 1, empty: bool = False) -> None:
+    """The kernel step and the twin on copies of one cache, `steps` tokens one after the other: the same output and
+    the same buffers after every step."""
     gen = torch.Generator().manual_seed(batch * 1000 + heads * 10 + head_dim)
     layer = window_layer(heads, kv_heads, head_dim, dtype, window=window, sinks=sinks)
     buffers = window_cache(batch, heads, kv_heads, head_dim, feature_dim, dtype, window=window, sinks=sinks,
-                           seen=seen, gen=gen)
-    q = torch.randn(batch, 1, heads, head_dim, generator=gen).to(DEVICE, dtype)
-    k, v = (torch.randn(batch, 1, kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    q_feat, k_feat = (torch.rand(batch, 1, heads, feature_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    log_decay = log_decays(decay, batch, heads, feature_dim, gen)
-    real = None
-    if pads:  # the first row's token is a pad: the model zeroes its log decay
-        real = torch.ones(batch, 1, dtype=torch.bool, device=DEVICE)
-        real[0] = False
-        if log_decay is not None:
-            log_decay[0] = 0.0
+                           seen=seen, gen=gen, empty=empty)
     twin, ours = cache_layer(buffers), cache_layer(buffers)
-    with torch.no_grad():
-        expected = layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, real, twin)
-        o = kernel_window_step(layer, ours, q, k, v, q_feat, k_feat, log_decay, real)
-    assert o.dtype == expected.dtype == dtype and o.shape == (batch, 1, heads, head_dim)
-    assert_close_in_float64([o], [expected], TOLERANCE[dtype])
-    if pads:
-        assert (o[0] == 0).all()
-    assert_close_in_float64([ours.state], [twin.state], STATE_TOLERANCE)
-    for name in ("window_keys", "window_values", "window_key_features", "window_mask", "seen"):
-        assert torch.equal(getattr(ours, name), getattr(twin, name)), name
+    for _ in range(steps):
+        q = torch.randn(batch, 1, heads, head_dim, generator=gen).to(DEVICE, dtype)
+        k, v = (torch.randn(batch, 1, kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+        q_feat, k_feat = (torch.rand(batch, 1, heads, feature_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+        log_decay = log_decays(decay, batch, heads, feature_dim, gen)
+        real = None
+        if pads:  # the first row's token is a pad: the model zeroes its log decay
+            real = torch.ones(batch, 1, dtype=torch.bool, device=DEVICE)
+            real[0] = False
+            if log_decay is not None:
+                log_decay[0] = 0.0
+        with torch.no_grad():
+            expected = layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, real, twin)
+            o = kernel_window_step(layer, ours, q, k, v, q_feat, k_feat, log_decay, real)
+        assert o.dtype == expected.dtype == dtype and o.shape == (batch, 1, heads, head_dim)
+        assert_close_in_float64([o], [expected], TOLERANCE[dtype])
+        if pads:
+            assert (o[0] == 0).all()
+        assert_close_in_float64([ours.state], [twin.state], STATE_TOLERANCE)
+        for name in ("window_keys", "window_values", "window_key_features", "window_mask", "seen"):
+            assert torch.equal(getattr(ours, name), getattr(twin, name)), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -226,6 +233,13 @@ def test_window_step_matches_twin(heads, kv_heads, decay, dtype):
 def test_window_step_batch_one(pads):
     """Batch 1, with every token real (real=None: no pad handling) or a pad (an output of 0)."""
     compare_window_step(1, 6, 2, 24, 40, "scalar", torch.bfloat16, pads=pads)
+
+
+@pytest.mark.parametrize("decay", [None, "vector"])
+def test_window_steps_from_an_empty_cache(decay):
+    """Nine tokens from a cache that holds none yet: the sinks fill, then the ring, which wraps around, and tokens
+    leave it into the state (with a decay, each step's one −inf log decay resets a part of the state)."""
+    compare_window_step(2, 6, 2, 24, 40, decay, torch.float32, pads=False, seen=0, steps=9, empty=True)
 
 
 def test_window_step_several_blocks():
@@ -266,7 +280,7 @@ def test_window_step_errors():
         return triton_window_decode_step(**{**inputs, **changes}, scale=0.3)
 
     step()  # the inputs are valid
-    with pytest.raises(ValueError, match="one decode token"):
+    with pytest.raises(ValueError, match=r"q must be \[B, 1, H, D\]"):
         step(q=q.expand(2, 3, 4, 8))
     with pytest.raises(ValueError, match="H_kv KV heads dividing H = 4"):
         step(window_keys=torch.randn(2, 5, 3, 8, device=DEVICE))
