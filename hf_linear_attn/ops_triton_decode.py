@@ -3,7 +3,8 @@
 A decode step of a cached layer is a handful of small products per head: decay the state, add one outer product,
 read the state out once (and, for the window hybrid, one row of softmax scores over the retained slots). In torch
 each is its own launch; here the step is one kernel, one program per (batch row, head), each program reading and
-writing its own [K, V (+ 1)] state exactly once, in float32, and reading q, k, v in their dtype. The kernels run on CUDA tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 before import).
+writing its own [K, V (+ 1)] state exactly once, in float32, and reading q, k, v in their dtype. The kernels run
+on CUDA tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 before import).
 
 - `triton_linear_decode_step` is `modeling_linear_attention.linear_decode_step` (same arguments, same results):
 
