@@ -2,7 +2,8 @@
 (sm_90) without one: the library behind tests/gpu_compile_check.py and benchmarks/kernel_report.py.
 
 Import it WITHOUT TRITON_INTERPRET (interpreted kernels cannot be compiled). `record_workload` replaces the kernels
-of ops_triton and ops_delta_rule_triton by recorders for the rest of the process: the workload computes nothing.
+of ops_triton, ops_delta_rule_triton and ops_triton_decode by recorders for the rest of the process: the workload
+computes nothing.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_linear_attn import ops_delta_rule_triton, ops_triton
+from hf_linear_attn import ops_delta_rule_triton, ops_triton, ops_triton_decode
 from hf_linear_attn.ops import delta_rule_attention, linear_attention, window_attention
 
 SHARED_MEMORY_KIB = 227  # per thread block on sm_90
 HOPPER = GPUTarget("cuda", 90, 32)
-POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
+                 torch.bool: "*i1"}
 
 
 @dataclass
@@ -74,9 +76,9 @@ class Recorder:
 
 def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], normalize_values: list[bool]) -> dict:
     """Every specialization the triton backend launches for these dtypes, (K, V) head dims and normalize values,
-    forward and backward, and those of the window and delta-rule ops: {key: Specialization}."""
+    forward and backward, those of the window and delta-rule ops, and the decode steps: {key: Specialization}."""
     seen = {}
-    for module in (ops_triton, ops_delta_rule_triton):
+    for module in (ops_triton, ops_delta_rule_triton, ops_triton_decode):
         for name in dir(module):
             if name.endswith("_kernel"):
                 setattr(module, name, Recorder(getattr(module, name), seen))
@@ -107,7 +109,28 @@ def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], norm
             o, final = delta_rule_attention(q, k, v, beta, log_decay, initial_state=state, output_final_state=True,
                                             backend="triton")
             (o.float().sum() + final.sum()).backward()
+        record_decode_steps(dtype, key_dim, value_dim, normalize_values)
     return seen
+
+
+def record_decode_steps(dtype: torch.dtype, key_dim: int, value_dim: int, normalize_values: list[bool]) -> None:
+    """One decode token of linear attention (K = key_dim features) and of the window hybrid (head dim key_dim,
+    K features, values of value_dim) with each decay mode, against a cache of 10 slots, with and without pads."""
+    batch, heads, slots = 2, 2, 10
+    q = torch.randn(batch, 1, heads, key_dim, dtype=dtype)
+    v = torch.randn(batch, 1, heads, value_dim, dtype=dtype)
+    keys = torch.randn(batch, slots, heads, key_dim, dtype=dtype)
+    values = torch.randn(batch, slots, heads, value_dim, dtype=dtype)
+    mask = torch.ones(batch, slots, dtype=torch.bool)
+    for decay in (None, (batch, 1, heads), (batch, 1, heads, key_dim)):
+        log_decay = None if decay is None else -torch.rand(decay)
+        for normalize in normalize_values:
+            state = torch.zeros(batch, heads, key_dim, value_dim + int(normalize))
+            ops_triton_decode.triton_linear_decode_step(q, q, v, log_decay, state, scale=1.0, normalize=normalize)
+        state = torch.zeros(batch, heads, key_dim, value_dim + 1)
+        for real in (None, mask[:, :1]):
+            ops_triton_decode.triton_window_decode_step(q, q, log_decay, state, keys, values, mask, q, v, mask[:, :1],
+                                                        torch.zeros(heads, dtype=dtype), real, scale=1.0)
 
 
 @dataclass
@@ -152,4 +175,4 @@ def compile_for_hopper(spec: Specialization, config: triton.Config | None) -> Co
 def modes(spec: Specialization) -> dict:
     """The constexprs that tell a kernel's specializations apart in a one-line listing."""
     return {key: value for key, value in spec.constexprs.items()
-            if key in ("DECAY", "REVERSE", "TRANSPOSE", "D", "K", "V", "BLOCK_K", "BLOCK_V")}
+            if key in ("DECAY", "REVERSE", "TRANSPOSE", "NORMALIZE", "HAS_PADS", "D", "K", "V", "BLOCK_K", "BLOCK_V")}
