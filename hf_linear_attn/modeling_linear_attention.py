@@ -47,6 +47,7 @@ from .ops_delta_rule_triton import triton_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
 from .ops_sparse_memory import MEMORY_BLOCK_SIZE, block_end, sparse_window_attention
 from .ops_triton import HAS_TRITON  # noqa: F401
+from .ops_triton_decode import triton_linear_decode_step, triton_window_decode_step, use_decode_kernels
 
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
 # (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.
@@ -485,9 +486,10 @@ class LinearAttention(AttentionProjections):
             v = v * keep.to(v.dtype)
             if log_decay is not None:
                 log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
-        if self._decode_step(q, cache_layer, cu_seqlens):
-            o = linear_decode_step(q_feat, k_feat, v, log_decay, cache_layer.state,
-                                   scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
+        if self._decode_step(q, cache_layer, cu_seqlens):  # on CUDA one fused kernel, its twin in torch elsewhere
+            step = triton_linear_decode_step if use_decode_kernels(q_feat, cache_layer.state) else linear_decode_step
+            o = step(q_feat, k_feat, v, log_decay, cache_layer.state,
+                     scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
             cache_layer.advance(1, q.device)
             return o
         return self.recurrent_op(linear_attention, q_feat, k_feat, v, log_decay,
@@ -645,6 +647,12 @@ class LinearAttention(AttentionProjections):
         position = cache_layer.seen  # 0-d: this token's position
         leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
             k, v, k_feat, real, ring, sinks, log_decay if sparse else None)
+        if not sparse and use_decode_kernels(q, state):  # the rest of this step as one fused kernel (its twin below)
+            o = triton_window_decode_step(q, q_feat, log_decay, state, cache_layer.window_keys,
+                                          cache_layer.window_values, cache_layer.window_mask, leaving_feat, leaving_v,
+                                          leaving_real, self.window_gate, real, scale=self.head_dim**-0.5)
+            cache_layer.advance(1, q.device)
+            return o
         if log_decay is not None:
             state.mul_(_cast(log_decay[:, 0], dtype).exp().view(b, heads, -1, 1))
         mask = cache_layer.window_mask

@@ -10,8 +10,18 @@ may then differ by one unit in the last place of that dtype.
 
 import pytest
 import torch
-from helpers import assert_close_in_float64, assert_runs_without_triton, tiny_config, triton_test_device
+from helpers import (
+    VARIANTS,
+    assert_close_in_float64,
+    assert_runs_without_triton,
+    left_pad,
+    prompts,
+    tiny_config,
+    tiny_model,
+    triton_test_device,
+)
 
+from hf_linear_attn import modeling_linear_attention as modeling
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from hf_linear_attn.modeling_linear_attention import LinearAttention, linear_decode_step
 from hf_linear_attn.ops_triton_decode import triton_linear_decode_step, triton_window_decode_step, use_decode_kernels
@@ -210,7 +220,7 @@ def compare_window_step(batch: int, heads: int, kv_heads: int, head_dim: int, fe
             if log_decay is not None:
                 log_decay[0] = 0.0
         with torch.no_grad():
-            expected = layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, real, twin)
+            expected = layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, real, twin, sparse=False)
             o = kernel_window_step(layer, ours, q, k, v, q_feat, k_feat, log_decay, real)
         assert o.dtype == expected.dtype == dtype and o.shape == (batch, 1, heads, head_dim)
         assert_close_in_float64([o], [expected], TOLERANCE[dtype])
@@ -259,7 +269,7 @@ def test_window_step_updates_state_in_place():
     q_feat, k_feat = (torch.rand(2, 1, 2, 6, generator=gen).to(DEVICE) for _ in range(2))
     log_decay = -torch.rand(2, 1, 2, generator=gen).to(DEVICE)
     with torch.no_grad():
-        layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, None, twin)
+        layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, None, twin, sparse=False)
         kernel_window_step(layer, cache, q, k, v, q_feat, k_feat, log_decay, None)
     assert cache.state is state and not torch.equal(state, before)
     assert_close_in_float64([state], [twin.state], STATE_TOLERANCE)
@@ -325,3 +335,39 @@ def test_module_imports_without_triton():
         """
     assert_runs_without_triton(code, "ops_triton_decode.triton_linear_decode_step(q, q, q, None, "
                                      "torch.zeros(1, 2, 4, 4), scale=1.0, normalize=False)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In the model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="forces the CUDA-only selection on CPU tensors (the interpreter)")
+@pytest.mark.parametrize("variant", ["elu", "relu-unnormalized", "t2r-vector-decay", "hedgehog-window-sinks",
+                                     "hedgehog-window-sinks-scalar-decay",
+                                     "hedgehog-window-sinks-scalar-decay-sparse-memory"])
+def test_generate_with_the_kernels_matches_torch(variant, monkeypatch):
+    """The model's decode steps call the kernels where `use_decode_kernels` says so (forced here, as on CUDA): a
+    left-padded greedy `generate()` gives the torch steps' tokens and logits, and the kernels really ran (once per
+    linear layer and token; the sparse-memory hybrid keeps its torch step)."""
+    model = tiny_model(**VARIANTS[variant]).eval()
+    ids = prompts([9, 6])
+    ids, mask = left_pad(ids)
+    calls, forced = [], []
+    for name in ("triton_linear_decode_step", "triton_window_decode_step"):
+        kernel = getattr(modeling, name)
+        monkeypatch.setattr(modeling, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(modeling, "use_decode_kernels", lambda *tensors: bool(forced))
+    runs = []
+    with torch.no_grad():
+        for force in (False, True):
+            forced[:], calls[:] = [True] if force else [], []
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+            runs.append((out, len(calls)))
+    (eager, no_calls), (fused, kernel_calls) = runs
+    assert no_calls == 0
+    sparse = model.config.sparse_cache_size > 0
+    assert kernel_calls == (0 if sparse else 4 * model.config.num_hidden_layers)  # 4 decode steps after the prefill
+    assert torch.equal(fused.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(fused.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
