@@ -218,8 +218,12 @@ def _window_decode_kernel(
 
 def use_decode_kernels(*tensors: Tensor) -> bool:
     """Whether backend "auto" runs a decode step on these kernels: CUDA tensors that triton takes (installed;
-    float16, bfloat16 or float32). No host sync."""
-    return tensors[0].device.type == "cuda" and ops_triton.unsupported_inputs(dict(enumerate(tensors))) is None
+    float16, bfloat16 or float32), in eager mode. Under `torch.compile` the torch step runs instead: inductor fuses
+    it itself, and the graph (fullgraph, CUDA graphs) then holds no hand-written launch. No host sync."""
+    return (
+        tensors[0].device.type == "cuda" and not torch.compiler.is_compiling()
+        and ops_triton.unsupported_inputs(dict(enumerate(tensors))) is None
+    )
 
 
 def _tile_rows(cols: int, dim: int) -> int:

@@ -324,6 +324,17 @@ def test_auto_uses_the_kernels_on_cuda_only():
         assert not use_decode_kernels(x.double().cuda())
 
 
+def test_compiled_steps_stay_on_torch(monkeypatch):
+    """Under torch.compile the decode steps keep their torch form (inductor fuses it; no hand-written launch in a
+    captured graph), even on CUDA tensors."""
+    cuda_like = torch.zeros(1, 1, 2, 4)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors: None)
+    assert use_decode_kernels(cuda_like)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not use_decode_kernels(cuda_like)
+
+
 def test_module_imports_without_triton():
     """Remote code loads where triton is missing: the decode kernels are then never picked, and a direct call says
     why."""
