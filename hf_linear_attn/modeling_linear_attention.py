@@ -551,15 +551,15 @@ class LinearAttention(AttentionProjections):
         slots per KV head carry on.
         """
         b, t = q.shape[:2]
-        window, sinks = self.window_size, self.num_sink_tokens
-        sparse = self.config.sparse_cache_size > 0
-        ring = window + MEMORY_BLOCK_SIZE if sparse else window  # the raw positions a cache keeps
         masked = new_mask is not None  # else no mask reaches the op: "auto" then may pick the Triton kernels
         if masked and log_decay is not None:
             log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
         q_feat, k_feat = self.feature_map_q(q), self.key_features(k)  # [B, T, H, F]
         if self._decode_step(q, cache_layer, None):
-            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask, cache_layer, sparse)
+            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask, cache_layer)
+        window, sinks = self.window_size, self.num_sink_tokens
+        sparse = self.config.sparse_cache_size > 0
+        ring = window + MEMORY_BLOCK_SIZE if sparse else window  # the raw positions a cache keeps
         if not masked:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         state = None
@@ -617,7 +617,6 @@ class LinearAttention(AttentionProjections):
         log_decay: torch.Tensor | None,
         real: torch.Tensor | None,
         cache_layer: LinearStateLayer,
-        sparse: bool,
     ) -> torch.Tensor:
         """One token of the window hybrid from the cache, fixed-shape and in place: o [B, 1, H, V].
 
@@ -629,11 +628,11 @@ class LinearAttention(AttentionProjections):
         repeat) and one read-out of the state share the normaliser. The same sums as `window_attention` over the
         retained keys and the new one (its "recurrent" form is the twin the tests hold this against).
 
-        With a sparse memory (`sparse`: m > 0) the ring holds window_size + R positions (R = MEMORY_BLOCK_SIZE); the
-        softmax row covers the sinks, the ring slots from the block start's window on and the m memory slots, the
-        linear part reads the state; and at a block end (without a Python branch: computed at every step, kept
-        where the step ends a block) the memory and the R tokens that left during the block are re-scored
-        (`block_end`).
+        With a sparse memory (m > 0; the cache's layout says so, as the model checked it against the config) the ring
+        holds window_size + R positions (R = MEMORY_BLOCK_SIZE); the softmax row covers the sinks, the ring slots
+        from the block start's window on and the m memory slots, the linear part reads the state; and at a block end
+        (without a Python branch: computed at every step, kept where the step ends a block) the memory and the R
+        tokens that left during the block are re-scored (`block_end`).
 
         Every op here runs once per layer and token, so the step spends no op on what it can skip: no cast of a
         tensor already in the state's dtype (`_cast`), the numerator's sum and add in one `baddbmm`.
@@ -643,7 +642,8 @@ class LinearAttention(AttentionProjections):
         state = cache_layer.state  # [B, H, F, V + 1], fp32
         dtype = state.dtype
         sinks, window = self.num_sink_tokens, self.window_size
-        ring = window + MEMORY_BLOCK_SIZE if sparse else window
+        ring = cache_layer.window_mask.shape[1] - sinks  # window_size, + MEMORY_BLOCK_SIZE with a sparse memory
+        sparse = ring > window
         position = cache_layer.seen  # 0-d: this token's position
         leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
             k, v, k_feat, real, ring, sinks, log_decay if sparse else None)

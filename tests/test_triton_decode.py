@@ -220,7 +220,7 @@ def compare_window_step(batch: int, heads: int, kv_heads: int, head_dim: int, fe
             if log_decay is not None:
                 log_decay[0] = 0.0
         with torch.no_grad():
-            expected = layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, real, twin, sparse=False)
+            expected = layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, real, twin)
             o = kernel_window_step(layer, ours, q, k, v, q_feat, k_feat, log_decay, real)
         assert o.dtype == expected.dtype == dtype and o.shape == (batch, 1, heads, head_dim)
         assert_close_in_float64([o], [expected], TOLERANCE[dtype])
@@ -269,7 +269,7 @@ def test_window_step_updates_state_in_place():
     q_feat, k_feat = (torch.rand(2, 1, 2, 6, generator=gen).to(DEVICE) for _ in range(2))
     log_decay = -torch.rand(2, 1, 2, generator=gen).to(DEVICE)
     with torch.no_grad():
-        layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, None, twin, sparse=False)
+        layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, None, twin)
         kernel_window_step(layer, cache, q, k, v, q_feat, k_feat, log_decay, None)
     assert cache.state is state and not torch.equal(state, before)
     assert_close_in_float64([state], [twin.state], STATE_TOLERANCE)
