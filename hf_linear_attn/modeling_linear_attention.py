@@ -483,7 +483,8 @@ class LinearAttention(AttentionProjections):
         leaving_k_hat, leaving_v, leaving_real, leaving_beta = cache_layer.push_window_token(
             k, v, k_hat, real, self.config.window_size, self.config.num_sink_tokens, beta=beta)
         key = leaving_k_hat.to(dtype).view(b, heads, 1, -1)  # k̂_j [B, H, 1, K]
-        write = (leaving_beta * leaving_real[..., None]).to(dtype).view(b, heads, 1, 1) * key.transpose(-1, -2)  # β_j k̂_j
+        strength = (leaving_beta * leaving_real[..., None]).to(dtype).view(b, heads, 1, 1)  # β_j, 0 unless it enters
+        write = strength * key.transpose(-1, -2)  # β_j k̂_j [B, H, K, 1]
         state.sub_(write @ (key @ state))  # erase what S stores under k̂_j
         if log_decay is not None:
             state.mul_(log_decay.to(dtype).exp().view(b, heads, 1, 1))

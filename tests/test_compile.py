@@ -13,9 +13,9 @@ from transformers import CompileConfig
 from hf_linear_attn import LinearAttentionCache, modeling_linear_attention
 
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
-# Linear, decayed linear, every kind of hybrid and the delta rule with its convolution.
+# Linear, decayed linear, every kind of hybrid and the delta rule with its convolution (alone and with the window).
 COMPILED_VARIANTS = ["elu", "identity-fixed-decay", "hedgehog-window-sinks", "hedgehog-window-sinks-vector-decay",
-                     "gated-delta-conv"]
+                     "gated-delta-conv", "gated-delta-window-sinks"]
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_decode_step_has_no_graph_breaks(name):
     assert cache.get_seq_length() == mask.shape[1]  # the traced step ran and advanced the cache once
 
 
-@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks-scalar-decay"])
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks-scalar-decay", "gated-delta-window-sinks"])
 def test_every_decode_step_runs_the_same_graph(name):
     """The position counter is a tensor and every buffer keeps its shape: no recompilation from step to step."""
     model = tiny_model(**VARIANTS[name])
