@@ -367,8 +367,9 @@ def test_delta_window_cache_holds_the_ring_with_the_beta_each_token_enters_with(
 def test_lean_decode_step_equals_the_op_path(name, prefill, monkeypatch):
     """The fixed-shape one-token step (backend "auto") against the same step through the ops ("torch" backend, the
     retained window in sequence order in front of the token): the same logits and the same cache, slot for slot,
-    through sinks filling (the short row is all pads until after the prefill), the window wrapping and left
-    padding. The lean steps call none of the ops; the twin's call them at every step."""
+    through sinks filling (the short row is all pads until after the prefill), the window wrapping, left padding and
+    a hole decoded after real tokens (a pad step, while a real token leaves the window). The lean steps call none of
+    the ops; the twin's call them at every step."""
     calls = []
     for op in ("linear_attention", "window_attention", "delta_rule_attention"):
         run = getattr(modeling_linear_attention, op)
@@ -377,6 +378,7 @@ def test_lean_decode_step_equals_the_op_path(name, prefill, monkeypatch):
     lean = tiny_model(**VARIANTS[name])
     ops = tiny_model(**VARIANTS[name], linear_attention_backend="torch")
     ids, mask = left_pad(prompts([19, 6], seed=8))
+    mask[0, 15] = 0
     caches = [LinearAttentionCache(m.config) for m in (lean, ops)]
     with torch.no_grad():
         for model, cache in zip((lean, ops), caches, strict=True):
