@@ -212,7 +212,10 @@ def causal_conv1d(
     if past is None:
         past = x.new_zeros(x.shape[0], width - 1, x.shape[2])
     inputs = torch.cat([past.to(x.dtype), x], dim=1)  # [B, W − 1 + T, C]
-    y = F.conv1d(inputs.transpose(1, 2), weight, groups=x.shape[2]).transpose(1, 2)
+    if x.shape[1] == 1:  # a decode step: one weighted sum of W inputs (cheaper than setting up a convolution)
+        y = (inputs * weight[:, 0].t()).sum(1, keepdim=True)
+    else:
+        y = F.conv1d(inputs.transpose(1, 2), weight, groups=x.shape[2]).transpose(1, 2)
     return y, inputs[:, inputs.shape[1] - (width - 1) :]
 
 
@@ -485,7 +488,7 @@ class LinearAttention(AttentionProjections):
         key = leaving_k_hat.to(dtype).view(b, heads, 1, -1)  # k̂_j [B, H, 1, K]
         strength = (leaving_beta * leaving_real[..., None]).to(dtype).view(b, heads, 1, 1)  # β_j, 0 unless it enters
         write = strength * key.transpose(-1, -2)  # β_j k̂_j [B, H, K, 1]
-        state.sub_(write @ (key @ state))  # erase what S stores under k̂_j
+        state.addcmul_(write, key @ state, value=-1.0)  # erase what S stores under k̂_j: S − β_j k̂_j (k̂_jᵀ S)
         if log_decay is not None:
             state.mul_(log_decay.to(dtype).exp().view(b, heads, 1, 1))
         # + β_j k̂_j v_jᵀ: the query heads of a KV head [B, H_kv, G, K, V] share its v_j (no repeat)
