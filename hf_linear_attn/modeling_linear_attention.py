@@ -412,7 +412,8 @@ class LinearAttention(AttentionProjections):
         S_t = a_t (I − β_j k̂_j k̂_jᵀ) S_{t−1} + β_j k̂_j v_jᵀ, with β_j = 0 when j is a sink, a pad or j < 0, and
         a_t the step's own decay (0 in log at pads); q̂, k̂ = L2-normalised φ(q), φ(k). That is `delta_rule_attention`
         on k̂, v and β delayed by W positions. With a cache, the retained sinks and window (k̂ and β in their
-        slots) run in front of the new tokens, and the window's last W positions feed the first steps.
+        slots) run in front of the new tokens, and the window's last W positions feed the first steps; one token
+        after a filled cache with backend "auto" takes the fixed-shape `delta_window_decode_step` instead.
         """
         if cu_seqlens is not None:  # one document at a time (no cache)
             bounds = cu_seqlens.tolist()
