@@ -2,7 +2,7 @@
 
 Compiling on the CPU is slow (inductor generates and builds C++), so most tests trace with dynamo's "eager" /
 "aot_eager" backends, which check the same graph capture (breaks, shapes, guards) in seconds; one test runs
-inductor itself on the smallest model, which takes tens of seconds and cannot be made shorter.
+inductor itself on the smallest hybrids, which takes tens of seconds and cannot be made shorter.
 """
 
 import pytest
@@ -98,9 +98,10 @@ def test_compiled_decode_with_a_sparse_memory_gives_the_eager_logits(monkeypatch
     torch.testing.assert_close(logits[True], logits[False])
 
 
-def test_inductor_compiled_decode_gives_the_eager_tokens():
-    """The real compiler (inductor, C++ on the CPU: tens of seconds, the one unavoidable cost here) on the hybrid."""
-    model = tiny_model(**VARIANTS["hedgehog-window-sinks"], num_hidden_layers=1)
+@pytest.mark.parametrize("name", ["hedgehog-window-sinks", "gated-delta-window-sinks"])
+def test_inductor_compiled_decode_gives_the_eager_tokens(name):
+    """The real compiler (inductor, C++ on the CPU: tens of seconds, the one unavoidable cost here) on the hybrids."""
+    model = tiny_model(**VARIANTS[name], num_hidden_layers=1)
     ids = torch.randint(3, 128, (1, 8))
     tokens = {}
     for compiled in (False, True):
