@@ -30,6 +30,8 @@ the same rounds, so the ratios hold under a changing load. Report `decode_loop.*
     python benchmarks/bench_decode.py --contexts 1024 --compile      # eager vs torch.compile, batch 1
     python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 --batch_size 1 8
     python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --timings loop
+    python benchmarks/bench_decode.py --layout smollm2 --attention delta_window --contexts 1024 --batch_size 1 \
+        --timings loop                                               # the delta rule behind the window
 
 Prints the tables, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
 """
@@ -51,6 +53,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_linear_attn
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
+from hf_linear_attn.conversion import GATED_DELTANET_WINDOW_OPTIONS
 from training.measure import cache_bytes, decode_times, new_cache, prefill
 from training.report import log_log_plot, machine, write_report
 
@@ -74,6 +77,9 @@ class DecodeBenchmarkArguments:
     feature_dim: int = 0  # 0: the head dimension
     window_size: int = field(default=0, metadata={"help": "Sliding window of the hybrid (0: pure linear)."})
     num_sink_tokens: int = 0
+    attention: str = field(default="", metadata={
+        "help": "'delta_window': the Gated DeltaNet recipe behind the window (conversion.GATED_DELTANET_WINDOW_OPTIONS"
+                ": delta rule, 64 + 4 sinks, identity map, scalar decay, conv 4), instead of the four fields above."})
     models: list[str] = field(default_factory=lambda: ["linear", "llama"], metadata={"help": "linear and/or llama."})
     peak_memory: bool = field(default=False, metadata={"help": "Also measure prefill peak RSS (child processes)."})
     compile: bool = field(default=False, metadata={
@@ -106,6 +112,8 @@ GENERATE_VARIANTS = {
 }
 
 
+# Attention recipes `--attention` names, replacing the feature map, window and sink fields.
+ATTENTIONS = {"delta_window": GATED_DELTANET_WINDOW_OPTIONS}
 TIMINGS = ("scaling", "generate", "loop")
 # Positions a loop cache is really prefilled with (the rest of the context is added without computing it).
 LOOP_PREFILL = 64
@@ -117,6 +125,8 @@ def check_args(args: DecodeBenchmarkArguments) -> None:
         raise ValueError(f"--layout must be one of {sorted(LAYOUTS)} or empty; got {args.layout!r}")
     for name, value in LAYOUTS.get(args.layout, {}).items():
         setattr(args, name, value)
+    if args.attention and args.attention not in ATTENTIONS:
+        raise ValueError(f"--attention must be one of {sorted(ATTENTIONS)} or empty; got {args.attention!r}")
     if not args.models or set(args.models) - set(GENERATE_VARIANTS):
         raise ValueError(f"--models must be some of {sorted(GENERATE_VARIANTS)}; got {args.models}")
     if not args.contexts or min(args.contexts) < 1:
@@ -142,9 +152,10 @@ def build(kind: str, args: DecodeBenchmarkArguments) -> torch.nn.Module:
                 num_key_value_heads=args.num_key_value_heads or args.num_attention_heads,
                 max_position_embeddings=max(args.contexts) * 5 // 4 + args.new_tokens + args.warmup_tokens + 16)
     if kind == "linear":
-        config = hf_linear_attn.LinearAttentionConfig(
-            **dims, feature_map=args.feature_map, feature_dim=args.feature_dim or None,
-            window_size=args.window_size, num_sink_tokens=args.num_sink_tokens)
+        attention = ATTENTIONS.get(args.attention) or dict(
+            feature_map=args.feature_map, feature_dim=args.feature_dim or None, window_size=args.window_size,
+            num_sink_tokens=args.num_sink_tokens)
+        config = hf_linear_attn.LinearAttentionConfig(**dims, **attention)
         return hf_linear_attn.LinearAttentionForCausalLM(config).eval()
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**dims, attn_implementation="sdpa")).eval()
@@ -397,7 +408,7 @@ def main(argv: list[str]) -> int:
         run_child(args)
         return 0
     print(f"{machine()}; {args.num_hidden_layers} layers, hidden {args.hidden_size}, "
-          f"{args.num_attention_heads} heads")
+          f"{args.num_attention_heads} heads{'; attention ' + args.attention if args.attention else ''}")
     rows, generated, looped = [], [], []
     models = {kind: build(kind, args) for kind in args.models}
     for kind, model in models.items():

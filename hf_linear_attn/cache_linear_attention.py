@@ -201,20 +201,24 @@ class LinearStateLayer(CacheLayerMixin):
 
     def push_window_token(
         self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, real: torch.Tensor | None,
-        window_size: int, num_sink_tokens: int, log_decay: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        window_size: int, num_sink_tokens: int, log_decay: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
         `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`, or None when every row's token is real)
         replaces position p − w in ring slot S + p mod w, and a real token of rank < S also fills the next free sink
         slot (its ring slot is then masked; eager steps skip this once every sink slot is filled). Returns what the
         slot held before, the token leaving the window: key features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`
         and mask `[B, 1]` (real and not a sink: it folds into the state). With log_decay
-        (`[B, 1, H]` or `[B, 1, H, F]`, sparse memory only) its slot's log decay is written too. Call before
-        `advance`."""
+        (`[B, 1, H]` or `[B, 1, H, F]`, sparse memory only) its slot's log decay is written too. With beta (`[B, 1, H]`,
+        delta-rule window hybrid only) its slot's β is written too, and the leaving token's β `[B, 1, H]` is returned
+        as a fourth element (the strength it enters the state with). Call before `advance`."""
         sinks = num_sink_tokens
         slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
         leaving = (self.window_key_features.index_select(1, slot), self.window_values.index_select(1, slot),
                    self.window_mask.index_select(1, slot))
+        if beta is not None:
+            leaving = (*leaving, self.window_beta.index_select(1, slot))
+            self.window_beta.index_copy_(1, slot, beta.float())
         in_ring = real
         if sinks and not self.sinks_filled:
             if real is None:

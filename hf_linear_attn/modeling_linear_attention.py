@@ -217,7 +217,10 @@ def causal_conv1d(
     if past is None:
         past = x.new_zeros(x.shape[0], width - 1, x.shape[2])
     inputs = torch.cat([past.to(x.dtype), x], dim=1)  # [B, W − 1 + T, C]
-    y = F.conv1d(inputs.transpose(1, 2), weight, groups=x.shape[2]).transpose(1, 2)
+    if x.shape[1] == 1:  # a decode step: one weighted sum of W inputs (cheaper than setting up a convolution)
+        y = (inputs * weight[:, 0].t()).sum(1, keepdim=True)
+    else:
+        y = F.conv1d(inputs.transpose(1, 2), weight, groups=x.shape[2]).transpose(1, 2)
     return y, inputs[:, inputs.shape[1] - (width - 1) :]
 
 
@@ -425,7 +428,8 @@ class LinearAttention(AttentionProjections):
         S_t = a_t (I − β_j k̂_j k̂_jᵀ) S_{t−1} + β_j k̂_j v_jᵀ, with β_j = 0 when j is a sink, a pad or j < 0, and
         a_t the step's own decay (0 in log at pads); q̂, k̂ = L2-normalised φ(q), φ(k). That is `delta_rule_attention`
         on k̂, v and β delayed by W positions. With a cache, the retained sinks and window (k̂ and β in their
-        slots) run in front of the new tokens, and the window's last W positions feed the first steps.
+        slots) run in front of the new tokens, and the window's last W positions feed the first steps; one token
+        after a filled cache with backend "auto" takes the fixed-shape `delta_window_decode_step` instead.
         """
         if cu_seqlens is not None:  # one document at a time (no cache)
             bounds = cu_seqlens.tolist()
@@ -435,6 +439,9 @@ class LinearAttention(AttentionProjections):
         b, t = q.shape[:2]
         window, sinks = self.config.window_size, self.config.num_sink_tokens
         q_hat, k_hat, beta, log_decay = self.delta_rule_inputs(hidden_states, q, k, new_mask)
+        if self._decode_step(q, cache_layer, None):
+            return self.delta_window_decode_step(hidden_states, q, k, v, q_hat, k_hat, beta, log_decay, new_mask,
+                                                 cache_layer)
         masked = new_mask is not None  # else no mask reaches the softmax op ("auto" may then pick Triton)
         real = new_mask if masked else torch.ones(b, t, dtype=torch.bool, device=q.device)
         mask, ring = real, 0  # over every key: [retained sinks and window,] new tokens; the window positions held
@@ -464,6 +471,59 @@ class LinearAttention(AttentionProjections):
         read = read * real[:, :, None, None].to(read.dtype)  # pad queries output 0, as the window's
         lam = self.window_gate.to(o.dtype).view(1, 1, -1, 1)
         return o + lam * self.normed_and_gated(read, hidden_states)
+
+    def delta_window_decode_step(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_hat: torch.Tensor,
+        k_hat: torch.Tensor,
+        beta: torch.Tensor,
+        log_decay: torch.Tensor | None,
+        real: torch.Tensor | None,
+        cache_layer: LinearStateLayer,
+    ) -> torch.Tensor:
+        """One token of the delta rule with the window from the cache, fixed-shape and in place: o [B, 1, H, V]
+        (output norm and gate included).
+
+        hidden_states [B, 1, hidden]; q [B, 1, H, D], k, v [B, 1, H_kv, D]; q̂, k̂ [B, 1, H, K], β [B, 1, H] and log a
+        None / [B, 1, H] (0 at a pad) from `delta_rule_inputs`; real bool [B, 1], or None when every row's token is
+        real. The token (k, v, k̂, β) takes the ring slot of the token j = p − W leaving the window, which enters the
+        state with its own β (0 unless real and not a sink), in `recurrent_delta_rule`'s order:
+        S ← a_p (S − β_j k̂_j (k̂_jᵀ S)) + β_j k̂_j v_jᵀ. Then one read-out Sᵀ (K^-½ q̂) and one row of exact softmax
+        over the sinks and the ring (masked, grouped by KV head: no repeat), each with its own normaliser. The same
+        sums as `delta_window_forward` over the retained slots and the token (its twin with any other backend).
+        """
+        b, _, heads, head_dim = q.shape
+        kv_heads = self.num_kv_heads
+        state = cache_layer.state  # [B, H, K, V], fp32
+        dtype = state.dtype
+        leaving_k_hat, leaving_v, leaving_real, leaving_beta = cache_layer.push_window_token(
+            k, v, k_hat, real, self.config.window_size, self.config.num_sink_tokens, beta=beta)
+        key = leaving_k_hat.to(dtype).view(b, heads, 1, -1)  # k̂_j [B, H, 1, K]
+        strength = (leaving_beta * leaving_real[..., None]).to(dtype).view(b, heads, 1, 1)  # β_j, 0 unless it enters
+        write = strength * key.transpose(-1, -2)  # β_j k̂_j [B, H, K, 1]
+        state.addcmul_(write, key @ state, value=-1.0)  # erase what S stores under k̂_j: S − β_j k̂_j (k̂_jᵀ S)
+        if log_decay is not None:
+            state.mul_(log_decay.to(dtype).exp().view(b, heads, 1, 1))
+        # + β_j k̂_j v_jᵀ: the query heads of a KV head [B, H_kv, G, K, V] share its v_j (no repeat)
+        state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(
+            write.view(b, kv_heads, -1, state.shape[2], 1), leaving_v.to(dtype).view(b, kv_heads, 1, 1, -1))
+        read = (q_hat.view(b, heads, 1, -1).to(dtype) * self.key_dim**-0.5) @ state  # [B, H, 1, V]
+        read = self.normed_and_gated(read.view(b, 1, heads, -1).to(v.dtype), hidden_states)
+        # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R].
+        keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
+        query = q.view(b, kv_heads, heads // kv_heads, head_dim).to(dtype)
+        scores = query @ keys.to(dtype) * head_dim**-0.5
+        weights = torch.where(cache_layer.window_mask.view(b, 1, 1, -1), scores, -torch.inf).softmax(-1)
+        o = (weights @ values.to(dtype)).reshape(b, 1, heads, -1).to(v.dtype)  # [B, 1, H, V]
+        o = o + self.window_gate.to(o.dtype).view(1, 1, -1, 1) * read
+        if real is not None:  # pad queries output 0 (a pad's window may be empty: its softmax row is nan)
+            o = torch.where(real.view(b, 1, 1, 1), o, 0.0)
+        cache_layer.advance(1, q.device)
+        return o
 
     def linear_forward(
         self,

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from helpers import run_script
 
 
@@ -43,14 +44,17 @@ def test_decode_benchmark_compiles_and_batches_generate(tmp_path):
     assert (tmp_path / "decode.json").exists()  # the batch-1 eager scaling table is written too
 
 
-def test_decode_loop_benchmark_times_every_variant_in_turn(tmp_path):
+@pytest.mark.parametrize("attention", [[], ["--attention", "delta_window"]])
+def test_decode_loop_benchmark_times_every_variant_in_turn(tmp_path, attention):
     """--timings loop alone: the loop table for a left-padded batch, compiled variants without recompiles while
-    timed, the LM head timed alone; no scaling or generate() table."""
+    timed, the LM head timed alone; no scaling or generate() table. The additive hybrid, and the delta rule behind
+    the window."""
     result = run_script("bench_decode.py", "--contexts", "40", "--new_tokens", "3", "--warmup_tokens", "3",
                         "--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
                         "--num_hidden_layers", "1", "--vocab_size", "64", "--window_size", "4", "--num_sink_tokens",
-                        "1", "--feature_map", "hedgehog", "--feature_dim", "8", "--compile", "--compile_backend",
-                        "aot_eager", "--batch_size", "1", "3", "--timings", "loop", "--output_dir", str(tmp_path))
+                        "1", "--feature_map", "hedgehog", "--feature_dim", "8", *attention, "--compile",
+                        "--compile_backend", "aot_eager", "--batch_size", "1", "3", "--timings", "loop",
+                        "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "decode_loop.json").read_text())["rows"]
     variants = ["eager", "compiled", "decoder eager", "decoder compiled"]
@@ -68,6 +72,8 @@ def test_decode_benchmark_refuses_bad_arguments_before_running(tmp_path):
     assert not list(tmp_path.iterdir())
     result = run_script("bench_decode.py", "--timings", "loop", "prefill", "--output_dir", str(tmp_path))
     assert result.returncode != 0 and "--timings must be some of" in result.stderr
+    result = run_script("bench_decode.py", "--attention", "delta", "--output_dir", str(tmp_path))
+    assert result.returncode != 0 and "--attention must be one of ['delta_window']" in result.stderr
     assert not list(tmp_path.iterdir())
 
 

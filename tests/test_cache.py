@@ -5,7 +5,7 @@ import torch
 from helpers import VARIANTS, left_pad, prompts, tiny_model
 from transformers import DynamicCache
 
-from hf_linear_attn import LinearAttentionCache
+from hf_linear_attn import LinearAttentionCache, modeling_linear_attention
 from hf_linear_attn.modeling_linear_attention import OUTPUT_CACHE_FIELD
 
 
@@ -61,7 +61,8 @@ def test_token_by_token_decoding_equals_the_forward(name):
     torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["hedgehog-window-sinks", "hedgehog-window-sinks-scalar-decay"])
+@pytest.mark.parametrize("name", ["hedgehog-window-sinks", "hedgehog-window-sinks-scalar-decay",
+                                  "gated-delta-window-sinks"])
 def test_unpadded_decoding_from_one_token_equals_the_forward(name):
     """No mask (the step's unpadded form): one token prefilled, fewer than the sinks, so the sink slots fill during
     decoding; once they are all filled the eager steps skip the sink update. The forward's logits at every position."""
@@ -360,23 +361,35 @@ def test_delta_window_cache_holds_the_ring_with_the_beta_each_token_enters_with(
     assert ((layer.window_beta[:, 2:][ring] > 0) & (layer.window_beta[:, 2:][ring] < 1)).all()
 
 
+@pytest.mark.parametrize("prefill", [3, 12])  # shorter and longer than the window (5)
 @pytest.mark.parametrize("name", ["elu", "identity-fixed-decay", "t2r-vector-decay", "hedgehog-window-sinks",
-                                  *HYBRID_DECAY_VARIANTS])
-def test_lean_decode_step_equals_the_op_path(name):
+                                  *HYBRID_DECAY_VARIANTS, "gated-delta-window-sinks"])
+def test_lean_decode_step_equals_the_op_path(name, prefill, monkeypatch):
     """The fixed-shape one-token step (backend "auto") against the same step through the ops ("torch" backend, the
     retained window in sequence order in front of the token): the same logits and the same cache, slot for slot,
-    through sinks filling, the window wrapping and left padding."""
+    through sinks filling (the short row is all pads until after the prefill), the window wrapping, left padding and
+    a hole decoded after real tokens (a pad step, while a real token leaves the window). The lean steps call none of
+    the ops; the twin's call them at every step."""
+    calls = []
+    for op in ("linear_attention", "window_attention", "delta_rule_attention"):
+        run = getattr(modeling_linear_attention, op)
+        monkeypatch.setattr(modeling_linear_attention, op,
+                            lambda *args, _run=run, _op=op, **kwargs: calls.append(_op) or _run(*args, **kwargs))
     lean = tiny_model(**VARIANTS[name])
     ops = tiny_model(**VARIANTS[name], linear_attention_backend="torch")
     ids, mask = left_pad(prompts([19, 6], seed=8))
+    mask[0, 15] = 0
     caches = [LinearAttentionCache(m.config) for m in (lean, ops)]
     with torch.no_grad():
         for model, cache in zip((lean, ops), caches, strict=True):
-            model(ids[:, :3], attention_mask=mask[:, :3], cache=cache)
-        for i in range(3, ids.shape[1]):
-            a, b = (model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache).logits
-                    for model, cache in zip((lean, ops), caches, strict=True))
-            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+            model(ids[:, :prefill], attention_mask=mask[:, :prefill], cache=cache)
+        for i in range(prefill, ids.shape[1]):
+            logits = []
+            for model, cache in zip((lean, ops), caches, strict=True):
+                calls.clear()
+                logits.append(model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache).logits)
+                assert bool(calls) == (model is ops), calls
+            torch.testing.assert_close(*logits, atol=2e-5, rtol=1e-4)
     for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
         assert mine.tensors().keys() == theirs.tensors().keys()
         for key, tensor in mine.tensors().items():
@@ -384,9 +397,13 @@ def test_lean_decode_step_equals_the_op_path(name):
         assert mine.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
 
 
-def test_decode_steps_update_the_cache_in_place():
+@pytest.mark.parametrize("name, buffers", [
+    ("hedgehog-window-sinks-scalar-decay", set()),
+    ("gated-delta-window-sinks", {"window_beta", "conv_inputs"}),
+])
+def test_decode_steps_update_the_cache_in_place(name, buffers):
     """After the first call, a decode step writes every buffer in place: same tensors, same addresses."""
-    model = tiny_model(**VARIANTS["hedgehog-window-sinks-scalar-decay"])
+    model = tiny_model(**VARIANTS[name])
     ids = torch.randint(3, 128, (2, 12))
     cache = LinearAttentionCache(model.config)
     with torch.no_grad():
@@ -395,4 +412,4 @@ def test_decode_steps_update_the_cache_in_place():
         for i in range(4, 12):
             model(ids[:, i : i + 1], cache=cache)
     assert [{k: t.data_ptr() for k, t in layer.tensors().items()} for layer in cache.layers] == before
-    assert set(before[0]) == {"state", "window_keys", "window_values", "window_key_features", "window_mask"}
+    assert set(before[0]) == {"state", "window_keys", "window_values", "window_key_features", "window_mask", *buffers}

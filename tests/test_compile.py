@@ -2,7 +2,7 @@
 
 Compiling on the CPU is slow (inductor generates and builds C++), so most tests trace with dynamo's "eager" /
 "aot_eager" backends, which check the same graph capture (breaks, shapes, guards) in seconds; one test runs
-inductor itself on the smallest model, which takes tens of seconds and cannot be made shorter.
+inductor itself on the smallest hybrids, which takes tens of seconds and cannot be made shorter.
 """
 
 import pytest
@@ -13,9 +13,9 @@ from transformers import CompileConfig
 from hf_linear_attn import LinearAttentionCache, modeling_linear_attention
 
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
-# Linear, decayed linear, every kind of hybrid and the delta rule with its convolution.
+# Linear, decayed linear, every kind of hybrid and the delta rule with its convolution (alone and with the window).
 COMPILED_VARIANTS = ["elu", "identity-fixed-decay", "hedgehog-window-sinks", "hedgehog-window-sinks-vector-decay",
-                     "gated-delta-conv"]
+                     "gated-delta-conv", "gated-delta-window-sinks"]
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_decode_step_has_no_graph_breaks(name):
     assert cache.get_seq_length() == mask.shape[1]  # the traced step ran and advanced the cache once
 
 
-@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks-scalar-decay"])
+@pytest.mark.parametrize("name", ["elu", "hedgehog-window-sinks-scalar-decay", "gated-delta-window-sinks"])
 def test_every_decode_step_runs_the_same_graph(name):
     """The position counter is a tensor and every buffer keeps its shape: no recompilation from step to step."""
     model = tiny_model(**VARIANTS[name])
@@ -98,9 +98,10 @@ def test_compiled_decode_with_a_sparse_memory_gives_the_eager_logits(monkeypatch
     torch.testing.assert_close(logits[True], logits[False])
 
 
-def test_inductor_compiled_decode_gives_the_eager_tokens():
-    """The real compiler (inductor, C++ on the CPU: tens of seconds, the one unavoidable cost here) on the hybrid."""
-    model = tiny_model(**VARIANTS["hedgehog-window-sinks"], num_hidden_layers=1)
+@pytest.mark.parametrize("name", ["hedgehog-window-sinks", "gated-delta-window-sinks"])
+def test_inductor_compiled_decode_gives_the_eager_tokens(name):
+    """The real compiler (inductor, C++ on the CPU: tens of seconds, the one unavoidable cost here) on the hybrids."""
+    model = tiny_model(**VARIANTS[name], num_hidden_layers=1)
     ids = torch.randint(3, 128, (1, 8))
     tokens = {}
     for compiled in (False, True):

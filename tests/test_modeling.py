@@ -391,6 +391,12 @@ def test_causal_conv1d_is_the_sum_over_the_last_inputs_and_continues_from_past()
     rest, last_again = causal_conv1d(x[:, 2:], weight, tail)
     torch.testing.assert_close(torch.cat([head, rest], dim=1), y)
     torch.testing.assert_close(last_again, last)
+    past, stepwise = None, []
+    for t in range(9):  # one token at a time: a decode step's weighted sum
+        out, past = causal_conv1d(x[:, t : t + 1], weight, past)
+        stepwise.append(out)
+    torch.testing.assert_close(torch.cat(stepwise, dim=1), y)
+    torch.testing.assert_close(past, last)
 
 
 def test_delta_layer_is_gated_deltanet_from_its_parts():
