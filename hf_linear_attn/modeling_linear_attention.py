@@ -437,7 +437,7 @@ class LinearAttention(AttentionProjections):
                                                         None, None, None)
                               for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
         b, t = q.shape[:2]
-        window, sinks = self.config.window_size, self.config.num_sink_tokens
+        window, sinks = self.window_size, self.num_sink_tokens
         q_hat, k_hat, beta, log_decay = self.delta_rule_inputs(hidden_states, q, k, new_mask)
         if self._decode_step(q, cache_layer, None):
             return self.delta_window_decode_step(hidden_states, q, k, v, q_hat, k_hat, beta, log_decay, new_mask,
@@ -501,7 +501,7 @@ class LinearAttention(AttentionProjections):
         state = cache_layer.state  # [B, H, K, V], fp32
         dtype = state.dtype
         leaving_k_hat, leaving_v, leaving_real, leaving_beta = cache_layer.push_window_token(
-            k, v, k_hat, real, self.config.window_size, self.config.num_sink_tokens, beta=beta)
+            k, v, k_hat, real, self.window_size, self.num_sink_tokens, beta=beta)
         key = leaving_k_hat.to(dtype).view(b, heads, 1, -1)  # k̂_j [B, H, 1, K]
         strength = (leaving_beta * leaving_real[..., None]).to(dtype).view(b, heads, 1, 1)  # β_j, 0 unless it enters
         write = strength * key.transpose(-1, -2)  # β_j k̂_j [B, H, K, 1]
