@@ -62,6 +62,7 @@ from .ops_triton import (
     _dot,
     _load_decay,
     _load_tile,
+    _spill_free,
     _start_state_pass,
     _state_base,
     _store_tile,
@@ -95,7 +96,7 @@ def _strictly_lower(CHUNK: tl.constexpr):
     return local[:, None] > local[None, :]
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _ut_transform_kernel(
     k, v, beta, b, inverse, w_k, w_v, chunk_info,
@@ -140,7 +141,7 @@ def _ut_transform_kernel(
         _store_tile(w_v + h * V, _dot(solved, v_tile * beta_rows, False), rows, end, H * V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _delta_state_pass_kernel(
     k, w_k, w_v, b, init, states, pseudo_values, seq_info,
@@ -174,7 +175,7 @@ def _delta_state_pass_kernel(
     _store_tile(_state_base(states, first_slot + num_chunks, h, H, K, V), state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _delta_reverse_state_pass_kernel(
     q, k, do, w_k, b, d_final, dstates, d_pseudo_values, seq_info, scale,
@@ -213,7 +214,7 @@ def _delta_reverse_state_pass_kernel(
     _store_tile(_state_base(dstates, first_slot, h, H, K, V), d_state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _delta_chunk_grads_kernel(
     q, k, v, beta, b, do, pseudo_values, d_pseudo_values, inverse, states, dstates, dq, dk, dv, dbeta, db,

@@ -116,30 +116,42 @@ def _configs() -> list:
 
 
 def _spill_free(configs: list, named_args: dict, **kwargs) -> list:
-    """The configs the autotuner may pick for the state pass, output and per-key-dim decay kernels: at head dims ≥ 64
-    only 8 warps and 2 stages (an sm_90 compile of the others spills registers at K = V = 64 and 128, up to 2 KB with
-    4 warps and 3 stages); all of them below, and under the interpreter."""
-    if INTERPRET or max(kwargs["K"], kwargs.get("V", 0)) < 64:
+    """The configs the autotuner may pick for the kernels tuned over `_configs()`: at head dims ≥ 64 (K, D or V) only
+    8 warps and 2 stages (an sm_90 compile of the others spills registers at 64 and 128, up to 2 KB in the linear
+    kernels and 8 KB in the window and delta-rule ones, with 4 warps or 3 stages); all of them below, and under the
+    interpreter."""
+    if INTERPRET or max(kwargs.get(name, 0) for name in ("K", "D", "V")) < 64:
         return configs
     return [c for c in configs if (c.num_warps, c.num_stages) == (8, 2)]
 
 
 def _dqk_configs() -> list:
-    """Launch configurations of `_chunk_dqk_kernel`: 8 warps and a BLOCK_V for V, see `_dqk_value_blocks` (an sm_90
-    compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, and with 128-wide K blocks). One under the
-    interpreter."""
+    """Launch configurations of `_chunk_dqk_kernel`: 8 warps, 2 stages and a BLOCK_V for V, see `_dqk_value_blocks`
+    (an sm_90 compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, with 128-wide K blocks, and with 3
+    stages when the V loop runs more than once). One under the interpreter."""
     if not HAS_TRITON:
         return []
     if INTERPRET:
         return [triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=s) for bv in (64, 128) for s in (2, 3)]
+    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=2) for bv in (64, 128)]
+
+
+def _dqk_value_width(value_dim: int, element_size: int) -> int:
+    """BLOCK_V of `_chunk_dqk_kernel`: one 128-wide value block for 16-bit inputs with 64 < V ≤ 128, 64-wide blocks
+    otherwise (64-wide ones spill at V = 128 for the per-key-dim decay, 128-wide ones past V = 128, e.g. normalize's
+    V + 1 = 129 columns; fp32 128-wide tiles need more than sm_90's shared memory)."""
+    return _block(value_dim, 128) if element_size <= 2 and value_dim <= 128 else 64
+
+
+def _dqk_key_width(key_dim: int, value_dim: int, scalar_decay_grad: bool) -> int:
+    """BLOCK_K of `_chunk_dqk_kernel`: 64, or 32 where a 64-wide K block spills registers on sm_90 (three fp32
+    [CHUNK, 64] accumulators and the per-head decay gradient, or a V loop of several 64-wide blocks)."""
+    return _block(key_dim, 32 if scalar_decay_grad or value_dim > 128 else 64)
 
 
 def _dqk_value_blocks(configs: list, named_args: dict, **kwargs) -> list:
-    """The configs the autotuner may pick for this V: 64-wide value blocks up to V = 64, 128-wide above for 16-bit
-    inputs (64-wide ones spill at V = 128 for the per-key-dim decay; fp32 128-wide tiles need more than sm_90's
-    shared memory); any under the interpreter."""
-    width = _block(kwargs["V"], 128 if named_args["q"].element_size() <= 2 else 64)
+    """The config the autotuner may pick for this V (`_dqk_value_width`); any under the interpreter."""
+    width = _dqk_value_width(kwargs["V"], named_args["q"].element_size())
     return [c for c in configs if INTERPRET or c.kwargs["BLOCK_V"] == width]
 
 
@@ -711,7 +723,7 @@ def _chunk_grads(
     tokens = k.numel() // (heads * key_dim)
     decay = _decay_mode(b)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    block_k = _block(key_dim)
+    block_k = _dqk_key_width(key_dim, value_dim, decay_grad and decay == DECAY_SCALAR.value)
     k_blocks = triton.cdiv(key_dim, block_k)
     unused = dstates  # any tensor, for pointer arguments a specialization does not read
     d_log_decay = state_term = unused
@@ -841,7 +853,7 @@ def _window_setup(bounds, sinks, H: tl.constexpr):
     return pid, row, h, lo, hi, tl.minimum(lo + sinks, hi)
 
 
-@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _window_fwd_kernel(
     q, k, v, num, den, row_max, row_argmax, bounds, scale, T, window, sinks,
@@ -907,7 +919,7 @@ def _window_load_row_grads(dnum, dden, row_max, row_argmax, d_max, token0, t, T,
             tl.load(row_argmax + stats, mask=t < T, other=0), tl.load(d_max + stats, mask=t < T, other=0.0))
 
 
-@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _window_dq_kernel(
     q, k, v, dnum, dden, row_max, row_argmax, d_max, dq, bounds, scale, T, window, sinks,
@@ -943,7 +955,7 @@ def _window_dq_kernel(
     _store_tile(dq + (token0 * H + h) * D, acc * scale, t, T, H * D, dd, D)
 
 
-@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _window_dkdv_kernel(
     q, k, v, dnum, dden, row_max, row_argmax, d_max, dk, dv, bounds, scale, T, window, sinks,
