@@ -315,9 +315,9 @@ def _forward_pass(
     inverse = k.new_empty(*k.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
     w_k = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     w_v = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    _ut_transform_kernel[(chunks.num_chunks, heads)](
+    _ut_transform_kernel[(chunks.num_chunks, heads)](  # 32-wide K blocks: 64-wide ones spill registers on sm_90
         k, v, beta, inverse if b is None else b, inverse, w_k, w_v, chunks.chunk_info,
-        H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim),
+        H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim, 32),
         BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
     )
     states = k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)

@@ -75,7 +75,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when @t
 # Per-key-dim decay: rows per sub-chunk of the intra-chunk products, one program each (the torch backend's
 # sub-blocks are smaller, to bound its explicit decay tensors); must divide CHUNK_SIZE.
 VECTOR_SUB_CHUNK = 16
-WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels; half that for head dims > 128
+WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels, see `_window_blocks`
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WINDOW_HEAD_DIM = 256  # D and V of the window softmax part: one tile of the window kernels
 
@@ -265,6 +265,26 @@ def _sub_chunk_decay(b, SUB: tl.constexpr):
     local = tl.arange(0, SUB)
     causal = (local[:, None] >= local[None, :])[:, :, None]
     return tl.where(causal, tl.exp(tl.minimum(b[:, None, :] - b[None, :, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _sub_chunk_grads(dA_diagonal, q_rows, k_rows, b_rows, SUB: tl.constexpr):
+    """The pairs inside one sub-chunk of the per-key-dim decay gradients, one key i at a time:
+    dq̂_t += Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i} and dk_i += Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}.
+    dA_diagonal: [SUB (t), SUB (i)]; q_rows (q̂), k_rows, b_rows: [SUB, BLOCK_K]. Returns the two [SUB, BLOCK_K] sums.
+    [SUB, BLOCK_K] tiles only: the [SUB, SUB, BLOCK_K] products of `_sub_chunk_decay` spill registers on sm_90."""
+    local = tl.arange(0, SUB)
+    dq_part = tl.zeros(q_rows.shape, dtype=tl.float32)
+    dk_part = tl.zeros(q_rows.shape, dtype=tl.float32)
+    for i in range(SUB):
+        row_i = (local == i)[:, None]
+        k_i = tl.sum(tl.where(row_i, k_rows, 0.0), axis=0)[None, :]  # [1, BLOCK_K]
+        b_i = tl.sum(tl.where(row_i, b_rows, 0.0), axis=0)[None, :]
+        dA_i = tl.sum(tl.where((local == i)[None, :], dA_diagonal, 0.0), axis=1)[:, None]  # [SUB, 1]: dA_ti
+        weights = tl.where((local >= i)[:, None], dA_i * tl.exp(tl.minimum(b_rows - b_i, 0.0)), 0.0)
+        dq_part += weights * k_i
+        dk_part += tl.where(row_i, tl.sum(weights * q_rows, axis=0)[None, :], 0.0)
+    return dq_part, dk_part
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -567,10 +587,10 @@ def _vector_grads_kernel(
         q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
         dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
 
-        dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)[:, :, None]
-        decay = _sub_chunk_decay(b_rows, SUB)  # [t, i, k]
-        dq_acc += tl.sum(dA_diagonal * k_rows[None, :, :] * decay, axis=1)
-        dk_acc += tl.sum(dA_diagonal * q_rows[:, None, :] * decay, axis=0)
+        dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)
+        dq_part, dk_part = _sub_chunk_grads(dA_diagonal, q_rows, k_rows, b_rows, SUB)
+        dq_acc += dq_part
+        dk_acc += dk_part
         dq_acc += _load_tile(dq_state + h * K, rows, end, H * K, kk, K)
         dk_acc += _load_tile(dk_state + h * K, rows, end, H * K, kk, K)
         _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
@@ -994,6 +1014,15 @@ def _window_dkdv_kernel(
     _store_tile(dv + (token0 * H + h) * V, dv_acc, i, T, H * V, vv, V)
 
 
+def _window_blocks(head_dim: int) -> dict:
+    """{kernel: (BLOCK_M queries, BLOCK_N keys)} of the window kernels for head dims D, V ≤ head_dim: WINDOW_BLOCK
+    (half that past 128), halved where an sm_90 compile spills registers otherwise: the key blocks of dq, the query
+    blocks of dkdv, and its key blocks past 64."""
+    block = WINDOW_BLOCK if head_dim <= 128 else WINDOW_BLOCK // 2
+    half = block // 2
+    return {"fwd": (block, block), "dq": (block, half), "dkdv": (half, block if head_dim <= 64 else half)}
+
+
 class _WindowSoftmax(torch.autograd.Function):
     """(num, den) of the window softmax part, fp32 [B, T, H, V] and [B, T, H] (see `_window_fwd_kernel`)."""
 
@@ -1004,14 +1033,16 @@ class _WindowSoftmax(torch.autograd.Function):
         num = v.new_empty(v.shape, dtype=torch.float32)
         den, row_max = (q.new_empty(batch, length, heads, dtype=torch.float32) for _ in range(2))
         row_argmax = q.new_empty(batch, length, heads, dtype=torch.int32)
-        block = WINDOW_BLOCK if max(head_dim, value_dim) <= 128 else WINDOW_BLOCK // 2
+        ctx.blocks = _window_blocks(max(head_dim, value_dim))
         ctx.launch = dict(
-            scale=scale, T=length, window=window, sinks=sinks, H=heads, D=head_dim, V=value_dim, BLOCK_M=block,
-            BLOCK_N=block, BLOCK_D=_block(head_dim, 256), BLOCK_V=_block(value_dim, 256),
+            scale=scale, T=length, window=window, sinks=sinks, H=heads, D=head_dim, V=value_dim,
+            BLOCK_D=_block(head_dim, 256), BLOCK_V=_block(value_dim, 256),
             BF16_DOT=q.dtype == torch.bfloat16 and not INTERPRET,
         )
-        ctx.grid = (triton.cdiv(length, block), batch * heads)
-        _window_fwd_kernel[ctx.grid](q, k, v, num, den, row_max, row_argmax, bounds, **ctx.launch)
+        block_m, block_n = ctx.blocks["fwd"]
+        _window_fwd_kernel[(triton.cdiv(length, block_m), batch * heads)](
+            q, k, v, num, den, row_max, row_argmax, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
+        )
         ctx.save_for_backward(q, k, v, bounds, num, den, row_max, row_argmax)
         return num, den
 
@@ -1023,8 +1054,15 @@ class _WindowSoftmax(torch.autograd.Function):
         d_max = -((dnum * num).sum(-1) + dden * den)
         grads = (dnum, dden, row_max, row_argmax, d_max)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _window_dq_kernel[ctx.grid](q, k, v, *grads, dq, bounds, **ctx.launch)
-        _window_dkdv_kernel[ctx.grid](q, k, v, *grads, dk, dv, bounds, **ctx.launch)
+        batch, length, heads = q.shape[:3]
+        block_m, block_n = ctx.blocks["dq"]  # a program per BLOCK_M queries
+        _window_dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
+            q, k, v, *grads, dq, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
+        )
+        block_m, block_n = ctx.blocks["dkdv"]  # a program per BLOCK_N keys
+        _window_dkdv_kernel[(triton.cdiv(length, block_n), batch * heads)](
+            q, k, v, *grads, dk, dv, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
+        )
         return dq, dk, dv, None, None, None, None
 
 
