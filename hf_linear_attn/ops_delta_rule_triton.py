@@ -340,7 +340,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
         _, _, states, pseudo_values = _forward_pass(k, v, beta, b, initial_state, chunks, bf16_dot)
-        o = _chunk_output(
+        o, _ = _chunk_output(
             q, k, pseudo_values, b, None, states, chunks, transpose=False, row_scale=scale, col_scale=1.0,
             out_dtype=v.dtype, bf16_dot=bf16_dot,
         )
