@@ -17,6 +17,7 @@ Target: ours / fla ≤ 1.0 on every shape and decay mode.
     python benchmarks/kernel_report.py                          # full report (several minutes)
     python benchmarks/kernel_report.py --fla_dir build/wheels   # fla's wheels (make fla-wheels) or packages
     python benchmarks/kernel_report.py --dry                    # tiny shapes, one kernel compiled (CI)
+    python benchmarks/kernel_report.py --parts compile --kernels _chunk_dqk_kernel   # one part, some kernels
 
 Run it WITHOUT TRITON_INTERPRET (the traffic is counted in a spawned process with it). Prints the tables and writes
 kernel_compile.{md,json} and kernel_traffic.{md,json} to --output_dir.
@@ -54,6 +55,10 @@ class KernelReportArguments:
     fla_dir: str = field(default="", metadata={
         "help": "A folder of fla's wheels (fla-core, flash-linear-attention; make fla-wheels) or of its unpacked "
                 "packages; empty: fla as installed, if it is."})
+    parts: list[str] = field(default_factory=lambda: ["traffic", "compile"], metadata={
+        "help": "The parts to run: traffic, compile, or both."})
+    kernels: list[str] = field(default_factory=list, metadata={
+        "help": "Compile only the kernels with these names (e.g. _chunk_dqk_kernel); empty: every kernel."})
     dry: bool = field(default=False, metadata={"help": "Tiny shapes and one kernel config compiled (CI)."})
     output_dir: str = "outputs/kernel_report"
 
@@ -69,7 +74,7 @@ def compile_rows(args: KernelReportArguments) -> list[dict]:
 
     dims = [(d, d) for d in args.compile_dims]
     seen = record_workload([torch.bfloat16], dims, [False] if args.dry else [False, True])
-    specs = list(seen.values())
+    specs = [s for s in seen.values() if not args.kernels or s.kernel.__name__ in args.kernels]
     if args.dry:  # the first specialization launched
         specs = specs[:1]
     rows = []
@@ -211,15 +216,8 @@ def kernel_breakdown(counts: dict, dim: int, length: int) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(KernelReportArguments).parse_args_into_dataclasses(argv)
-    if args.dry:
-        args.shapes, args.fit_lengths, args.compile_dims = ["2x256x3x16"], [64, 128, 192], [16]
-    if len(args.fit_lengths) != 3 or any(t % 64 for t in args.fit_lengths):
-        raise SystemExit(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
-
+def traffic_report(args: KernelReportArguments) -> None:
+    """The traffic part: count, fit, print and write kernel_traffic.{md,json}."""
     print("Traffic (interpreted forward + backward passes):", flush=True)
     counts = count_in_child(args)
     if counts["fla_error"]:
@@ -235,6 +233,9 @@ def main(argv: list[str]) -> int:
                  meta={"args": asdict(args), "fla_error": counts["fla_error"],
                        f"detail_1x{args.fit_lengths[-1]}x1x{dim}": detail})
 
+
+def compile_report(args: KernelReportArguments) -> None:
+    """The compile part: compile, print and write kernel_compile.{md,json}."""
     print("\nCompile for sm_90 (every specialization and autotune config):", flush=True)
     compiled = compile_rows(args)
     spilling = [r for r in compiled if r.get("spill_stores", 0) or r.get("spill_loads", 0)]
@@ -246,6 +247,24 @@ def main(argv: list[str]) -> int:
                  meta={"args": asdict(args), "all": compiled})
     print(f"{len(compiled)} kernel configs compiled for sm_90 at head dims {args.compile_dims}: "
           f"{len(spilling)} spill (target 0, listed above), {len(failed)} failed")
+
+
+def main(argv: list[str]) -> int:
+    (args,) = HfArgumentParser(KernelReportArguments).parse_args_into_dataclasses(argv)
+    if args.dry:
+        args.shapes, args.fit_lengths, args.compile_dims = ["2x256x3x16"], [64, 128, 192], [16]
+    if len(args.fit_lengths) != 3 or any(t % 64 for t in args.fit_lengths):
+        raise SystemExit(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
+
+    unknown = sorted(set(args.parts) - {"traffic", "compile"})
+    if unknown:
+        raise SystemExit(f"unknown --parts {unknown}: choose from traffic, compile")
+    if "traffic" in args.parts:
+        traffic_report(args)
+    if "compile" in args.parts:
+        compile_report(args)
     return 0
 
 

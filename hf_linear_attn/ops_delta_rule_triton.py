@@ -62,6 +62,7 @@ from .ops_triton import (
     _dot,
     _load_decay,
     _load_tile,
+    _spill_free,
     _start_state_pass,
     _state_base,
     _store_tile,
@@ -95,7 +96,7 @@ def _strictly_lower(CHUNK: tl.constexpr):
     return local[:, None] > local[None, :]
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _ut_transform_kernel(
     k, v, beta, b, inverse, w_k, w_v, chunk_info,
@@ -140,7 +141,7 @@ def _ut_transform_kernel(
         _store_tile(w_v + h * V, _dot(solved, v_tile * beta_rows, False), rows, end, H * V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _delta_state_pass_kernel(
     k, w_k, w_v, b, init, states, pseudo_values, seq_info,
@@ -174,7 +175,7 @@ def _delta_state_pass_kernel(
     _store_tile(_state_base(states, first_slot + num_chunks, h, H, K, V), state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _delta_reverse_state_pass_kernel(
     q, k, do, w_k, b, d_final, dstates, d_pseudo_values, seq_info, scale,
@@ -213,7 +214,7 @@ def _delta_reverse_state_pass_kernel(
     _store_tile(_state_base(dstates, first_slot, h, H, K, V), d_state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"])
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _delta_chunk_grads_kernel(
     q, k, v, beta, b, do, pseudo_values, d_pseudo_values, inverse, states, dstates, dq, dk, dv, dbeta, db,
@@ -314,9 +315,9 @@ def _forward_pass(
     inverse = k.new_empty(*k.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
     w_k = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     w_v = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    _ut_transform_kernel[(chunks.num_chunks, heads)](
+    _ut_transform_kernel[(chunks.num_chunks, heads)](  # 32-wide K blocks: 64-wide ones spill registers on sm_90
         k, v, beta, inverse if b is None else b, inverse, w_k, w_v, chunks.chunk_info,
-        H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim),
+        H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim, 32),
         BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
     )
     states = k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)
@@ -339,7 +340,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
         _, _, states, pseudo_values = _forward_pass(k, v, beta, b, initial_state, chunks, bf16_dot)
-        o = _chunk_output(
+        o, _ = _chunk_output(
             q, k, pseudo_values, b, None, states, chunks, transpose=False, row_scale=scale, col_scale=1.0,
             out_dtype=v.dtype, bf16_dot=bf16_dot,
         )

@@ -38,7 +38,10 @@ b is non-increasing inside a chunk, so every exponent above is ≤ 0 and nothing
 decay — except e^{b_tk − b_ik} inside A for a per-key-dim decay, which cannot be split into e^{b_t}·e^{−b_i}:
 there sub-chunks of VECTOR_SUB_CHUNK rows factor it around a reference r between i and t (e^{b_t − r}·e^{r − b_i},
 both ≤ 1), and the diagonal sub-blocks use the explicit [SUB, SUB, K] decay. The normaliser of normalize=True is
-the state of an extra all-ones value column.
+the output of an all-ones value column, carried beside the values rather than as a (V + 1)-th one: its state is a
+K-vector z per chunk (a V = 1 state pass), its output den_t = (q̂_t ⊙ e^{b_t})·z_j + Σ_{i ≤ t} A_ti comes from the
+first V block of the output kernel, and the dq/dk kernel adds its terms; V keeps its width (128: two 64-wide
+blocks, not three).
 
 Window hybrid
 -------------
@@ -57,9 +60,9 @@ from torch import Tensor
 
 from .ops_common import (
     CHUNK_SIZE,
+    NORM_EPS,
     divide_at_real_queries,
     log_decay_floor,
-    normalized,
     window_linear_inputs,
     window_token_masks,
 )
@@ -75,7 +78,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when @t
 # Per-key-dim decay: rows per sub-chunk of the intra-chunk products, one program each (the torch backend's
 # sub-blocks are smaller, to bound its explicit decay tensors); must divide CHUNK_SIZE.
 VECTOR_SUB_CHUNK = 16
-WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels; half that for head dims > 128
+WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels, see `_window_blocks`
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WINDOW_HEAD_DIM = 256  # D and V of the window softmax part: one tile of the window kernels
 
@@ -116,30 +119,43 @@ def _configs() -> list:
 
 
 def _spill_free(configs: list, named_args: dict, **kwargs) -> list:
-    """The configs the autotuner may pick for the state pass, output and per-key-dim decay kernels: at head dims ≥ 64
-    only 8 warps and 2 stages (an sm_90 compile of the others spills registers at K = V = 64 and 128, up to 2 KB with
-    4 warps and 3 stages); all of them below, and under the interpreter."""
-    if INTERPRET or max(kwargs["K"], kwargs.get("V", 0)) < 64:
+    """The configs the autotuner may pick for the kernels tuned over `_configs()`: at head dims ≥ 64 (K, D or V) only
+    8 warps and 2 stages (an sm_90 compile of the others spills registers at 64 and 128, up to 2 KB in the linear
+    kernels and 8 KB in the window and delta-rule ones, with 4 warps or 3 stages); all of them below, and under the
+    interpreter."""
+    if INTERPRET or max(kwargs.get(name, 0) for name in ("K", "D", "V")) < 64:
         return configs
     return [c for c in configs if (c.num_warps, c.num_stages) == (8, 2)]
 
 
 def _dqk_configs() -> list:
-    """Launch configurations of `_chunk_dqk_kernel`: 8 warps and a BLOCK_V for V, see `_dqk_value_blocks` (an sm_90
-    compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, and with 128-wide K blocks). One under the
-    interpreter."""
+    """Launch configurations of `_chunk_dqk_kernel`: 8 warps, 2 stages and a BLOCK_V for V, see `_dqk_value_blocks`
+    (an sm_90 compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, with 128-wide K blocks, and with 3
+    stages when the V loop runs more than once). One under the interpreter."""
     if not HAS_TRITON:
         return []
     if INTERPRET:
         return [triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=s) for bv in (64, 128) for s in (2, 3)]
+    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=2) for bv in (64, 128)]
+
+
+def _dqk_value_width(value_dim: int, element_size: int) -> int:
+    """BLOCK_V of `_chunk_dqk_kernel`: one 128-wide value block for 16-bit inputs with 64 < V ≤ 128, 64-wide blocks
+    otherwise (64-wide ones spill at V = 128 for the per-key-dim decay, 128-wide ones past V = 128; fp32 128-wide
+    tiles need more than sm_90's shared memory)."""
+    return _block(value_dim, 128) if element_size <= 2 and value_dim <= 128 else 64
+
+
+def _dqk_key_width(key_dim: int, value_dim: int, extra_terms: bool) -> int:
+    """BLOCK_K of `_chunk_dqk_kernel`: 64, or 32 where a 64-wide K block spills registers on sm_90: three fp32
+    [CHUNK, 64] accumulators and extra terms (the per-head decay gradient, the normaliser's), or a V loop of several
+    64-wide blocks."""
+    return _block(key_dim, 32 if extra_terms or value_dim > 128 else 64)
 
 
 def _dqk_value_blocks(configs: list, named_args: dict, **kwargs) -> list:
-    """The configs the autotuner may pick for this V: 64-wide value blocks up to V = 64, 128-wide above for 16-bit
-    inputs (64-wide ones spill at V = 128 for the per-key-dim decay; fp32 128-wide tiles need more than sm_90's
-    shared memory); any under the interpreter."""
-    width = _block(kwargs["V"], 128 if named_args["q"].element_size() <= 2 else 64)
+    """The config the autotuner may pick for this V (`_dqk_value_width`); any under the interpreter."""
+    width = _dqk_value_width(kwargs["V"], named_args["q"].element_size())
     return [c for c in configs if INTERPRET or c.kwargs["BLOCK_V"] == width]
 
 
@@ -253,6 +269,26 @@ def _sub_chunk_decay(b, SUB: tl.constexpr):
     local = tl.arange(0, SUB)
     causal = (local[:, None] >= local[None, :])[:, :, None]
     return tl.where(causal, tl.exp(tl.minimum(b[:, None, :] - b[None, :, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _sub_chunk_grads(dA_diagonal, q_rows, k_rows, b_rows, SUB: tl.constexpr):
+    """The pairs inside one sub-chunk of the per-key-dim decay gradients, one key i at a time:
+    dq̂_t += Σ_{i ≤ t} dA_ti k_i ⊙ e^{b_t − b_i} and dk_i += Σ_{t ≥ i} dA_ti q̂_t ⊙ e^{b_t − b_i}.
+    dA_diagonal: [SUB (t), SUB (i)]; q_rows (q̂), k_rows, b_rows: [SUB, BLOCK_K]. Returns the two [SUB, BLOCK_K] sums.
+    [SUB, BLOCK_K] tiles only: the [SUB, SUB, BLOCK_K] products of `_sub_chunk_decay` spill registers on sm_90."""
+    local = tl.arange(0, SUB)
+    dq_part = tl.zeros(q_rows.shape, dtype=tl.float32)
+    dk_part = tl.zeros(q_rows.shape, dtype=tl.float32)
+    for i in range(SUB):
+        row_i = (local == i)[:, None]
+        k_i = tl.sum(tl.where(row_i, k_rows, 0.0), axis=0)[None, :]  # [1, BLOCK_K]
+        b_i = tl.sum(tl.where(row_i, b_rows, 0.0), axis=0)[None, :]
+        dA_i = tl.sum(tl.where((local == i)[None, :], dA_diagonal, 0.0), axis=1)[:, None]  # [SUB, 1]: dA_ti
+        weights = tl.where((local >= i)[:, None], dA_i * tl.exp(tl.minimum(b_rows - b_i, 0.0)), 0.0)
+        dq_part += weights * k_i
+        dk_part += tl.where(row_i, tl.sum(weights * q_rows, axis=0)[None, :], 0.0)
+    return dq_part, dk_part
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -378,9 +414,9 @@ def _vector_scores_kernel(
                  prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _chunk_output_kernel(
-    row_k, col_k, col_v, b, scores, states, out, chunk_info, row_scale, col_scale,
+    row_k, col_k, col_v, b, scores, states, out, norm_states, den, chunk_info, row_scale, col_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, TRANSPOSE: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+    NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
     """Each chunk's output: the contribution of a carried state plus the masked intra-chunk product.
 
@@ -392,15 +428,20 @@ def _chunk_output_kernel(
         dv_i = (k_i ⊙ e^{b_last − b_i})ᵀ dS_{j+1} + Σ_{t ≥ i} A_ti do_t
     (q̂ = scale·q.) A = (q̂ kᵀ) ⊙ e^{b_t − b_i} masked, for no or per-head decay; read from `scores`
     (`_vector_scores_kernel`) for the per-key-dim decay.
+    If NORM (forward only), the programs of the first V block also store the normaliser, the output of a ones value
+    column whose states z_j are the K-vectors norm_states: den_t = (q̂_t ⊙ e^{b_t})·z_j + Σ_{i ≤ t} A_ti.
     row_k, col_k: [tokens, H, K]; col_v, out: [tokens, H, V]; states: [slots, H, K, V] (fp32; bf16 forward states
-    for bf16 inputs); chunk_info: int32 [chunks, 3]. Grid: (chunks, H, V / BLOCK_V).
+    for bf16 inputs); norm_states: [slots, H, K] (same dtype); den: fp32 [tokens, H]; chunk_info: int32 [chunks,
+    3]. Grid: (chunks, H, V / BLOCK_V).
     """
+    tl.static_assert((not NORM) or (not TRANSPOSE))
     chunk, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     state = _state_base(states, slot + TRANSPOSE, h, H, K, V)
     acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    den_acc = tl.zeros([CHUNK], dtype=tl.float32)
     scores_tile = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -412,6 +453,9 @@ def _chunk_output_kernel(
         else:
             weight = tl.exp(b_rows)
         acc += _dot(row_tile * weight, _load_tile(state, kk, K, V, vv, V), BF16_DOT)
+        if NORM:
+            z = tl.load(_state_base(norm_states, slot, h, H, K, 1) + kk, mask=kk < K, other=0.0).to(tl.float32)
+            den_acc += tl.sum(row_tile * weight * z[None, :], axis=1)
         if DECAY != DECAY_VECTOR:
             col_tile = _load_tile(col_k + h * K, rows, end, H * K, kk, K).to(tl.float32) * col_scale
             scores_tile += _dot(row_tile, tl.trans(col_tile), BF16_DOT)
@@ -423,15 +467,19 @@ def _chunk_output_kernel(
         scores_tile *= _causal_decay(_load_decay(b, h, rows, end, 0, H, K, DECAY), TRANSPOSE, CHUNK)
     acc += _dot(scores_tile, _load_tile(col_v + h * V, rows, end, H * V, vv, V), BF16_DOT)
     _store_tile(out + h * V, acc, rows, end, H * V, vv, V)
+    if NORM:
+        if pid_v == 0:
+            tl.store(den + rows.to(tl.int64) * H + h, den_acc + tl.sum(scores_tile, axis=1), mask=rows < end)
 
 
 @triton.autotune(configs=_dqk_configs(), key=["K", "V", "DECAY", "DECAY_GRAD", "work_bucket"],
                  prune_configs_by={"early_config_prune": _dqk_value_blocks})
 @triton.jit
 def _chunk_dqk_kernel(
-    q, k, v, do, log_decay, b, states, dstates, dq, dk, dA, state_term, d_log_decay, chunk_info, scale, tokens,
-    work_bucket, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+    q, k, v, do, log_decay, b, states, dstates, norm_states, d_norm_states, d_den, dq, dk, dA, state_term,
+    d_log_decay, chunk_info, scale, tokens, work_bucket,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
+    NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
     """dq = scale · dq̂ (dq̂: the gradient w.r.t. q̂ = scale·q) and dk of each chunk, for one block of K, looping
     over V:
@@ -447,8 +495,11 @@ def _chunk_dqk_kernel(
     LOG_DECAY_FLOOR. Per-key-dim decay: the intra-chunk sums are left to
     `_vector_grads_kernel`; dq, dk (fp32 [tokens, H, K]) receive the state parts only (dq̂, unscaled), dA (fp32
     [tokens, H, CHUNK], like `scores`) and the state term (fp32 [chunks, H, K]) are stored for it.
-    Otherwise dq, dk are in q's and k's dtypes. work_bucket (unread) keys the autotuner: the program count rounded
-    to a power of two. Grid: (chunks, H, K / BLOCK_K).
+    Otherwise dq, dk are in q's and k's dtypes. If NORM, the normaliser's ones value column takes part as a
+    (V + 1)-th one: its states z_j (norm_states, [slots, H, K]), their gradients dz_j (d_norm_states, fp32 [slots,
+    H, K]) and the gradient d_den (fp32 [tokens, H]) of its output; it adds d_den_t z_j to S_j do_t, dz_{j+1} to
+    dS_{j+1} v_i, d_den_t to dA_ti and z_j ⊙ dz_{j+1} to the state term. work_bucket (unread) keys the autotuner:
+    the program count rounded to a power of two. Grid: (chunks, H, K / BLOCK_K).
     """
     tl.static_assert((DECAY != DECAY_NONE) or (not DECAY_GRAD))
     chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -472,6 +523,15 @@ def _chunk_dqk_kernel(
         dA_acc += _dot(do_tile, tl.trans(v_tile), BF16_DOT)
         if DECAY_GRAD:
             entering_term += tl.sum(state.to(tl.float32) * d_state.to(tl.float32), axis=1)
+    if NORM:
+        z = tl.load(_state_base(norm_states, slot, h, H, K, 1) + kk, mask=kk < K, other=0.0).to(tl.float32)
+        dz = tl.load(_state_base(d_norm_states, slot + 1, h, H, K, 1) + kk, mask=kk < K, other=0.0)
+        d_den = tl.load(d_den + rows.to(tl.int64) * H + h, mask=rows < end, other=0.0)[:, None]  # [CHUNK, 1]
+        dq_acc += d_den * z[None, :]
+        dk_acc += dz[None, :]
+        dA_acc += d_den
+        if DECAY_GRAD:
+            entering_term += z * dz
     b_rows = _load_decay(b, h, rows, end, kk, H, K, DECAY)
     b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, kk, H, K, DECAY)
     dq_acc *= tl.exp(b_rows)
@@ -555,10 +615,10 @@ def _vector_grads_kernel(
         q_ref = tl.where((local >= m * SUB + SUB)[:, None], q_chunk * tl.exp(tl.minimum(b_chunk - last, 0.0)), 0.0)
         dk_acc = tl.exp(tl.minimum(last - b_rows, 0.0)) * _dot(tl.trans(dA_cols), q_ref, BF16_DOT)
 
-        dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)[:, :, None]
-        decay = _sub_chunk_decay(b_rows, SUB)  # [t, i, k]
-        dq_acc += tl.sum(dA_diagonal * k_rows[None, :, :] * decay, axis=1)
-        dk_acc += tl.sum(dA_diagonal * q_rows[:, None, :] * decay, axis=0)
+        dA_diagonal = _load_tile(dA + h * CHUNK, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)
+        dq_part, dk_part = _sub_chunk_grads(dA_diagonal, q_rows, k_rows, b_rows, SUB)
+        dq_acc += dq_part
+        dk_acc += dk_part
         dq_acc += _load_tile(dq_state + h * K, rows, end, H * K, kk, K)
         dk_acc += _load_tile(dk_state + h * K, rows, end, H * K, kk, K)
         _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
@@ -674,6 +734,15 @@ def _state_pass(
     return states, last
 
 
+def _norm_state_pass(k: Tensor, b: Tensor | None, init: Tensor | None, chunks: _Chunks,
+                     bf16_dot: bool) -> tuple[Tensor, Tensor]:
+    """The normaliser's states z [slots, H, K, 1] (the state of a ones value column) and the fp32 final one
+    [sequences, H, K, 1], from init [sequences, H, K, 1] or zeros."""
+    ones = k.new_ones(*k.shape[:-1], 1)
+    return _state_pass(k, ones, b, init, chunks, reverse=False, outer_k_scale=1.0, bf16_dot=bf16_dot,
+                       states_dtype=_states_dtype(k.dtype))
+
+
 def _vector_scores(q: Tensor, k: Tensor, b: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool) -> Tensor:
     """fp32 [.., H, CHUNK_SIZE]: the intra-chunk scores A of a per-key-dim decay (`_vector_scores_kernel`)."""
     heads, key_dim = q.shape[-2:]
@@ -688,30 +757,36 @@ def _vector_scores(q: Tensor, k: Tensor, b: Tensor, chunks: _Chunks, scale: floa
 def _chunk_output(
     row_k: Tensor, col_k: Tensor, col_v: Tensor, b: Tensor | None, scores: Tensor | None, states: Tensor,
     chunks: _Chunks, *, transpose: bool, row_scale: float, col_scale: float, out_dtype: torch.dtype, bf16_dot: bool,
-) -> Tensor:
-    """o (or, transposed, dv) [.., H, V] in out_dtype, see `_chunk_output_kernel`."""
+    norm_states: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """o (or, transposed, dv) [.., H, V] in out_dtype, and the fp32 normaliser [.., H] of the states norm_states
+    [slots, H, K, 1] (None without them), see `_chunk_output_kernel`."""
     heads, key_dim, value_dim = row_k.shape[-2], row_k.shape[-1], col_v.shape[-1]
     out = col_v.new_empty(col_v.shape, dtype=out_dtype)
+    den = None if norm_states is None else col_v.new_empty(col_v.shape[:-1], dtype=torch.float32)
     block_v = _block(value_dim)
     _chunk_output_kernel[(chunks.num_chunks, heads, triton.cdiv(value_dim, block_v))](
         row_k, col_k, col_v, states if b is None else b, states if scores is None else scores, states, out,
-        chunks.chunk_info, row_scale, col_scale, H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b),
-        TRANSPOSE=int(transpose), CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim), BLOCK_V=block_v, BF16_DOT=bf16_dot,
+        states if norm_states is None else norm_states, out if den is None else den, chunks.chunk_info, row_scale,
+        col_scale, H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), TRANSPOSE=int(transpose),
+        NORM=norm_states is not None, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim), BLOCK_V=block_v, BF16_DOT=bf16_dot,
     )
-    return out
+    return out, den
 
 
 def _chunk_grads(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, log_decay: Tensor | None, b: Tensor | None, states: Tensor,
     dstates: Tensor, chunks: _Chunks, scale: float, bf16_dot: bool, decay_grad: bool,
+    norm: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """dq, dk [.., H, K] in q's and k's dtypes and, if decay_grad, d log_decay in log_decay's shape and dtype
-    (see `_chunk_dqk_kernel` and `_vector_grads_kernel`); log_decay: the raw values, b: their clamped prefix sums."""
+    (see `_chunk_dqk_kernel` and `_vector_grads_kernel`); log_decay: the raw values, b: their clamped prefix sums;
+    norm: the normaliser's states and state gradients [slots, H, K, 1] and its output's gradient [.., H], or None."""
     heads, key_dim, value_dim = k.shape[-2], k.shape[-1], v.shape[-1]
     tokens = k.numel() // (heads * key_dim)
     decay = _decay_mode(b)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    block_k = _block(key_dim)
+    block_k = _dqk_key_width(key_dim, value_dim, (decay_grad and decay == DECAY_SCALAR.value) or norm is not None)
     k_blocks = triton.cdiv(key_dim, block_k)
     unused = dstates  # any tensor, for pointer arguments a specialization does not read
     d_log_decay = state_term = unused
@@ -729,10 +804,10 @@ def _chunk_grads(
         dq_state, dk_state, dA = dq, dk, unused
     _chunk_dqk_kernel[(chunks.num_chunks, heads, k_blocks)](
         q, k, v, do, states if log_decay is None else log_decay, states if b is None else b, states, dstates,
-        dq_state, dk_state, dA, state_term, d_log_decay,
+        *((unused,) * 3 if norm is None else norm), dq_state, dk_state, dA, state_term, d_log_decay,
         chunks.chunk_info, scale, tokens, triton.next_power_of_2(chunks.num_chunks * heads * k_blocks), H=heads,
-        K=key_dim, V=value_dim, DECAY=decay, DECAY_GRAD=decay_grad, CHUNK=CHUNK_SIZE, BLOCK_K=block_k,
-        BF16_DOT=bf16_dot,
+        K=key_dim, V=value_dim, DECAY=decay, DECAY_GRAD=decay_grad, NORM=norm is not None, CHUNK=CHUNK_SIZE,
+        BLOCK_K=block_k, BF16_DOT=bf16_dot,
     )
     if decay == DECAY_VECTOR.value:
         block_k = _block(key_dim, 32)
@@ -747,29 +822,34 @@ def _chunk_grads(
 
 
 class _ChunkedLinearAttention(torch.autograd.Function):
-    """Unnormalised chunked linear attention with carried states. log_decay arrives raw (−inf allowed): the cumsum
-    kernel raises it to LOG_DECAY_FLOOR, the gradient kernels zero its gradient there. Backward reuses b and, for
-    a per-key-dim decay, the scores A of the forward pass, and recomputes the chunk states."""
+    """Unnormalised chunked linear attention with carried states and, if normalize, the normaliser: the output of a
+    ones value column, carried as a separate K-vector state z ([.., K, 1]), so that V keeps its width. log_decay
+    arrives raw (−inf allowed): the cumsum kernel raises it to LOG_DECAY_FLOOR, the gradient kernels zero its
+    gradient there. Backward reuses b and, for a per-key-dim decay, the scores A of the forward pass, and recomputes
+    the chunk states."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_decay, initial_state, scale, chunks, out_dtype):
+    def forward(ctx, q, k, v, log_decay, initial_state, initial_norm, scale, chunks, out_dtype, normalize):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
         b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False, clamp=True)
         states, final_state = _state_pass(k, v, b, initial_state, chunks, reverse=False, outer_k_scale=1.0,
                                           bf16_dot=bf16_dot, states_dtype=_states_dtype(k.dtype))
+        norm_states = final_norm = None
+        if normalize:
+            norm_states, final_norm = _norm_state_pass(k, b, initial_norm, chunks, bf16_dot)
         scores = None if _decay_mode(b) != DECAY_VECTOR.value else _vector_scores(q, k, b, chunks, scale, bf16_dot)
-        o = _chunk_output(
+        o, den = _chunk_output(
             q, k, v, b, scores, states, chunks, transpose=False, row_scale=scale, col_scale=1.0, out_dtype=out_dtype,
-            bf16_dot=bf16_dot,
+            bf16_dot=bf16_dot, norm_states=norm_states,
         )
-        ctx.save_for_backward(q, k, v, log_decay, initial_state, b, scores)
-        ctx.scale, ctx.chunks, ctx.bf16_dot = scale, chunks, bf16_dot
+        ctx.save_for_backward(q, k, v, log_decay, initial_state, initial_norm, b, scores)
+        ctx.scale, ctx.chunks, ctx.bf16_dot, ctx.normalize = scale, chunks, bf16_dot, normalize
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to write and read
-        return o, final_state
+        return o, den, final_state, final_norm
 
     @staticmethod
-    def backward(ctx, do, d_final_state):
-        q, k, v, log_decay, initial_state, b, scores = ctx.saved_tensors
+    def backward(ctx, do, d_den, d_final_state, d_final_norm):
+        q, k, v, log_decay, initial_state, initial_norm, b, scores = ctx.saved_tensors
         scale, chunks, bf16_dot = ctx.scale, ctx.chunks, ctx.bf16_dot
         do = v.new_zeros(v.shape) if do is None else do.contiguous()
         d_final_state = None if d_final_state is None else d_final_state.contiguous()
@@ -778,16 +858,26 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dstates, d_initial = _state_pass(
             q, do, b, d_final_state, chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
         )
-        dv = _chunk_output(
+        norm = d_initial_norm = None
+        if ctx.normalize:
+            d_den = q.new_zeros(q.shape[:-1], dtype=torch.float32) if d_den is None else d_den.contiguous()
+            d_final_norm = None if d_final_norm is None else d_final_norm.contiguous()
+            norm_states, _ = _norm_state_pass(k, b, initial_norm, chunks, bf16_dot)
+            d_norm_states, d_initial_norm = _state_pass(
+                q, d_den[..., None], b, d_final_norm, chunks, reverse=True, outer_k_scale=scale, bf16_dot=bf16_dot
+            )
+            norm = (norm_states, d_norm_states, d_den)
+        dv, _ = _chunk_output(
             k, q, do, b, scores, dstates, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=v.dtype,
             bf16_dot=bf16_dot,
         )
         decay_grad = b is not None and ctx.needs_input_grad[3]  # none for a fixed decay
         dq, dk, d_log_decay = _chunk_grads(
-            q, k, v, do, log_decay, b, states, dstates, chunks, scale, bf16_dot, decay_grad
+            q, k, v, do, log_decay, b, states, dstates, chunks, scale, bf16_dot, decay_grad, norm
         )
         d_initial = None if initial_state is None else d_initial.to(initial_state.dtype)
-        return dq, dk, dv, d_log_decay, d_initial, None, None, None
+        d_initial_norm = None if initial_norm is None else d_initial_norm.to(initial_norm.dtype)
+        return dq, dk, dv, d_log_decay, d_initial, d_initial_norm, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -841,7 +931,7 @@ def _window_setup(bounds, sinks, H: tl.constexpr):
     return pid, row, h, lo, hi, tl.minimum(lo + sinks, hi)
 
 
-@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _window_fwd_kernel(
     q, k, v, num, den, row_max, row_argmax, bounds, scale, T, window, sinks,
@@ -907,7 +997,7 @@ def _window_load_row_grads(dnum, dden, row_max, row_argmax, d_max, token0, t, T,
             tl.load(row_argmax + stats, mask=t < T, other=0), tl.load(d_max + stats, mask=t < T, other=0.0))
 
 
-@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _window_dq_kernel(
     q, k, v, dnum, dden, row_max, row_argmax, d_max, dq, bounds, scale, T, window, sinks,
@@ -943,7 +1033,7 @@ def _window_dq_kernel(
     _store_tile(dq + (token0 * H + h) * D, acc * scale, t, T, H * D, dd, D)
 
 
-@triton.autotune(configs=_configs(), key=["D", "V"])
+@triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _window_dkdv_kernel(
     q, k, v, dnum, dden, row_max, row_argmax, d_max, dk, dv, bounds, scale, T, window, sinks,
@@ -982,6 +1072,15 @@ def _window_dkdv_kernel(
     _store_tile(dv + (token0 * H + h) * V, dv_acc, i, T, H * V, vv, V)
 
 
+def _window_blocks(head_dim: int) -> dict:
+    """{kernel: (BLOCK_M queries, BLOCK_N keys)} of the window kernels for head dims D, V ≤ head_dim: WINDOW_BLOCK
+    (half that past 128), halved where an sm_90 compile spills registers otherwise: the key blocks of dq, the query
+    blocks of dkdv, and its key blocks past 64."""
+    block = WINDOW_BLOCK if head_dim <= 128 else WINDOW_BLOCK // 2
+    half = block // 2
+    return {"fwd": (block, block), "dq": (block, half), "dkdv": (half, block if head_dim <= 64 else half)}
+
+
 class _WindowSoftmax(torch.autograd.Function):
     """(num, den) of the window softmax part, fp32 [B, T, H, V] and [B, T, H] (see `_window_fwd_kernel`)."""
 
@@ -992,14 +1091,16 @@ class _WindowSoftmax(torch.autograd.Function):
         num = v.new_empty(v.shape, dtype=torch.float32)
         den, row_max = (q.new_empty(batch, length, heads, dtype=torch.float32) for _ in range(2))
         row_argmax = q.new_empty(batch, length, heads, dtype=torch.int32)
-        block = WINDOW_BLOCK if max(head_dim, value_dim) <= 128 else WINDOW_BLOCK // 2
+        ctx.blocks = _window_blocks(max(head_dim, value_dim))
         ctx.launch = dict(
-            scale=scale, T=length, window=window, sinks=sinks, H=heads, D=head_dim, V=value_dim, BLOCK_M=block,
-            BLOCK_N=block, BLOCK_D=_block(head_dim, 256), BLOCK_V=_block(value_dim, 256),
+            scale=scale, T=length, window=window, sinks=sinks, H=heads, D=head_dim, V=value_dim,
+            BLOCK_D=_block(head_dim, 256), BLOCK_V=_block(value_dim, 256),
             BF16_DOT=q.dtype == torch.bfloat16 and not INTERPRET,
         )
-        ctx.grid = (triton.cdiv(length, block), batch * heads)
-        _window_fwd_kernel[ctx.grid](q, k, v, num, den, row_max, row_argmax, bounds, **ctx.launch)
+        block_m, block_n = ctx.blocks["fwd"]
+        _window_fwd_kernel[(triton.cdiv(length, block_m), batch * heads)](
+            q, k, v, num, den, row_max, row_argmax, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
+        )
         ctx.save_for_backward(q, k, v, bounds, num, den, row_max, row_argmax)
         return num, den
 
@@ -1011,8 +1112,15 @@ class _WindowSoftmax(torch.autograd.Function):
         d_max = -((dnum * num).sum(-1) + dden * den)
         grads = (dnum, dden, row_max, row_argmax, d_max)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _window_dq_kernel[ctx.grid](q, k, v, *grads, dq, bounds, **ctx.launch)
-        _window_dkdv_kernel[ctx.grid](q, k, v, *grads, dk, dv, bounds, **ctx.launch)
+        batch, length, heads = q.shape[:3]
+        block_m, block_n = ctx.blocks["dq"]  # a program per BLOCK_M queries
+        _window_dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
+            q, k, v, *grads, dq, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
+        )
+        block_m, block_n = ctx.blocks["dkdv"]  # a program per BLOCK_N keys
+        _window_dkdv_kernel[(triton.cdiv(length, block_n), batch * heads)](
+            q, k, v, *grads, dk, dv, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
+        )
         return dq, dk, dv, None, None, None, None
 
 
@@ -1053,12 +1161,20 @@ def unsupported_inputs(tensors: dict[str, Tensor], window_head_dims: tuple[int, 
     return None
 
 
-def _linear(q, k, v, log_decay, initial_state, *, scale, chunks, out_dtype):
-    """o [B, T, H, V] in out_dtype and the fp32 final states of the unnormalised linear attention."""
+def _linear(q, k, v, log_decay, initial_state, *, scale, chunks, out_dtype, normalize):
+    """o [B, T, H, V] in out_dtype, the fp32 normaliser [B, T, H] (None unless normalize; the output of a ones value
+    column) and the fp32 final states [N, H, K, V (+ 1 if normalize: the normaliser's state last)] of the
+    unnormalised linear attention; initial_state: None or [N, H, K, V (+ 1)]."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     log_decay = None if log_decay is None else log_decay.contiguous()  # raised to the floor in the kernels
+    initial_norm = None
+    if initial_state is not None and normalize:
+        initial_state, initial_norm = initial_state[..., :-1].contiguous(), initial_state[..., -1:].contiguous()
     initial_state = None if initial_state is None else initial_state.contiguous()
-    return _ChunkedLinearAttention.apply(q, k, v, log_decay, initial_state, scale, chunks, out_dtype)
+    o, den, final_state, final_norm = _ChunkedLinearAttention.apply(
+        q, k, v, log_decay, initial_state, initial_norm, scale, chunks, out_dtype, normalize
+    )
+    return o, den, final_state if final_norm is None else torch.cat([final_state, final_norm], dim=-1)
 
 
 def triton_linear_attention(
@@ -1081,15 +1197,12 @@ def triton_linear_attention(
     the fp32 final state (None unless output_final_state).
     """
     chunks = _batch_chunks(*q.shape[:2], q.device) if cu_seqlens is None else _packed_chunks(cu_seqlens, q.device)
-    value_dim = v.shape[-1]
-    if normalize:
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # its output column is the denominator
-    o, final_state = _linear(
+    o, den, final_state = _linear(
         q, k, v, log_decay, initial_state, scale=scale, chunks=chunks,
-        out_dtype=torch.float32 if normalize else v.dtype,
+        out_dtype=torch.float32 if normalize else v.dtype, normalize=normalize,
     )
     if normalize:
-        o = normalized(o, value_dim).to(v.dtype)
+        o = (o / (den[..., None] + NORM_EPS)).to(v.dtype)
     return o, final_state if output_final_state else None
 
 
@@ -1123,24 +1236,21 @@ def triton_window_attention(
     `ops_chunked.chunk_window_attention` (log_decay: None or [B, T, H, 1 | F], decaying the linear part). The
     softmax head dims D and V must be ≤ MAX_WINDOW_HEAD_DIM."""
     batch, length = q.shape[:2]
-    value_dim = v.shape[-1]
     bounds = real_token_bounds(key_padding_mask, batch, length, q.device)
 
     # Linear part: the linear kernels on delayed keys and values (see `window_linear_inputs`), decayed at the
-    # queries' steps; the ones column returns the denominator with the numerator.
+    # queries' steps, with the normaliser (a ones value column: where the delay leaves no value, the key is zero).
     real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
-    v_ones = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    k_older, v_older = window_linear_inputs(k_feat, v_ones, real, sink, window_size)
-    linear, state = _linear(
+    k_older, v_older = window_linear_inputs(k_feat, v, real, sink, window_size)
+    linear, linear_den, state = _linear(
         q_feat, k_older, v_older, log_decay, initial_state, scale=1.0, chunks=_batch_chunks(batch, length, q.device),
-        out_dtype=torch.float32,
+        out_dtype=torch.float32, normalize=True,
     )
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num, den = _WindowSoftmax.apply(q, k, v, bounds, scale, min(window_size, length), num_sink_tokens)
     gamma = torch.sigmoid(window_gate.float())
     o = divide_at_real_queries(
-        gamma[:, None] * num + linear[..., :value_dim], gamma[:, None] * den[..., None] + linear[..., value_dim:],
-        real[..., None, None],
+        gamma[:, None] * num + linear, (gamma * den + linear_den)[..., None], real[..., None, None]
     )
     return o.to(v.dtype), state if output_final_state else None

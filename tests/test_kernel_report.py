@@ -73,6 +73,27 @@ def test_kernel_report_dry(tmp_path, monkeypatch):
     assert "kernel configs compiled for sm_90" in result.stdout and "| 2x256x3x16 | vector |" in result.stdout
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the report compiles Triton kernels")
+def test_kernel_report_pruned_configs_do_not_spill(tmp_path, monkeypatch):
+    """What the pruners (`_spill_free`, `_dqk_value_blocks`) and the launchers' block sizes leave compiles for sm_90
+    without spilling registers at head dim 64, with at least one config per specialization: the dq/dk kernel in every
+    decay mode with and without normalize's extra value column and in the window's linear part, the per-key-dim
+    decay's gradient kernel and the window's backward kernels."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = ["_chunk_dqk_kernel", "_vector_grads_kernel", "_window_dq_kernel", "_window_dkdv_kernel"]
+    result = run_script("kernel_report.py", "--parts", "compile", "--compile_dims", "64", "--kernels", *kernels,
+                        "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert not (tmp_path / "kernel_traffic.json").exists()  # --parts compile only
+    rows = json.loads((tmp_path / "kernel_compile.json").read_text())["all"]
+    specializations = {(r["kernel"], r["modes"]) for r in rows}
+    assert {kernel for kernel, _ in specializations} == set(kernels)
+    assert len([s for s in specializations if s[0] == "_chunk_dqk_kernel"]) == 7  # 3 decays x 2 V, the window's
+    assert all("error" not in r for r in rows), rows
+    assert [r for r in rows if r["spill_stores"] or r["spill_loads"]] == []
+    assert all(r["config"].endswith("warps=8 stages=2") for r in rows)  # 4 warps or 3 stages spill at 64
+
+
 def test_gpu_check_dry_stages(tmp_path, monkeypatch):
     """Each stage runs in its own spawned process; the kernels stage writes the benchmark's report, a failing op's
     row included; deepspeed is skipped with a line when not installed; every stage's output lands in gpu_check.log."""

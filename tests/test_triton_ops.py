@@ -173,6 +173,23 @@ def test_bfloat16_inputs_store_bfloat16_chunk_states(launches, decay):
     assert reverse and all(p["states"].dtype == torch.float32 for p in reverse)
 
 
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
+def test_normalizer_is_carried_beside_the_values(launches, decay):
+    """normalize=True keeps V: every kernel with a V runs at the values' width, the normaliser's state is a V = 1
+    state pass (forward and reverse), its output and its gradients come from the output and dq/dk kernels (NORM);
+    outputs, final state (normaliser last) and gradients match the oracle."""
+    value_dim = 8
+    inputs = make_inputs(decay, True, 2 * C + 5, 16, value_dim, with_state=True)
+    compare_with_oracle(linear_attention, inputs, "recurrent", torch.float32, LINEAR_LOW, normalize=True)
+    widths = {(name, kwargs["V"]) for name, kwargs in launches if "V" in kwargs}
+    assert widths == {("_state_pass_kernel", value_dim), ("_state_pass_kernel", 1), ("_chunk_output_kernel", value_dim),
+                      ("_chunk_dqk_kernel", value_dim)}
+    norm_passes = {kwargs["REVERSE"] for name, kwargs in launches if name == "_state_pass_kernel" and kwargs["V"] == 1}
+    assert norm_passes == {0, 1}
+    assert [kwargs["NORM"] for name, kwargs in launches if name == "_chunk_output_kernel"] == [True, False]  # o, dv
+    assert [kwargs["NORM"] for name, kwargs in launches if name == "_chunk_dqk_kernel"] == [True]
+
+
 @pytest.mark.parametrize("decay", ["scalar", "vector"])
 def test_backward_reuses_the_forward_decay_sums_and_scores(launches, decay):
     """log_decay (resets included) reaches the kernels raw: the forward cumulative sum raises it to the floor, and
