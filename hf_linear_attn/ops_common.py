@@ -114,7 +114,7 @@ def window_token_masks(
 
 
 def window_linear_inputs(
-    k_feat: Tensor, v_ones: Tensor, real: Tensor, sink: Tensor, window_size: int
+    k_feat: Tensor, values: Tensor, real: Tensor, sink: Tensor, window_size: int
 ) -> tuple[Tensor, Tensor]:
     """Keys and values that turn the window hybrid's linear part into plain causal linear attention.
 
@@ -126,8 +126,9 @@ def window_linear_inputs(
     key delayed to position j + window_size is then decayed by a_i for i = j + window_size + 1 .. t, so its
     decay starts when it leaves the window, and a cache's state needs no per-token bookkeeping.
 
-    k_feat: [B, T, H, F]; v_ones: [B, T, H, V + 1] (values with a ones column, whose output is the
-    denominator); real, sink: bool [B, T]. Returns the delayed keys [B, T, H, F] and values [B, T, H, V + 1].
+    k_feat: [B, T, H, F]; values: [B, T, H, V'] (the torch backend passes V' = V + 1, a ones column whose output
+    is the denominator; the Triton backend V' = V, its kernels carry the normaliser beside the values); real, sink:
+    bool [B, T]. Returns the delayed keys [B, T, H, F] and values [B, T, H, V'].
     """
     length = k_feat.shape[1]
     delay = min(window_size, length)
@@ -135,7 +136,7 @@ def window_linear_inputs(
     def delayed(x: Tensor) -> Tensor:
         return F.pad(x, (0, 0, 0, 0, delay, 0))[:, :length]
 
-    return delayed(k_feat * (real & ~sink)[..., None, None]), delayed(v_ones)
+    return delayed(k_feat * (real & ~sink)[..., None, None]), delayed(values)
 
 
 def check_4d_floating(name: str, x: Tensor, dims: str) -> None:
