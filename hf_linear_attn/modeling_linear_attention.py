@@ -195,8 +195,9 @@ class AttentionProjections(nn.Module):
         return *apply_rotary(q, k, cos, sin), v
 
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
-        """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head
-        (the sparse memory recomputes its slots' features with it instead of storing them)."""
+        """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head.
+        The cache stores no features: the layer recomputes them with this of the cached keys it folds (the ring's,
+        the sparse memory's slots)."""
         return self.feature_map_k(self.repeat_kv(k))
 
     def repeat_kv(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
