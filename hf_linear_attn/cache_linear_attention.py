@@ -9,9 +9,9 @@ Per layer it holds what the next token needs and nothing that grows with the con
 - window-hybrid layers: the same state for every token folded into the linear part, plus the raw
   keys/values of the sinks and of the last `window_size` positions, `[B, R, H_kv, D]` with
   R = S + w (S = num_sink_tokens sink slots, then a ring of w = window_size slots holding position q in
-  slot S + q mod w), the feature-mapped keys φ(k) `[B, R, H, F]` (computed once per key: a cache belongs to
-  one model state; after the feature maps change, start a new cache), and a bool mask `[B, R]` of which
-  slots hold real keys;
+  slot S + q mod w), and a bool mask `[B, R]` of which slots hold real keys (no key features: φ(k) is a function
+  of the stored key, so the layer recomputes it for the keys it folds, the one leaving the window at a decode step
+  or the retained ones in front of a prefill);
 - window-hybrid layers with a sparse memory (`sparse_cache_size` = m > 0, `ops_sparse_memory`): `state` is
   then the actual linear state (the keys folded at past block ends, decayed to the last position), the ring
   holds w = window_size + R positions (R = `MEMORY_BLOCK_SIZE`: the tokens that left the window during the
@@ -21,8 +21,8 @@ Per layer it holds what the next token needs and nothing that grows with the con
   positions (long) `[B, H_kv, m]`, the log decay each slot has accumulated since its token left the window (fp32
   `[B, H, m, 1 | F]`, absent without decay) and a bool mask `[B, H_kv, m]`;
 - delta-rule window-hybrid layers (`update_rule="delta"`, `window_size` > 0): `state` is the delta-rule state of
-  the tokens that have left the window, fp32 `[B, H, K, V]`; the ring is the window hybrid's, its key features
-  holding the L2-normalised φ(k) the delta rule takes, plus each slot's write strength β (fp32 `window_beta`
+  the tokens that have left the window, fp32 `[B, H, K, V]`; the ring is the window hybrid's (the layer recomputes
+  k̂, the L2-normalised φ(k), of the keys that leave), plus each slot's write strength β (fp32 `window_beta`
   `[B, S + w, H]`, 0 in the sink slots): what a token needs to enter the state when it leaves the window;
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
   `DynamicLayer`), the only part whose size depends on the context.
@@ -69,7 +69,6 @@ class LinearStateLayer(CacheLayerMixin):
         self.state: torch.Tensor | None = None
         self.window_keys: torch.Tensor | None = None
         self.window_values: torch.Tensor | None = None
-        self.window_key_features: torch.Tensor | None = None
         self.window_mask: torch.Tensor | None = None
         self.window_log_decay: torch.Tensor | None = None
         self.window_beta: torch.Tensor | None = None
@@ -88,8 +87,8 @@ class LinearStateLayer(CacheLayerMixin):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors this layer holds, by attribute name (only those that exist yet; not the position counter)."""
-        names = ("state", "window_keys", "window_values", "window_key_features", "window_mask", "window_log_decay",
-                 "window_beta", "conv_inputs", *MEMORY_FIELDS.values())
+        names = ("state", "window_keys", "window_values", "window_mask", "window_log_decay", "window_beta",
+                 "conv_inputs", *MEMORY_FIELDS.values())
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, fn) -> None:
@@ -126,11 +125,11 @@ class LinearStateLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def retained_window(self, window_size: int) -> tuple[torch.Tensor, ...]:
-        """The retained keys, values `[B, R, H_kv, D]`, key features `[B, R, H, F]` and mask `[B, R]` in sequence
-        order: the S sink slots first, then the window positions p − w .. p − 1 oldest first (p = positions
-        seen), as `window_attention` takes them in front of new tokens."""
+        """The retained keys, values `[B, R, H_kv, D]` and mask `[B, R]` in sequence order: the S sink slots first,
+        then the window positions p − w .. p − 1 oldest first (p = positions seen), as `window_attention` takes them
+        in front of new tokens."""
         return tuple(self._in_sequence_order(x, window_size) for x in (
-            self.window_keys, self.window_values, self.window_key_features, self.window_mask))
+            self.window_keys, self.window_values, self.window_mask))
 
     def retained_log_decay(self, window_size: int) -> torch.Tensor:
         """The retained slots' log decays `[B, R, H, 1 | F]` (fp32, 0 at the sink slots) in the order of
@@ -152,26 +151,25 @@ class LinearStateLayer(CacheLayerMixin):
         self,
         keys: torch.Tensor,
         values: torch.Tensor,
-        key_features: torch.Tensor,
         mask: torch.Tensor,
         window_size: int,
         num_sink_tokens: int,
         log_decay: torch.Tensor | None = None,
         beta: torch.Tensor | None = None,
     ) -> None:
-        """Keep, of keys/values `[B, L, H_kv, D]`, key features `[B, L, H, F]` and mask `[B, L]` (the retained
-        tokens in sequence order, if any, followed by the new ones), the sinks (first `num_sink_tokens` real
-        tokens) in the sink slots and the last `window_size` positions (pads included, as masked slots: the
-        window counts positions, so a decode step sees a hole where the full forward does) in the ring, whose
-        slot S + q mod w holds position q. A sink is kept in its sink slot only (its ring slot is masked).
-        Everything else has been folded into the state by the caller. With log_decay (`[B, L, H]` or `[B, L, H, F]`,
-        sparse memory only) the ring also keeps each position's log decay; with beta (`[B, L, H]`, delta-rule window
-        hybrid only) each position's write strength. Call after `advance`."""
+        """Keep, of keys/values `[B, L, H_kv, D]` and mask `[B, L]` (the retained tokens in sequence order, if any,
+        followed by the new ones), the sinks (first `num_sink_tokens` real tokens) in the sink slots and the last
+        `window_size` positions (pads included, as masked slots: the window counts positions, so a decode step sees
+        a hole where the full forward does) in the ring, whose slot S + q mod w holds position q. A sink is kept in its
+        sink slot only (its ring slot is masked). Everything else has been folded into the state by the caller. With
+        log_decay (`[B, L, H]` or `[B, L, H, F]`, sparse memory only) the ring also keeps each position's log decay;
+        with beta (`[B, L, H]`, delta-rule window hybrid only) each position's write strength. Call after
+        `advance`."""
         batch, length = mask.shape
         sinks, window = num_sink_tokens, window_size
         rank = mask.long().cumsum(-1) - 1
         is_sink = mask & (rank < sinks)
-        ring = (keys, values, key_features, mask & ~is_sink)
+        ring = (keys, values, mask & ~is_sink)
         if log_decay is not None:
             ring = (*ring, (log_decay if log_decay.dim() == 4 else log_decay[..., None]).float())
         if beta is not None:
@@ -188,33 +186,32 @@ class LinearStateLayer(CacheLayerMixin):
             shape = (batch, sinks, *[1] * (x.dim() - 2))
             picked = x.gather(1, index.view(shape).expand(-1, -1, *x.shape[2:]))
             sink_slots.append(torch.where(found.view(shape), picked, 0.0))
-        sink_slots.append(key_features.new_zeros(batch, sinks, *key_features.shape[2:]))  # a sink never folds
-        names = ("window_keys", "window_values", "window_key_features", "window_mask")
         sink_slots.append(found)
         per_position_names = {"window_log_decay": log_decay, "window_beta": beta}
-        names = (*names, *(name for name, given in per_position_names.items() if given is not None))
-        for per_position in ring[4:]:  # the log decays and β: zero in the sink slots (a sink never folds)
+        names = ("window_keys", "window_values", "window_mask",
+                 *(name for name, given in per_position_names.items() if given is not None))
+        for per_position in ring[3:]:  # the log decays and β: zero in the sink slots (a sink never folds)
             sink_slots.append(per_position.new_zeros(batch, sinks, *per_position.shape[2:]))
         for name, sink_part, ring_part in zip(names, sink_slots, ring, strict=True):
             self.write(name, torch.cat([sink_part, ring_part], dim=1))
         self.sinks_filled = not torch.compiler.is_compiling() and bool(found.all())
 
     def push_window_token(
-        self, keys: torch.Tensor, values: torch.Tensor, key_features: torch.Tensor, real: torch.Tensor | None,
-        window_size: int, num_sink_tokens: int, log_decay: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None, window_size: int,
+        num_sink_tokens: int, log_decay: torch.Tensor | None = None, beta: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
-        `[B, 1, H_kv, D]`, key features `[B, 1, H, F]`, real bool `[B, 1]`, or None when every row's token is real)
-        replaces position p − w in ring slot S + p mod w, and a real token of rank < S also fills the next free sink
-        slot (its ring slot is then masked; eager steps skip this once every sink slot is filled). Returns what the
-        slot held before, the token leaving the window: key features `[B, 1, H, F]`, values `[B, 1, H_kv, D]`
-        and mask `[B, 1]` (real and not a sink: it folds into the state). With log_decay
-        (`[B, 1, H]` or `[B, 1, H, F]`, sparse memory only) its slot's log decay is written too. With beta (`[B, 1, H]`,
+        `[B, 1, H_kv, D]`, real bool `[B, 1]`, or None when every row's token is real) replaces position p − w in ring
+        slot S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
+        masked; eager steps skip this once every sink slot is filled). Returns what the slot held before, the token
+        leaving the window: keys, values `[B, 1, H_kv, D]` and mask `[B, 1]` (real and not a sink: it folds into the
+        state, with the features the layer computes of its key). With log_decay (`[B, 1, H]` or `[B, 1, H, F]`,
+        sparse memory only) its slot's log decay is written too. With beta (`[B, 1, H]`,
         delta-rule window hybrid only) its slot's β is written too, and the leaving token's β `[B, 1, H]` is returned
         as a fourth element (the strength it enters the state with). Call before `advance`."""
         sinks = num_sink_tokens
         slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
-        leaving = (self.window_key_features.index_select(1, slot), self.window_values.index_select(1, slot),
+        leaving = (self.window_keys.index_select(1, slot), self.window_values.index_select(1, slot),
                    self.window_mask.index_select(1, slot))
         if beta is not None:
             leaving = (*leaving, self.window_beta.index_select(1, slot))
@@ -234,7 +231,6 @@ class LinearStateLayer(CacheLayerMixin):
                 self.sinks_filled = bool(self.window_mask[:, :sinks].all())
         self.window_keys.index_copy_(1, slot, keys)
         self.window_values.index_copy_(1, slot, values)
-        self.window_key_features.index_copy_(1, slot, key_features)
         if in_ring is None:
             self.window_mask.index_fill_(1, slot, True)
         else:
@@ -271,7 +267,7 @@ class LinearStateLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
-        self.state = self.window_keys = self.window_values = self.window_key_features = self.window_mask = None
+        self.state = self.window_keys = self.window_values = self.window_mask = None
         self.window_log_decay = self.window_beta = None
         self.conv_inputs = self.seen = None
         self.sinks_filled = False

@@ -195,8 +195,9 @@ class AttentionProjections(nn.Module):
         return *apply_rotary(q, k, cos, sin), v
 
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
-        """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head
-        (the sparse memory recomputes its slots' features with it instead of storing them)."""
+        """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head.
+        The cache stores no features: the layer recomputes them with this of the cached keys it folds (the ring's,
+        the sparse memory's slots)."""
         return self.feature_map_k(self.repeat_kv(k))
 
     def repeat_kv(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
@@ -375,18 +376,23 @@ class LinearAttention(AttentionProjections):
         return tuple(part.reshape(b, t, -1, self.head_dim) for part in y.split(sizes, dim=-1))
 
     def delta_rule_inputs(
-        self, hidden_states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, new_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What the delta rule reads of a layer's input: q̂, k̂ [B, T, H, K] (φ after RoPE, then L2-normalised:
-        the op needs unit keys, and unit queries keep the read-out bounded), β [B, T, H] fp32, and log a
-        [B, T, H] or None, 0 at pad steps (a pad decays nothing)."""
+        self, hidden_states: torch.Tensor, q: torch.Tensor, new_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the delta rule reads of a layer's input besides its keys (`delta_keys`): q̂ [B, T, H, K] (φ after
+        RoPE, then L2-normalised: unit queries keep the read-out bounded), β [B, T, H] fp32, and log a [B, T, H] or
+        None, 0 at pad steps (a pad decays nothing)."""
         q_hat = l2_normalize(self.feature_map_q(q))
-        k_hat = l2_normalize(self.feature_map_k(self.repeat_kv(k)))
         beta = torch.sigmoid(self.beta_proj(hidden_states).float())
         log_decay = self.log_decay(hidden_states)
         if log_decay is not None and new_mask is not None:
             log_decay = log_decay * new_mask[:, :, None].to(log_decay.dtype)
-        return q_hat, k_hat, beta, log_decay
+        return q_hat, beta, log_decay
+
+    def delta_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k̂ of keys k [B, T, H_kv, D] (after RoPE): φ(k) [B, T, H, K] L2-normalised, as the delta rule writes
+        (the op needs unit keys). The delta window's cache keeps the raw keys and recomputes k̂ of those that
+        enter the state."""
+        return l2_normalize(self.key_features(k))
 
     def delta_forward(
         self,
@@ -400,10 +406,11 @@ class LinearAttention(AttentionProjections):
     ) -> torch.Tensor:
         """The delta rule from the cached state (or per packed document): o [B, T, H, V].
 
-        q̂, k̂, β and log a come from `delta_rule_inputs`. Pads set β = 0 and log a = 0, so a pad step is
-        S ← 1 · (I − 0) S + 0 = S: the state is exactly unchanged.
+        q̂, β and log a come from `delta_rule_inputs`, k̂ from `delta_keys`. Pads set β = 0 and log a = 0, so a pad
+        step is S ← 1 · (I − 0) S + 0 = S: the state is exactly unchanged.
         """
-        q, k, beta, log_decay = self.delta_rule_inputs(hidden_states, q, k, new_mask)
+        q, beta, log_decay = self.delta_rule_inputs(hidden_states, q, new_mask)
+        k = self.delta_keys(k)
         v = self.repeat_kv(v)
         if new_mask is not None:
             beta = beta * new_mask[:, :, None].to(beta.dtype)
@@ -428,8 +435,9 @@ class LinearAttention(AttentionProjections):
         S_t = a_t (I − β_j k̂_j k̂_jᵀ) S_{t−1} + β_j k̂_j v_jᵀ, with β_j = 0 when j is a sink, a pad or j < 0, and
         a_t the step's own decay (0 in log at pads); q̂, k̂ = L2-normalised φ(q), φ(k). That is `delta_rule_attention`
         on k̂, v and β delayed by W positions. With a cache, the retained sinks and window (k̂ and β in their
-        slots) run in front of the new tokens, and the window's last W positions feed the first steps; one token
-        after a filled cache with backend "auto" takes the fixed-shape `delta_window_decode_step` instead.
+        slots; k̂ recomputed from their keys) run in front of the new tokens, and the window's last W positions feed
+        the first steps; one token after a filled cache with backend "auto" takes the fixed-shape
+        `delta_window_decode_step` instead.
         """
         if cu_seqlens is not None:  # one document at a time (no cache)
             bounds = cu_seqlens.tolist()
@@ -438,19 +446,19 @@ class LinearAttention(AttentionProjections):
                               for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
         b, t = q.shape[:2]
         window, sinks = self.window_size, self.num_sink_tokens
-        q_hat, k_hat, beta, log_decay = self.delta_rule_inputs(hidden_states, q, k, new_mask)
+        q_hat, beta, log_decay = self.delta_rule_inputs(hidden_states, q, new_mask)
         if self._decode_step(q, cache_layer, None):
-            return self.delta_window_decode_step(hidden_states, q, k, v, q_hat, k_hat, beta, log_decay, new_mask,
+            return self.delta_window_decode_step(hidden_states, q, k, v, q_hat, beta, log_decay, new_mask,
                                                  cache_layer)
         masked = new_mask is not None  # else no mask reaches the softmax op ("auto" may then pick Triton)
         real = new_mask if masked else torch.ones(b, t, dtype=torch.bool, device=q.device)
         mask, ring = real, 0  # over every key: [retained sinks and window,] new tokens; the window positions held
         if cache_layer is not None and cache_layer.state is not None:
-            retained_k, retained_v, retained_k_hat, retained_mask = cache_layer.retained_window(window)
+            retained_k, retained_v, retained_mask = cache_layer.retained_window(window)
             k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
-            k_hat = torch.cat([retained_k_hat, k_hat], dim=1)
             beta = torch.cat([cache_layer.retained_beta(window), beta], dim=1)
             mask, ring, masked = torch.cat([retained_mask, real], dim=1), window, True
+        k_hat = self.delta_keys(k)  # [B, L, H, K]: the cache keeps no k̂, so the retained keys' are recomputed
         o = window_softmax(q, self.repeat_kv(k), self.repeat_kv(v), window_size=window, num_sink_tokens=sinks,
                            key_padding_mask=mask if masked else None, backend=self.config.linear_attention_backend)
 
@@ -467,7 +475,7 @@ class LinearAttention(AttentionProjections):
                                  entering(beta * enters), log_decay, scale=self.key_dim**-0.5,
                                  cache_layer=cache_layer, cu_seqlens=None)
         if cache_layer is not None:
-            cache_layer.store_window(k, v, k_hat, mask, window, sinks, beta=beta)
+            cache_layer.store_window(k, v, mask, window, sinks, beta=beta)
         read = read * real[:, :, None, None].to(read.dtype)  # pad queries output 0, as the window's
         lam = self.window_gate.to(o.dtype).view(1, 1, -1, 1)
         return o + lam * self.normed_and_gated(read, hidden_states)
@@ -479,7 +487,6 @@ class LinearAttention(AttentionProjections):
         k: torch.Tensor,
         v: torch.Tensor,
         q_hat: torch.Tensor,
-        k_hat: torch.Tensor,
         beta: torch.Tensor,
         log_decay: torch.Tensor | None,
         real: torch.Tensor | None,
@@ -488,10 +495,11 @@ class LinearAttention(AttentionProjections):
         """One token of the delta rule with the window from the cache, fixed-shape and in place: o [B, 1, H, V]
         (output norm and gate included).
 
-        hidden_states [B, 1, hidden]; q [B, 1, H, D], k, v [B, 1, H_kv, D]; q̂, k̂ [B, 1, H, K], β [B, 1, H] and log a
+        hidden_states [B, 1, hidden]; q [B, 1, H, D], k, v [B, 1, H_kv, D]; q̂ [B, 1, H, K], β [B, 1, H] and log a
         None / [B, 1, H] (0 at a pad) from `delta_rule_inputs`; real bool [B, 1], or None when every row's token is
-        real. The token (k, v, k̂, β) takes the ring slot of the token j = p − W leaving the window, which enters the
-        state with its own β (0 unless real and not a sink), in `recurrent_delta_rule`'s order:
+        real. The token (k, v, β) takes the ring slot of the token j = p − W leaving the window, which enters the
+        state with its own β (0 unless real and not a sink) and k̂_j = `delta_keys` of its cached key (the step
+        computes no k̂ of its own token: it enters only when it leaves), in `recurrent_delta_rule`'s order:
         S ← a_p (S − β_j k̂_j (k̂_jᵀ S)) + β_j k̂_j v_jᵀ. Then one read-out Sᵀ (K^-½ q̂) and one row of exact softmax
         over the sinks and the ring (masked, grouped by KV head: no repeat), each with its own normaliser. The same
         sums as `delta_window_forward` over the retained slots and the token (its twin with any other backend).
@@ -500,9 +508,9 @@ class LinearAttention(AttentionProjections):
         kv_heads = self.num_kv_heads
         state = cache_layer.state  # [B, H, K, V], fp32
         dtype = state.dtype
-        leaving_k_hat, leaving_v, leaving_real, leaving_beta = cache_layer.push_window_token(
-            k, v, k_hat, real, self.window_size, self.num_sink_tokens, beta=beta)
-        key = leaving_k_hat.to(dtype).view(b, heads, 1, -1)  # k̂_j [B, H, 1, K]
+        leaving_k, leaving_v, leaving_real, leaving_beta = cache_layer.push_window_token(
+            k, v, real, self.window_size, self.num_sink_tokens, beta=beta)
+        key = self.delta_keys(leaving_k).to(dtype).view(b, heads, 1, -1)  # k̂_j [B, H, 1, K]
         strength = (leaving_beta * leaving_real[..., None]).to(dtype).view(b, heads, 1, 1)  # β_j, 0 unless it enters
         write = strength * key.transpose(-1, -2)  # β_j k̂_j [B, H, K, 1]
         state.addcmul_(write, key @ state, value=-1.0)  # erase what S stores under k̂_j: S − β_j k̂_j (k̂_jᵀ S)
@@ -614,9 +622,9 @@ class LinearAttention(AttentionProjections):
         masked = new_mask is not None  # else no mask reaches the op: "auto" then may pick the Triton kernels
         if masked and log_decay is not None:
             log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
-        q_feat, k_feat = self.feature_map_q(q), self.key_features(k)  # [B, T, H, F]
+        q_feat = self.feature_map_q(q)  # [B, T, H, F]
         if self._decode_step(q, cache_layer, None):
-            return self.window_decode_step(q, k, v, q_feat, k_feat, log_decay, new_mask, cache_layer)
+            return self.window_decode_step(q, k, v, q_feat, log_decay, new_mask, cache_layer)
         window, sinks = self.window_size, self.num_sink_tokens
         sparse = self.config.sparse_cache_size > 0
         ring = window + MEMORY_BLOCK_SIZE if sparse else window  # the raw positions a cache keeps
@@ -624,10 +632,9 @@ class LinearAttention(AttentionProjections):
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         state = None
         if cache_layer is not None and cache_layer.state is not None:
-            # The retained tokens run in front of the new ones; their features were computed when they came in.
-            retained_k, retained_v, retained_feat, retained_mask = cache_layer.retained_window(ring)
+            # The retained tokens run in front of the new ones (their features recomputed with the new ones' below).
+            retained_k, retained_v, retained_mask = cache_layer.retained_window(ring)
             k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
-            k_feat = torch.cat([retained_feat, k_feat], dim=1)
             if log_decay is not None:
                 if sparse:
                     retained = cache_layer.retained_log_decay(ring).to(log_decay.dtype)
@@ -638,6 +645,7 @@ class LinearAttention(AttentionProjections):
             new_mask = torch.cat([retained_mask, new_mask], dim=1)
             masked = True  # the retained slots may hold pads
             state = cache_layer.state
+        k_feat = self.key_features(k)  # [B, L, H, F]
         options = dict(
             window_size=window,
             num_sink_tokens=sinks,
@@ -664,7 +672,7 @@ class LinearAttention(AttentionProjections):
                 cache_layer.store_memory(memory)
             cache_layer.write("state", state)
             cache_layer.advance(t, q.device)
-            cache_layer.store_window(k, v, k_feat, new_mask, ring, sinks, log_decay if sparse else None)
+            cache_layer.store_window(k, v, new_mask, ring, sinks, log_decay if sparse else None)
         return o
 
     def window_decode_step(
@@ -673,18 +681,18 @@ class LinearAttention(AttentionProjections):
         k: torch.Tensor,
         v: torch.Tensor,
         q_feat: torch.Tensor,
-        k_feat: torch.Tensor,
         log_decay: torch.Tensor | None,
         real: torch.Tensor | None,
         cache_layer: LinearStateLayer,
     ) -> torch.Tensor:
         """One token of the window hybrid from the cache, fixed-shape and in place: o [B, 1, H, V].
 
-        q [B, 1, H, D], k, v [B, 1, H_kv, D], q_feat, k_feat [B, 1, H, F], log_decay None / [B, 1, H] /
-        [B, 1, H, F] (0 at a pad), real bool [B, 1], or None when every row's token is real (then no pad handling
-        runs: the token's own slot is unmasked, so no row's scores are all masked). The token enters the ring slot
-        of the one leaving the window (position p − w); the state is decayed by a_p and takes the leaving token
-        undecayed; then one row of softmax scores against the R retained slots (masked, grouped by KV head: no
+        q [B, 1, H, D], k, v [B, 1, H_kv, D], q_feat [B, 1, H, F], log_decay None / [B, 1, H] / [B, 1, H, F] (0 at a
+        pad), real bool [B, 1], or None when every row's token is real (then no pad handling runs: the token's own
+        slot is unmasked, so no row's scores are all masked). The token enters the ring slot of the one leaving the
+        window (position p − w); the state is decayed by a_p and takes the leaving token undecayed, with the
+        features φ computed of its cached key (the step computes no φ of its own token: it folds only when it
+        leaves); then one row of softmax scores against the R retained slots (masked, grouped by KV head: no
         repeat) and one read-out of the state share the normaliser. The same sums as `window_attention` over the
         retained keys and the new one (its "recurrent" form is the twin the tests hold this against).
 
@@ -705,11 +713,12 @@ class LinearAttention(AttentionProjections):
         ring = cache_layer.window_mask.shape[1] - sinks  # window_size, + MEMORY_BLOCK_SIZE with a sparse memory
         sparse = ring > window
         position = cache_layer.seen  # 0-d: this token's position
-        leaving_feat, leaving_v, leaving_real = cache_layer.push_window_token(
-            k, v, k_feat, real, ring, sinks, log_decay if sparse else None)
+        leaving_k, leaving_v, leaving_real = cache_layer.push_window_token(
+            k, v, real, ring, sinks, log_decay if sparse else None)
         if not sparse and use_decode_kernels(q, state):  # the rest of this step as one fused kernel (its twin below)
             o = triton_window_decode_step(q, q_feat, log_decay, state, cache_layer.window_keys,
-                                          cache_layer.window_values, cache_layer.window_mask, leaving_feat, leaving_v,
+                                          cache_layer.window_values, cache_layer.window_mask,
+                                          self.key_features(leaving_k), leaving_v,
                                           leaving_real, self.window_gate, real, scale=self.head_dim**-0.5)
             cache_layer.advance(1, q.device)
             return o
@@ -724,7 +733,7 @@ class LinearAttention(AttentionProjections):
             current = slot_positions >= position - position % MEMORY_BLOCK_SIZE - window
             mask = torch.cat([mask[:, :sinks], mask[:, sinks:] & current], dim=1)
         else:  # S += φ(k) [v, 1]ᵀ, the query heads of a KV head [B, H_kv, G, F, V + 1] sharing its v: no repeat
-            fold_k = _cast(leaving_feat, dtype).view(b, kv_heads, -1, state.shape[2], 1)
+            fold_k = _cast(self.key_features(leaving_k), dtype).view(b, kv_heads, -1, state.shape[2], 1)  # φ(k_j)
             fold_k = fold_k * leaving_real.view(b, 1, 1, 1, 1)  # [B, H_kv, G, F, 1]: 0 unless it folds
             fold_v = F.pad(_cast(leaving_v, dtype), (0, 1), value=1.0).view(b, kv_heads, 1, 1, -1)  # [.., V + 1]
             state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(fold_k, fold_v)
@@ -767,6 +776,7 @@ class LinearAttention(AttentionProjections):
             return
         order = sinks + (position + 1 + torch.arange(ring, device=position.device)) % ring  # oldest first
         candidates = order[:block]
+        block_keys = cache_layer.window_keys.index_select(1, candidates)  # [B, R, H_kv, D]
 
         def ring_part(x: torch.Tensor) -> torch.Tensor:
             return x.index_select(1, candidates).transpose(1, 2)  # [B, ·, R, ...]
@@ -780,8 +790,9 @@ class LinearAttention(AttentionProjections):
         b, kv_heads = memory.mask.shape[:2]
         positions = (position - ring + 1 + torch.arange(block, device=position.device)).expand(b, kv_heads, -1)
         state, memory = block_end(
-            cache_layer.state, memory, ring_part(cache_layer.window_keys),
-            F.pad(ring_part(cache_layer.window_values), (0, 1), value=1.0), ring_part(cache_layer.window_key_features),
+            cache_layer.state, memory, block_keys.transpose(1, 2),
+            F.pad(ring_part(cache_layer.window_values), (0, 1), value=1.0),
+            self.key_features(block_keys).transpose(1, 2),  # φ [B, H, R, F], recomputed: the cache keeps none
             positions, since, cache_layer.window_mask.index_select(1, candidates)[:, None].expand(-1, kv_heads, -1),
             self.key_features,
         )

@@ -339,25 +339,23 @@ def test_delta_cache_holds_the_state_and_the_last_conv_inputs():
 
 
 def test_delta_window_cache_holds_the_ring_with_the_beta_each_token_enters_with():
-    """Per layer: the delta state fp32 [B, H, K, V] and the window hybrid's ring (S sink slots + W positions) whose
-    key features are the unit keys k̂ the delta rule takes, plus each slot's β (fp32 [B, S + W, H], 0 in the sink
-    slots); after 50 tokens as after 5. A sink never enters the state: its slot holds no β and no features."""
+    """Per layer: the delta state fp32 [B, H, K, V] and the window hybrid's ring (S sink slots + W positions: raw keys,
+    values and mask, no k̂), plus each slot's β (fp32 [B, S + W, H], 0 in the sink slots); after 50 tokens as after
+    5. A sink never enters the state: its slot holds no β."""
     model = tiny_model(**VARIANTS["gated-delta-window-sinks"])
     ids, mask = left_pad(prompts([50, 6], seed=9))
     with torch.no_grad():
         cache = returned_cache(model(ids, attention_mask=mask, use_cache=True))
         short = returned_cache(model(ids[:, -5:], use_cache=True))
     layer = cache.layers[0]
-    assert set(layer.tensors()) == {"state", "window_keys", "window_values", "window_key_features", "window_mask",
-                                    "window_beta", "conv_inputs"}
+    assert set(layer.tensors()) == {"state", "window_keys", "window_values", "window_mask", "window_beta",
+                                    "conv_inputs"}
     assert layer.state.shape == (2, 4, 16, 16) and layer.state.dtype == torch.float32
-    assert layer.window_key_features.shape == (2, 2 + 5, 4, 16) and layer.window_beta.shape == (2, 2 + 5, 4)
+    assert layer.window_keys.shape == (2, 2 + 5, 2, 16) and layer.window_beta.shape == (2, 2 + 5, 4)
     assert layer.window_beta.dtype == torch.float32
     assert cache.nbytes() == short.nbytes()
-    assert not layer.window_beta[:, :2].any() and not layer.window_key_features[:, :2].any()
+    assert not layer.window_beta[:, :2].any()
     ring = layer.window_mask[:, 2:]
-    norms = layer.window_key_features[:, 2:].norm(dim=-1)[ring]  # the ring's real tokens: unit keys
-    torch.testing.assert_close(norms, torch.ones_like(norms))
     assert ((layer.window_beta[:, 2:][ring] > 0) & (layer.window_beta[:, 2:][ring] < 1)).all()
 
 
@@ -412,4 +410,32 @@ def test_decode_steps_update_the_cache_in_place(name, buffers):
         for i in range(4, 12):
             model(ids[:, i : i + 1], cache=cache)
     assert [{k: t.data_ptr() for k, t in layer.tensors().items()} for layer in cache.layers] == before
-    assert set(before[0]) == {"state", "window_keys", "window_values", "window_key_features", "window_mask", *buffers}
+    assert set(before[0]) == {"state", "window_keys", "window_values", "window_mask", *buffers}
+
+
+@pytest.mark.parametrize("name", ["hedgehog-window-sinks-scalar-decay", "gated-delta-window-sinks"])
+def test_window_cache_holds_no_key_features(name):
+    """A window-hybrid layer's cache keeps the raw keys and no φ(k) (k̂ with the delta rule) of them: the layer
+    recomputes the features of the keys it folds. Its bytes are exactly those of the state, the ring's keys, values
+    and mask (and β, convolution inputs) by their shapes: B · R · H · K features per layer fewer than a ring that
+    also stored them, and the decode steps still give the full forward's logits."""
+    model = tiny_model(**VARIANTS[name])
+    config, layer_module = model.config, model.model.layers[0].self_attn
+    ids = prompts([17], seed=3)[0][None].expand(2, -1)
+    cache = LinearAttentionCache(config)
+    with torch.no_grad():
+        model(ids[:, :9], cache=cache)
+        decoded = torch.cat([model(ids[:, i : i + 1], cache=cache).logits for i in range(9, 17)], dim=1)
+        full = model(ids).logits[:, 9:]
+    torch.testing.assert_close(decoded, full, atol=2e-5, rtol=1e-4)
+    batch, slots = 2, config.num_sink_tokens + config.window_size
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    item = model.dtype.itemsize
+    delta = config.update_rule == "delta"
+    state = batch * heads * layer_module.key_dim * (head_dim + (0 if delta else 1)) * 4
+    ring = batch * slots * (2 * kv_heads * head_dim * item + 1 + (heads * 4 if delta else 0))  # k, v, mask (, β)
+    conv = batch * (config.conv_size - 1) * (heads + 2 * kv_heads) * head_dim * item if config.conv_size else 0
+    for layer in cache.layers:
+        assert not any("feature" in name for name in layer.tensors()), set(layer.tensors())
+        assert layer.nbytes() == state + ring + conv
+    assert cache.nbytes() == config.num_hidden_layers * (state + ring + conv)

@@ -230,9 +230,9 @@ def test_memory_slots_hold_keys_not_features(decay):
     config, layer = model.config, caches[size].layers[0]
     item = layer.window_keys.element_size()
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    features = layer.window_key_features.shape[-1]
+    features = layer.state.shape[2]  # [B, H, F, V + 1]
     decay_dim = {"none": 0, "vector": features}[decay]
-    ring_slot = 2 * kv_heads * head_dim * item + heads * features * item + 1  # key, value, φ, mask
+    ring_slot = 2 * kv_heads * head_dim * item + 1  # key, value, mask (no φ: recomputed from the key)
     memory_slot = kv_heads * (2 * head_dim * item + 4 + 8 + 1) + heads * decay_dim * 4  # ..., scores, pos, mask
     per_layer = BLOCK * ring_slot + (sinks + window + BLOCK) * heads * decay_dim * 4 + size * memory_slot
     assert caches[size].nbytes() - caches[0].nbytes() == len(caches[size].layers) * per_layer

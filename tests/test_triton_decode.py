@@ -140,14 +140,17 @@ def test_linear_step_errors():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def window_layer(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, *, window: int,
+def window_layer(heads: int, kv_heads: int, head_dim: int, feature_dim: int, dtype: torch.dtype, *, window: int,
                  sinks: int) -> LinearAttention:
-    """An additive window-hybrid layer (its decode step is the twin) with a random window gate in `dtype`."""
+    """An additive window-hybrid layer (its decode step is the twin) with a random window gate in `dtype` and
+    `feature_dim` (even) key features: hedgehog's 2 · feature_dim / 2, which the step computes of the leaving key."""
     config = tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                         feature_map="hedgehog", feature_dim=8, window_size=window, num_sink_tokens=sinks)
+                         feature_map="hedgehog", feature_dim=feature_dim // 2, window_size=window,
+                         num_sink_tokens=sinks)
     layer = LinearAttention(config, layer_idx=0)
     with torch.no_grad():
         layer.window_gate.copy_(torch.randn(heads))
+        layer.feature_map_k.weight.normal_(0.0, head_dim**-0.5)  # (a bare module's weights are uninitialised)
     return layer.to(DEVICE, dtype)
 
 
@@ -171,7 +174,6 @@ def window_cache(
         state=state.to(DEVICE),
         window_keys=torch.randn(batch, slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype),
         window_values=torch.randn(batch, slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype),
-        window_key_features=torch.rand(batch, slots, heads, feature_dim, generator=gen).to(DEVICE, dtype),
         window_mask=mask.to(DEVICE),
         seen=torch.tensor(seen, device=DEVICE),
     )
@@ -186,14 +188,16 @@ def cache_layer(buffers: dict[str, torch.Tensor]) -> LinearStateLayer:
     return layer
 
 
-def kernel_window_step(layer: LinearAttention, cache: LinearStateLayer, q, k, v, q_feat, k_feat, log_decay, real):
-    """The step as the model would run it with the kernel: the ring write in torch, then one kernel."""
+def kernel_window_step(layer: LinearAttention, cache: LinearStateLayer, q, k, v, q_feat, log_decay, real):
+    """The step as the model would run it with the kernel: the ring write in torch, the leaving key's features,
+    then one kernel."""
     config = layer.config
-    leaving_feat, leaving_values, leaving_real = cache.push_window_token(
-        k, v, k_feat, real, config.window_size, config.num_sink_tokens)
+    leaving_keys, leaving_values, leaving_real = cache.push_window_token(
+        k, v, real, config.window_size, config.num_sink_tokens)
     o = triton_window_decode_step(
-        q, q_feat, log_decay, cache.state, cache.window_keys, cache.window_values, cache.window_mask, leaving_feat,
-        leaving_values, leaving_real, layer.window_gate, real, scale=layer.head_dim**-0.5)
+        q, q_feat, log_decay, cache.state, cache.window_keys, cache.window_values, cache.window_mask,
+        layer.key_features(leaving_keys), leaving_values, leaving_real, layer.window_gate, real,
+        scale=layer.head_dim**-0.5)
     cache.advance(1, q.device)
     return o
 
@@ -204,14 +208,14 @@ def compare_window_step(batch: int, heads: int, kv_heads: int, head_dim: int, fe
     """The kernel step and the twin on copies of one cache, `steps` tokens one after the other: the same output and
     the same buffers after every step."""
     gen = torch.Generator().manual_seed(batch * 1000 + heads * 10 + head_dim)
-    layer = window_layer(heads, kv_heads, head_dim, dtype, window=window, sinks=sinks)
+    layer = window_layer(heads, kv_heads, head_dim, feature_dim, dtype, window=window, sinks=sinks)
     buffers = window_cache(batch, heads, kv_heads, head_dim, feature_dim, dtype, window=window, sinks=sinks,
                            seen=seen, gen=gen, empty=empty)
     twin, ours = cache_layer(buffers), cache_layer(buffers)
     for _ in range(steps):
         q = torch.randn(batch, 1, heads, head_dim, generator=gen).to(DEVICE, dtype)
         k, v = (torch.randn(batch, 1, kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
-        q_feat, k_feat = (torch.rand(batch, 1, heads, feature_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+        q_feat = torch.rand(batch, 1, heads, feature_dim, generator=gen).to(DEVICE, dtype)
         log_decay = log_decays(decay, batch, heads, feature_dim, gen)
         real = None
         if pads:  # the first row's token is a pad: the model zeroes its log decay
@@ -220,14 +224,14 @@ def compare_window_step(batch: int, heads: int, kv_heads: int, head_dim: int, fe
             if log_decay is not None:
                 log_decay[0] = 0.0
         with torch.no_grad():
-            expected = layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, real, twin)
-            o = kernel_window_step(layer, ours, q, k, v, q_feat, k_feat, log_decay, real)
+            expected = layer.window_decode_step(q, k, v, q_feat, log_decay, real, twin)
+            o = kernel_window_step(layer, ours, q, k, v, q_feat, log_decay, real)
         assert o.dtype == expected.dtype == dtype and o.shape == (batch, 1, heads, head_dim)
         assert_close_in_float64([o], [expected], TOLERANCE[dtype])
         if pads:
             assert (o[0] == 0).all()
         assert_close_in_float64([ours.state], [twin.state], STATE_TOLERANCE)
-        for name in ("window_keys", "window_values", "window_key_features", "window_mask", "seen"):
+        for name in ("window_keys", "window_values", "window_mask", "seen"):
             assert torch.equal(getattr(ours, name), getattr(twin, name)), name
 
 
@@ -262,15 +266,15 @@ def test_window_step_updates_state_in_place():
     """The cache's state tensor itself holds the new state; a step on a copy would leave it as it was."""
     gen = torch.Generator().manual_seed(5)
     buffers = window_cache(2, 2, 1, 8, 6, torch.float32, window=4, sinks=1, seen=9, gen=gen)
-    layer = window_layer(2, 1, 8, torch.float32, window=4, sinks=1)
+    layer = window_layer(2, 1, 8, 6, torch.float32, window=4, sinks=1)
     cache, twin = cache_layer(buffers), cache_layer(buffers)
     state, before = cache.state, cache.state.clone()
     q, k, v = (torch.randn(2, 1, h, 8, generator=gen).to(DEVICE) for h in (2, 1, 1))
-    q_feat, k_feat = (torch.rand(2, 1, 2, 6, generator=gen).to(DEVICE) for _ in range(2))
+    q_feat = torch.rand(2, 1, 2, 6, generator=gen).to(DEVICE)
     log_decay = -torch.rand(2, 1, 2, generator=gen).to(DEVICE)
     with torch.no_grad():
-        layer.window_decode_step(q, k, v, q_feat, k_feat, log_decay, None, twin)
-        kernel_window_step(layer, cache, q, k, v, q_feat, k_feat, log_decay, None)
+        layer.window_decode_step(q, k, v, q_feat, log_decay, None, twin)
+        kernel_window_step(layer, cache, q, k, v, q_feat, log_decay, None)
     assert cache.state is state and not torch.equal(state, before)
     assert_close_in_float64([state], [twin.state], STATE_TOLERANCE)
 
@@ -280,7 +284,7 @@ def test_window_step_errors():
     buffers = window_cache(2, 4, 2, 8, 6, torch.float32, window=4, sinks=1, seen=9, gen=gen)
     q = torch.randn(2, 1, 4, 8, device=DEVICE)
     q_feat = torch.rand(2, 1, 4, 6, device=DEVICE)
-    leaving = dict(leaving_feat=buffers["window_key_features"][:, :1], leaving_values=buffers["window_values"][:, :1],
+    leaving = dict(leaving_feat=torch.rand(2, 1, 4, 6, device=DEVICE), leaving_values=buffers["window_values"][:, :1],
                    leaving_real=buffers["window_mask"][:, :1])
     inputs = dict(q=q, q_feat=q_feat, log_decay=None, state=buffers["state"], window_keys=buffers["window_keys"],
                   window_values=buffers["window_values"], window_mask=buffers["window_mask"], **leaving,
