@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = ["tests/test_triton_ops.py", "tests/test_window_ops.py", "tests/test_delta_rule_triton.py"]
 STAGES = ("triton_tests", "kernels", "decode", "train", "fsdp", "deepspeed")
 # Seconds each stage may take on the GPU, its process's start included; --budget_s bounds their sum.
-TIME_BOX = {"triton_tests": 130, "kernels": 160, "decode": 40, "train": 55, "fsdp": 25, "deepspeed": 25}
+TIME_BOX = {"triton_tests": 115, "kernels": 160, "decode": 55, "train": 55, "fsdp": 25, "deepspeed": 25}
 DRY_TIME_BOX = 120
 # The packages the stages use (distribution names), whose versions gpu_check.json records.
 PACKAGES = ("torch", "triton", "transformers", "accelerate", "safetensors", "huggingface_hub", "einops", "fla-core",
@@ -76,8 +76,13 @@ SIZE_340M = ModelSize(1024, 24, 8, 2816, 32000)  # head dim 128; ~340M parameter
 SIZE_TOY = ModelSize(32, 2, 2, 64, 128)
 
 
+# The window hybrid of a converted model (hedgehog features, window 64 + 4 sinks), as `make demo` converts SmolLM2.
+HYBRID = {"feature_map": "hedgehog", "feature_dim": 32, "window_size": 64, "num_sink_tokens": 4}
+
+
 def build(kind: str, size: ModelSize, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A randomly initialised linear-attention model ("linear", triton kernels on a GPU) or Llama with SDPA."""
+    """A randomly initialised linear-attention model ("linear": elu; "hybrid": the window hybrid; triton kernels on a
+    GPU) or Llama with SDPA."""
     from transformers import LlamaConfig, LlamaForCausalLM  # here: a stage's process imports what it uses
 
     import hf_linear_attn
@@ -87,7 +92,8 @@ def build(kind: str, size: ModelSize, device: str, dtype: torch.dtype) -> torch.
     if kind == "llama":
         config = LlamaConfig(**dims, attn_implementation="sdpa")
         return LlamaForCausalLM(config).to(device, dtype)
-    config = hf_linear_attn.LinearAttentionConfig(**dims, feature_map="elu")
+    options = HYBRID if kind == "hybrid" else {"feature_map": "elu"}
+    config = hf_linear_attn.LinearAttentionConfig(**dims, **options)
     return hf_linear_attn.LinearAttentionForCausalLM(config).to(device, dtype)
 
 
@@ -97,12 +103,18 @@ def synchronize(device: str) -> None:
 
 
 def stage_decode(dry: bool, device: str) -> dict:
-    """ms per greedy decode token after a prefilled context, batch 1, eager."""
+    """ms per greedy decode token after a prefilled context, batch 1, eager: the linear model and the window hybrid
+    (their decode steps on the fused kernels of `ops_triton_decode`), the hybrid again with its torch step (the
+    kernels' twin: what they gain) and Llama."""
+    from hf_linear_attn import modeling_linear_attention
+
     size = SIZE_TOY if dry else ModelSize(1024, 8, 8, 2816, 32000)
-    contexts, steps = ([16, 64], 3) if dry else ([1024, 4096, 16384, 65536], 32)
+    contexts, steps = ([16, 80], 3) if dry else ([1024, 4096, 16384, 65536], 24)
     rows = []
-    for kind in ("linear", "llama"):
-        model = build(kind, size, device, torch.float32 if dry else torch.bfloat16).eval()
+    kernels = modeling_linear_attention.use_decode_kernels
+    for kind in ("linear", "hybrid", "hybrid torch step", "llama"):
+        model = build(kind.split()[0], size, device, torch.float32 if dry else torch.bfloat16).eval()
+        modeling_linear_attention.use_decode_kernels = (lambda *tensors: False) if "torch" in kind else kernels
         for context in contexts:
             ids = torch.randint(3, size.vocab_size, (1, context), device=device,
                                 generator=torch.Generator(device).manual_seed(context))
@@ -118,7 +130,7 @@ def stage_decode(dry: bool, device: str) -> dict:
                     synchronize(device)
                     times.append(time.perf_counter() - start)
             rows.append({"model": kind, "context": context, "ms_per_token": 1000 * statistics.median(times[2:])})
-            print(f"  decode {kind:<6} context {context:>6}: {rows[-1]['ms_per_token']:.2f} ms/token", flush=True)
+            print(f"  decode {kind:<17} context {context:>6}: {rows[-1]['ms_per_token']:.2f} ms/token", flush=True)
         del model
     return {"rows": rows}
 
@@ -381,7 +393,7 @@ def plot(summary: dict, out: Path) -> None:
     fig, (ax_decode, ax_train) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, rows, x, y, scales in ((ax_decode, decode, "context", "ms_per_token", {"xscale": "log", "yscale": "log"}),
                                    (ax_train, train, "seq_len", "tokens_per_s", {"xscale": "log"})):
-        for kind in ("linear", "llama"):
+        for kind in dict.fromkeys(r["model"] for r in rows):  # each model its line, in the stage's order
             mine = [r for r in rows if r["model"] == kind]
             ax.plot([r[x] for r in mine], [r[y] for r in mine], "o-", label=kind)
         ax.set(xlabel=x, ylabel=y.replace("_", " "), **(scales if rows else {}))

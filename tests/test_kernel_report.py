@@ -116,12 +116,13 @@ def test_gpu_check_dry_stages(tmp_path, monkeypatch):
     ours = [r for r in measured if r["method"].startswith("ours")]
     assert all(("fwd_bwd_vs_fla" in r) == (r["decay"] != "none") for r in ours)
     decode = summary["stages"]["decode"]["rows"]
-    assert {(r["model"], r["context"]) for r in decode} == {(m, c) for m in ("linear", "llama") for c in (16, 64)}
+    models = ("linear", "hybrid", "hybrid torch step", "llama")
+    assert {(r["model"], r["context"]) for r in decode} == {(m, c) for m in models for c in (16, 80)}
     assert all(r["ms_per_token"] > 0 for r in decode)
     deepspeed = summary["stages"]["deepspeed"]
     assert "rows" in deepspeed or deepspeed["skipped"] == "deepspeed is not installed"
     log = (tmp_path / "gpu_check.log").read_text()
-    assert "== kernels: ok" in log and "decode linear context     64" in log and "== deepspeed: ok" in log
+    assert "== kernels: ok" in log and "decode hybrid torch step context     80" in log and "== deepspeed: ok" in log
     assert (tmp_path / "gpu_check.png").exists()
 
 
