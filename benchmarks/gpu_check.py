@@ -7,6 +7,8 @@ Stages:
   kernels       the kernel benchmark (benchmarks/kernel_timing.py): ours vs fla vs SDPA-flash on the four shapes and
                 T 1K ... 64K (ms, TFLOP/s, % of bf16 peak); rows measured before a time-out are kept
   decode        ms per decode token after growing contexts, linear model vs Llama (SDPA, dynamic cache)
+  decode_compiled  the same with compiled steps on CUDA graphs: the window hybrid on its fixed-shape cache vs Llama
+                on a static cache; rows measured before a time-out are kept
   train         training tokens/s (forward + backward + AdamW, bf16) of a ~340M linear model vs the same Llama
   fsdp          a few FSDP2 (fully_shard) training steps of the linear model, one process
   deepspeed     a few DeepSpeed ZeRO-2 steps, one process (skipped with a line when deepspeed is not installed)
@@ -25,6 +27,7 @@ kernels.{md,json,png}: 6 files, so that a device run's output folder brings all 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 import multiprocessing
 import os
@@ -42,9 +45,10 @@ from transformers import HfArgumentParser
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = ["tests/test_triton_ops.py", "tests/test_window_ops.py", "tests/test_delta_rule_triton.py"]
-STAGES = ("triton_tests", "kernels", "decode", "train", "fsdp", "deepspeed")
+STAGES = ("triton_tests", "kernels", "decode", "decode_compiled", "train", "fsdp", "deepspeed")
 # Seconds each stage may take on the GPU, its process's start included; --budget_s bounds their sum.
-TIME_BOX = {"triton_tests": 115, "kernels": 160, "decode": 55, "train": 55, "fsdp": 25, "deepspeed": 25}
+TIME_BOX = {"triton_tests": 105, "kernels": 130, "decode": 45, "decode_compiled": 60, "train": 50, "fsdp": 25,
+            "deepspeed": 25}
 DRY_TIME_BOX = 120
 # The packages the stages use (distribution names), whose versions gpu_check.json records.
 PACKAGES = ("torch", "triton", "transformers", "accelerate", "safetensors", "huggingface_hub", "einops", "fla-core",
@@ -74,6 +78,7 @@ class ModelSize:
 
 SIZE_340M = ModelSize(1024, 24, 8, 2816, 32000)  # head dim 128; ~340M parameters (embeddings tied or not)
 SIZE_TOY = ModelSize(32, 2, 2, 64, 128)
+DECODE_SIZE = ModelSize(1024, 8, 8, 2816, 32000)  # the decode stages' models: 8 layers of the 340M's width
 
 
 # The window hybrid of a converted model (hedgehog features, window 64 + 4 sinks), as `make demo` converts SmolLM2.
@@ -97,6 +102,19 @@ def build(kind: str, size: ModelSize, device: str, dtype: torch.dtype) -> torch.
     return hf_linear_attn.LinearAttentionForCausalLM(config).to(device, dtype)
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its cache by: `cache` (transformers ≥ 5.24, which deprecates the other)
+    or `past_key_values` (older releases): the GPU machine runs its own transformers version."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a forward returned (the output field is named as the forward's keyword)."""
+    from hf_linear_attn.modeling_linear_attention import OUTPUT_CACHE_FIELD
+
+    return getattr(output, OUTPUT_CACHE_FIELD)
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -108,30 +126,87 @@ def stage_decode(dry: bool, device: str) -> dict:
     kernels' twin: what they gain) and Llama."""
     from hf_linear_attn import modeling_linear_attention
 
-    size = SIZE_TOY if dry else ModelSize(1024, 8, 8, 2816, 32000)
+    size = SIZE_TOY if dry else DECODE_SIZE
     contexts, steps = ([16, 80], 3) if dry else ([1024, 4096, 16384, 65536], 24)
     rows = []
     kernels = modeling_linear_attention.use_decode_kernels
     for kind in ("linear", "hybrid", "hybrid torch step", "llama"):
         model = build(kind.split()[0], size, device, torch.float32 if dry else torch.bfloat16).eval()
+        keyword = cache_keyword(model)
         modeling_linear_attention.use_decode_kernels = (lambda *tensors: False) if "torch" in kind else kernels
         for context in contexts:
             ids = torch.randint(3, size.vocab_size, (1, context), device=device,
                                 generator=torch.Generator(device).manual_seed(context))
             with torch.no_grad():
                 out = model(input_ids=ids, use_cache=True)
-                cache, next_id = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                cache, next_id = returned_cache(out), out.logits[:, -1:].argmax(-1)
                 times = []
                 for _ in range(steps + 2):  # two warm-up steps
                     synchronize(device)
                     start = time.perf_counter()
-                    out = model(input_ids=next_id, past_key_values=cache, use_cache=True)
+                    out = model(input_ids=next_id, use_cache=True, **{keyword: cache})
                     next_id = out.logits[:, -1:].argmax(-1)
                     synchronize(device)
                     times.append(time.perf_counter() - start)
             rows.append({"model": kind, "context": context, "ms_per_token": 1000 * statistics.median(times[2:])})
             print(f"  decode {kind:<17} context {context:>6}: {rows[-1]['ms_per_token']:.2f} ms/token", flush=True)
         del model
+    return {"rows": rows}
+
+
+def stage_decode_compiled(dry: bool, device: str, save: Callable[[dict], None]) -> dict:
+    """ms per greedy decode token with the step compiled as transformers' compiled generation runs it (inductor,
+    "reduce-overhead": CUDA graphs), batch 1, after a prefilled context: the window hybrid on its fixed-shape cache
+    (one graph serves every context) against Llama on a static cache of the context's length (a graph per length).
+    Each row also says whether the compiled steps chose the eager steps' tokens (in bf16 on random weights a near tie
+    may go either way: the hybrid's eager step runs the fused kernels); `save` keeps the rows measured so far (the
+    compiles take most of the stage's time)."""
+    from transformers import StaticCache
+
+    size = SIZE_TOY if dry else DECODE_SIZE
+    contexts, steps = ([16, 80], 3) if dry else ([4096, 16384, 65536], 24)
+    options = {"backend": "eager"} if dry else {"mode": "reduce-overhead"}  # (dry: the capture without codegen)
+    rows = []
+    for kind in ("hybrid", "llama"):
+        model = build(kind, size, device, torch.float32 if dry else torch.bfloat16).eval()
+        step = torch.compile(model, fullgraph=True, dynamic=False, **options)  # as transformers' CompileConfig
+        keyword = cache_keyword(model)
+        for context in contexts:
+            ids = torch.randint(3, size.vocab_size, (1, context), device=device,
+                                generator=torch.Generator(device).manual_seed(context))
+            row = {"model": f"{kind} compiled", "context": context}
+            try:
+                with torch.no_grad():
+                    tokens = {}
+                    for variant in ("eager", "compiled"):
+                        cache = None
+                        if kind == "llama" and variant == "compiled":
+                            cache = StaticCache(config=model.config, max_cache_len=context + steps + 2)
+                        out = model(input_ids=ids, use_cache=True, **{keyword: cache})  # the prefill, eager
+                        cache, next_id = returned_cache(out), out.logits[:, -1:].argmax(-1)
+                        tokens[variant], times = [], []
+                        for i in range(steps + 2):  # two warm-up steps (the compile, the graph's capture)
+                            position = torch.full((1, 1), context + i, device=device)
+                            synchronize(device)
+                            start = time.perf_counter()
+                            out = (step if variant == "compiled" else model)(
+                                input_ids=next_id, position_ids=position, use_cache=True, **{keyword: cache})
+                            next_id = out.logits[:, -1:].argmax(-1)
+                            synchronize(device)
+                            times.append(time.perf_counter() - start)
+                            tokens[variant].append(int(next_id))
+                        row[f"{variant}_ms_per_token"] = 1000 * statistics.median(times[2:])
+                    row["ms_per_token"] = row.pop("compiled_ms_per_token")
+                    row["same_tokens_as_eager"] = tokens["compiled"] == tokens["eager"]
+            except Exception as error:  # noqa: BLE001 - recorded in the row; the next context still runs
+                row["error"] = f"{type(error).__name__}: {error}"
+            rows.append(row)
+            save({"rows": rows})
+            print(f"  decode {row['model']:<16} context {context:>6}: "
+                  + (f"{row['ms_per_token']:.2f} ms/token (eager {row['eager_ms_per_token']:.2f})"
+                     if "error" not in row else row["error"]), flush=True)
+        del model, step
+        torch._dynamo.reset()
     return {"rows": rows}
 
 
@@ -267,6 +342,8 @@ def stage_process(name: str, dry: bool, out: str, log_path: str, result_path: st
         result = stage_triton_tests(dry)
     elif name == "kernels":
         result = stage_kernels(dry, Path(out), save)
+    elif name == "decode_compiled":
+        result = stage_decode_compiled(dry, device, save)
     else:
         result = {"decode": stage_decode, "train": stage_train, "fsdp": stage_fsdp,
                   "deepspeed": stage_deepspeed}[name](dry, device)
@@ -376,8 +453,10 @@ def main(argv: list[str]) -> int:
 
 
 def plot(summary: dict, out: Path) -> None:
-    """gpu_check.png: decode ms/token against context, and training tokens/s, linear vs Llama (when measured)."""
-    decode = summary["stages"].get("decode", {}).get("rows", [])
+    """gpu_check.png: decode ms/token against context (eager and compiled), and training tokens/s, linear vs Llama
+    (when measured)."""
+    decode = [r for stage in ("decode", "decode_compiled") for r in summary["stages"].get(stage, {}).get("rows", [])
+              if "error" not in r]
     train = summary["stages"].get("train", {}).get("rows", [])
     if not decode and not train:
         print("(no decode or train rows: no gpu_check.png)")

@@ -96,14 +96,15 @@ def test_kernel_report_pruned_configs_do_not_spill(tmp_path, monkeypatch):
 
 def test_gpu_check_dry_stages(tmp_path, monkeypatch):
     """Each stage runs in its own spawned process; the kernels stage writes the benchmark's report, a failing op's
-    row included; deepspeed is skipped with a line when not installed; every stage's output lands in gpu_check.log."""
+    row included; the compiled decode steps (dry: captured whole by dynamo, run without codegen) give the eager
+    tokens; deepspeed is skipped with a line when not installed; every stage's output lands in gpu_check.log."""
     monkeypatch.setenv("PYTHONPATH", str(write_fake_fla(tmp_path / "fla_packages", FAKE_FLA_WITH_A_FAILING_OP)))
-    result = run_script("gpu_check.py", "--dry", "--stages", "kernels", "decode", "deepspeed",
+    result = run_script("gpu_check.py", "--dry", "--stages", "kernels", "decode", "decode_compiled", "deepspeed",
                         "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["versions"]["torch"] == torch.__version__ and summary["versions"]["fla-core"] == "not installed"
-    assert list(summary["stages"]) == ["kernels", "decode", "deepspeed"]
+    assert list(summary["stages"]) == ["kernels", "decode", "decode_compiled", "deepspeed"]
     assert all(r["status"] == "ok" for r in summary["stages"].values()), summary
     kernels = summary["stages"]["kernels"]["rows"]
     assert json.loads((tmp_path / "kernels.json").read_text())["rows"] == kernels
@@ -119,6 +120,10 @@ def test_gpu_check_dry_stages(tmp_path, monkeypatch):
     models = ("linear", "hybrid", "hybrid torch step", "llama")
     assert {(r["model"], r["context"]) for r in decode} == {(m, c) for m in models for c in (16, 80)}
     assert all(r["ms_per_token"] > 0 for r in decode)
+    compiled = summary["stages"]["decode_compiled"]["rows"]
+    assert {(r["model"], r["context"]) for r in compiled} == {(m, c) for m in ("hybrid compiled", "llama compiled")
+                                                              for c in (16, 80)}
+    assert all(r["ms_per_token"] > 0 and r["eager_ms_per_token"] > 0 and r["same_tokens_as_eager"] for r in compiled)
     deepspeed = summary["stages"]["deepspeed"]
     assert "rows" in deepspeed or deepspeed["skipped"] == "deepspeed is not installed"
     log = (tmp_path / "gpu_check.log").read_text()
