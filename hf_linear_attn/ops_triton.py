@@ -1083,8 +1083,17 @@ def _window_dkdv_kernel(
     dd, vv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_V)
     k_tile = _load_tile(k + (token0 * H + h) * D, i, T, H * D, dd, D)
     v_tile = _load_tile(v + (token0 * H + h) * V, i, T, H * V, vv, V)
-    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    if SINK_GRADS:  # the accumulators start from the sinks' sums (zero for the other keys)
+        sink = i - lo  # the keys' ranks among the row's sinks
+        is_sink = ((sink >= 0) & (i < sink_end))[:, None]
+        sink_base = row.to(tl.int64) * sinks * H + h
+        dk_acc = tl.load(sink_dk + sink_base * D + _tile_offsets(sink, H * D, dd), mask=is_sink & (dd < D)[None, :],
+                         other=0.0)
+        dv_acc = tl.load(sink_dv + sink_base * V + _tile_offsets(sink, H * V, vv), mask=is_sink & (vv < V)[None, :],
+                         other=0.0)
+    else:
+        dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     q_stop = tl.minimum(hi, _window_reach(first, window, BLOCK_N))
     for q_first in range(tl.maximum(first, lo), q_stop, BLOCK_M):
         t = q_first + tl.arange(0, BLOCK_M)
@@ -1096,14 +1105,6 @@ def _window_dkdv_kernel(
         )
         dv_acc += dv_part
         dk_acc += dk_part
-    if SINK_GRADS:
-        sink = i - lo  # the keys' ranks among the row's sinks
-        is_sink = ((sink >= 0) & (i < sink_end))[:, None]
-        sink_base = row.to(tl.int64) * sinks * H + h
-        dk_acc += tl.load(sink_dk + sink_base * D + _tile_offsets(sink, H * D, dd), mask=is_sink & (dd < D)[None, :],
-                          other=0.0)
-        dv_acc += tl.load(sink_dv + sink_base * V + _tile_offsets(sink, H * V, vv), mask=is_sink & (vv < V)[None, :],
-                          other=0.0)
     _store_tile(dk + (token0 * H + h) * D, dk_acc * scale, i, T, H * D, dd, D)
     _store_tile(dv + (token0 * H + h) * V, dv_acc, i, T, H * V, vv, V)
 
