@@ -83,7 +83,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when @t
 VECTOR_SUB_CHUNK = 16
 WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels, see `_window_blocks`
 SINK_BLOCK = 16  # sink keys per program of `_window_sink_dkdv_kernel` (the smallest tl.dot tile)
-SINK_SLICE_MIN_BLOCKS = 8  # query blocks per program of `_window_sink_dkdv_kernel` at least, see `_sink_slice_blocks`
+SINK_SLICE_MIN_BLOCKS = 4  # query blocks per program of `_window_sink_dkdv_kernel` at least, see `_sink_slice_blocks`
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WINDOW_HEAD_DIM = 256  # D and V of the window softmax part: one tile of the window kernels
 
@@ -929,7 +929,8 @@ def _window_block_scores(
 
 @triton.jit
 def _window_setup(bounds, sinks, H: tl.constexpr):
-    """Program ids of a (block, batch row · head) grid → (block, row, head, lo, hi, sink_end)."""
+    """Program ids of the first two axes of a (block, batch row · head[, ...]) grid → (block, row, head, lo, hi,
+    sink_end)."""
     pid, bh = tl.program_id(0), tl.program_id(1)
     row, h = bh // H, bh % H
     lo, hi = tl.load(bounds + 2 * row), tl.load(bounds + 2 * row + 1)
@@ -1071,9 +1072,9 @@ def _window_dkdv_kernel(
     """dk_i = scale · Σ_t ds_ti q_t and dv_i = Σ_t p_ti dnum_t for a block of keys (ds, p as in `_window_dq_kernel`).
 
     The queries visited: from the block's first key to the window's reach past its last key (`_window_reach`), sink
-    keys included; the queries past the reach that attend to the sinks are `_window_sink_dkdv_kernel`'s, whose sums,
-    if SINK_GRADS, sink_dk [B, sinks, H, D] (without the scale) and sink_dv [B, sinks, H, V] (fp32, sink j of a row
-    at token lo + j) hold, added here. Shapes as in `_window_fwd_kernel`; dk: [B, T, H, D], dv: [B, T, H, V].
+    keys included; the queries past the reach that attend to the sinks are `_window_sink_dkdv_kernel`'s, whose sums
+    sink_dk [B, sinks, H, D] (without the scale) and sink_dv [B, sinks, H, V] (fp32, sink j of a row at token lo + j)
+    are added here if SINK_GRADS. Shapes as in `_window_fwd_kernel`; dk: [B, T, H, D], dv: [B, T, H, V].
     Grid: (T / BLOCK_N, B · H).
     """
     pid, row, h, lo, hi, sink_end = _window_setup(bounds, sinks, H)
@@ -1083,7 +1084,7 @@ def _window_dkdv_kernel(
     dd, vv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_V)
     k_tile = _load_tile(k + (token0 * H + h) * D, i, T, H * D, dd, D)
     v_tile = _load_tile(v + (token0 * H + h) * V, i, T, H * V, vv, V)
-    if SINK_GRADS:  # the accumulators start from the sinks' sums (zero for the other keys)
+    if SINK_GRADS:  # the accumulators start from the sinks' sums past the reach (zero for the other keys)
         sink = i - lo  # the keys' ranks among the row's sinks
         is_sink = ((sink >= 0) & (i < sink_end))[:, None]
         sink_base = row.to(tl.int64) * sinks * H + h
@@ -1123,15 +1124,12 @@ def _window_sink_dkdv_kernel(
     The queries from the first sink's reach to the row's end are cut into slices of slice_blocks blocks of BLOCK_M
     queries; a program takes one slice and BLOCK_S sinks and stores their sums, zeros included, to sink_dk
     [B, slices, sinks, H, D] and sink_dv [B, slices, sinks, H, V] (fp32; sink j of a row is its token lo + j), which
-    the host sums over the slices. Other shapes as in `_window_fwd_kernel`. Grid: (slices, sinks / BLOCK_S, B · H).
+    the host sums over the slices. Other shapes as in `_window_fwd_kernel`. Grid: (slices, B · H, sinks / BLOCK_S).
     """
     tl.static_assert(BLOCK_S >= 16)  # the smallest tile of tl.dot
     tl.static_assert(BLOCK_S <= DKDV_BLOCK_N)  # no more accumulator rows than `_window_dkdv_kernel` holds
-    slice_id, tile, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row, h = bh // H, bh % H
-    lo, hi = tl.load(bounds + 2 * row), tl.load(bounds + 2 * row + 1)
-    sink_end = tl.minimum(lo + sinks, hi)
-    sink = tile * BLOCK_S + tl.arange(0, BLOCK_S)  # the keys' ranks among the row's sinks
+    slice_id, row, h, lo, hi, sink_end = _window_setup(bounds, sinks, H)
+    sink = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)  # the keys' ranks among the row's sinks
     i = lo + sink
     token0 = row.to(tl.int64) * T
     dd, vv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_V)
@@ -1187,7 +1185,7 @@ def _window_sink_grads(q, k, v, grads, bounds, blocks: dict, launch: dict) -> tu
     slices = triton.cdiv(queries, slice_blocks * block_m)
     sink_dk = q.new_empty(batch, slices, sinks, heads, launch["D"], dtype=torch.float32)
     sink_dv = q.new_empty(batch, slices, sinks, heads, launch["V"], dtype=torch.float32)
-    _window_sink_dkdv_kernel[(slices, triton.cdiv(sinks, block_s), batch * heads)](
+    _window_sink_dkdv_kernel[(slices, batch * heads, triton.cdiv(sinks, block_s))](
         q, k, v, *grads, sink_dk, sink_dv, bounds, slice_blocks=slice_blocks, BLOCK_M=block_m, BLOCK_S=block_s,
         DKDV_BLOCK_N=block_n, **launch,
     )
