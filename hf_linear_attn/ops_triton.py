@@ -48,7 +48,10 @@ Window hybrid
 `window_attention`'s linear part is the linear kernel above on keys and values delayed by window_size; its
 softmax part is a flash-attention style kernel over the sink keys and the window keys (`_window_fwd_kernel`,
 backward `_window_dq_kernel` and `_window_dkdv_kernel`), which returns the unnormalised sums against the exact
-window maximum c_t; torch combines the two parts and divides.
+window maximum c_t; torch combines the two parts and divides. A dk/dv program visits the queries within the window
+of its keys only; the sinks' gradients from every later query come from `_window_sink_dkdv_kernel`, which cuts
+those queries into slices of about a window each (partial sums, added in a fixed order): no program runs through
+a whole row.
 """
 
 import functools
@@ -79,6 +82,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when @t
 # sub-blocks are smaller, to bound its explicit decay tensors); must divide CHUNK_SIZE.
 VECTOR_SUB_CHUNK = 16
 WINDOW_BLOCK = 64  # queries (and keys) per block of the window softmax kernels, see `_window_blocks`
+SINK_BLOCK = 16  # sink keys per program of `_window_sink_dkdv_kernel` (the smallest tl.dot tile)
+SINK_SLICE_MIN_BLOCKS = 4  # query blocks per program of `_window_sink_dkdv_kernel` at least, see `_sink_slice_blocks`
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WINDOW_HEAD_DIM = 256  # D and V of the window softmax part: one tile of the window kernels
 
@@ -924,7 +929,8 @@ def _window_block_scores(
 
 @triton.jit
 def _window_setup(bounds, sinks, H: tl.constexpr):
-    """Program ids of a (block, batch row · head) grid → (block, row, head, lo, hi, sink_end)."""
+    """Program ids of the first two axes of a (block, batch row · head[, ...]) grid → (block, row, head, lo, hi,
+    sink_end)."""
     pid, bh = tl.program_id(0), tl.program_id(1)
     row, h = bh // H, bh % H
     lo, hi = tl.load(bounds + 2 * row), tl.load(bounds + 2 * row + 1)
@@ -1033,17 +1039,42 @@ def _window_dq_kernel(
     _store_tile(dq + (token0 * H + h) * D, acc * scale, t, T, H * D, dd, D)
 
 
+@triton.jit
+def _window_key_block_grads(q, dnum, dden, row_max, row_argmax, d_max, token0, t, i, allowed, k_tile, v_tile, scale,
+                            T, h, H: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr):
+    """The contributions of queries t to dv_i (Σ_t p_ti dnum_t, [len(i), BLOCK_V]) and to dk_i / scale (Σ_t ds_ti q_t,
+    [len(i), BLOCK_D]) of keys i (tiles k_tile, v_tile), counting the pairs in `allowed` [len(t), len(i)]."""
+    q_tile = _load_tile(q + (token0 * H + h) * D, t, T, H * D, tl.arange(0, BLOCK_D), D)
+    dnum_tile, dden_rows, max_rows, argmax_rows, d_max_rows = _window_load_row_grads(
+        dnum, dden, row_max, row_argmax, d_max, token0, t, T, h, H, V, BLOCK_V
+    )
+    scores = tl.where(allowed, _dot(q_tile, tl.trans(k_tile), BF16_DOT) * scale, float("-inf"))
+    p, ds = _window_score_grads(scores, allowed, i, max_rows, argmax_rows, d_max_rows, dnum_tile, dden_rows, v_tile,
+                                BF16_DOT)
+    return _dot(tl.trans(p), dnum_tile, BF16_DOT), _dot(tl.trans(ds), q_tile, BF16_DOT)
+
+
+@triton.jit
+def _window_reach(i, window, BLOCK_N: tl.constexpr):
+    """The first query past the window reach of key i's block of BLOCK_N keys (blocks from token 0): the queries of
+    `_window_dkdv_kernel`'s program for that block stop there."""
+    return (i // BLOCK_N) * BLOCK_N + BLOCK_N - 1 + window
+
+
 @triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _window_dkdv_kernel(
-    q, k, v, dnum, dden, row_max, row_argmax, d_max, dk, dv, bounds, scale, T, window, sinks,
+    q, k, v, dnum, dden, row_max, row_argmax, d_max, sink_dk, sink_dv, dk, dv, bounds, scale, T, window, sinks,
     H: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, SINK_GRADS: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
     """dk_i = scale · Σ_t ds_ti q_t and dv_i = Σ_t p_ti dnum_t for a block of keys (ds, p as in `_window_dq_kernel`).
 
-    The queries visited: from the block's first key to the window's reach past its last key, or to the row's end
-    if the block holds sinks. Shapes as in `_window_fwd_kernel`; dk: [B, T, H, D], dv: [B, T, H, V].
+    The queries visited: from the block's first key to the window's reach past its last key (`_window_reach`), sink
+    keys included; the queries past the reach that attend to the sinks are `_window_sink_dkdv_kernel`'s, whose sums
+    sink_dk [B, sinks, H, D] (without the scale) and sink_dv [B, sinks, H, V] (fp32, sink j of a row at token lo + j)
+    are added here if SINK_GRADS. Shapes as in `_window_fwd_kernel`; dk: [B, T, H, D], dv: [B, T, H, V].
     Grid: (T / BLOCK_N, B · H).
     """
     pid, row, h, lo, hi, sink_end = _window_setup(bounds, sinks, H)
@@ -1053,32 +1084,112 @@ def _window_dkdv_kernel(
     dd, vv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_V)
     k_tile = _load_tile(k + (token0 * H + h) * D, i, T, H * D, dd, D)
     v_tile = _load_tile(v + (token0 * H + h) * V, i, T, H * V, vv, V)
-    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    q_stop = tl.where(first < sink_end, hi, tl.minimum(hi, first + BLOCK_N - 1 + window))
+    if SINK_GRADS:  # the accumulators start from the sinks' sums past the reach (zero for the other keys)
+        sink = i - lo  # the keys' ranks among the row's sinks
+        is_sink = ((sink >= 0) & (i < sink_end))[:, None]
+        sink_base = row.to(tl.int64) * sinks * H + h
+        dk_acc = tl.load(sink_dk + sink_base * D + _tile_offsets(sink, H * D, dd), mask=is_sink & (dd < D)[None, :],
+                         other=0.0)
+        dv_acc = tl.load(sink_dv + sink_base * V + _tile_offsets(sink, H * V, vv), mask=is_sink & (vv < V)[None, :],
+                         other=0.0)
+    else:
+        dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    q_stop = tl.minimum(hi, _window_reach(first, window, BLOCK_N))
     for q_first in range(tl.maximum(first, lo), q_stop, BLOCK_M):
         t = q_first + tl.arange(0, BLOCK_M)
-        q_tile = _load_tile(q + (token0 * H + h) * D, t, T, H * D, dd, D)
-        dnum_tile, dden_rows, max_rows, argmax_rows, d_max_rows = _window_load_row_grads(
-            dnum, dden, row_max, row_argmax, d_max, token0, t, T, h, H, V, BLOCK_V
+        # The last block may run past q_stop: the window keeps those queries from the other keys, not from sinks.
+        allowed = _window_mask(t, i, lo, q_stop, sink_end, window)
+        dv_part, dk_part = _window_key_block_grads(
+            q, dnum, dden, row_max, row_argmax, d_max, token0, t, i, allowed, k_tile, v_tile, scale, T, h, H, D, V,
+            BLOCK_D, BLOCK_V, BF16_DOT,
         )
-        allowed = _window_mask(t, i, lo, hi, sink_end, window)
-        scores = tl.where(allowed, _dot(q_tile, tl.trans(k_tile), BF16_DOT) * scale, float("-inf"))
-        p, ds = _window_score_grads(scores, allowed, i, max_rows, argmax_rows, d_max_rows, dnum_tile, dden_rows,
-                                    v_tile, BF16_DOT)
-        dv_acc += _dot(tl.trans(p), dnum_tile, BF16_DOT)
-        dk_acc += _dot(tl.trans(ds), q_tile, BF16_DOT)
+        dv_acc += dv_part
+        dk_acc += dk_part
     _store_tile(dk + (token0 * H + h) * D, dk_acc * scale, i, T, H * D, dd, D)
     _store_tile(dv + (token0 * H + h) * V, dv_acc, i, T, H * V, vv, V)
+
+
+@triton.autotune(configs=_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": _spill_free})
+@triton.jit
+def _window_sink_dkdv_kernel(
+    q, k, v, dnum, dden, row_max, row_argmax, d_max, sink_dk, sink_dv, bounds, scale, T, window, sinks, slice_blocks,
+    H: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    DKDV_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+):
+    """The sink keys' dk_i / scale and dv_i (as in `_window_dkdv_kernel`) from the queries past the window reach of
+    their blocks of DKDV_BLOCK_N keys (`_window_reach`), which `_window_dkdv_kernel` leaves out: without this kernel
+    the program of the sinks' block would run through every query of the row while the others stop after a window.
+
+    The queries from the first sink's reach to the row's end are cut into slices of slice_blocks blocks of BLOCK_M
+    queries; a program takes one slice and BLOCK_S sinks and stores their sums, zeros included, to sink_dk
+    [B, slices, sinks, H, D] and sink_dv [B, slices, sinks, H, V] (fp32; sink j of a row is its token lo + j), which
+    the host sums over the slices. Other shapes as in `_window_fwd_kernel`. Grid: (slices, B · H, sinks / BLOCK_S).
+    """
+    tl.static_assert(BLOCK_S >= 16)  # the smallest tile of tl.dot
+    tl.static_assert(BLOCK_S <= DKDV_BLOCK_N)  # no more accumulator rows than `_window_dkdv_kernel` holds
+    slice_id, row, h, lo, hi, sink_end = _window_setup(bounds, sinks, H)
+    sink = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)  # the keys' ranks among the row's sinks
+    i = lo + sink
+    token0 = row.to(tl.int64) * T
+    dd, vv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_V)
+    k_tile = _load_tile(k + (token0 * H + h) * D, i, sink_end, H * D, dd, D)
+    v_tile = _load_tile(v + (token0 * H + h) * V, i, sink_end, H * V, vv, V)
+    reach = _window_reach(i, window, DKDV_BLOCK_N)
+    dk_acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    dv_acc = tl.zeros([BLOCK_S, BLOCK_V], dtype=tl.float32)
+    q_start = _window_reach(lo, window, DKDV_BLOCK_N) + slice_id * slice_blocks * BLOCK_M
+    for q_first in range(q_start, tl.minimum(hi, q_start + slice_blocks * BLOCK_M), BLOCK_M):
+        t = q_first + tl.arange(0, BLOCK_M)
+        allowed = (t[:, None] >= reach[None, :]) & (t < hi)[:, None] & (i < sink_end)[None, :]
+        dv_part, dk_part = _window_key_block_grads(
+            q, dnum, dden, row_max, row_argmax, d_max, token0, t, i, allowed, k_tile, v_tile, scale, T, h, H, D, V,
+            BLOCK_D, BLOCK_V, BF16_DOT,
+        )
+        dv_acc += dv_part
+        dk_acc += dk_part
+    base = (row.to(tl.int64) * tl.num_programs(0) + slice_id) * sinks * H + h  # [row, slice, sink 0, h]
+    _store_tile(sink_dk + base * D, dk_acc, sink, sinks, H * D, dd, D)
+    _store_tile(sink_dv + base * V, dv_acc, sink, sinks, H * V, vv, V)
 
 
 def _window_blocks(head_dim: int) -> dict:
     """{kernel: (BLOCK_M queries, BLOCK_N keys)} of the window kernels for head dims D, V ≤ head_dim: WINDOW_BLOCK
     (half that past 128), halved where an sm_90 compile spills registers otherwise: the key blocks of dq, the query
-    blocks of dkdv, and its key blocks past 64."""
+    blocks of dkdv, and its key blocks past 64. The sink kernel takes dkdv's query blocks and SINK_BLOCK sinks."""
     block = WINDOW_BLOCK if head_dim <= 128 else WINDOW_BLOCK // 2
     half = block // 2
-    return {"fwd": (block, block), "dq": (block, half), "dkdv": (half, block if head_dim <= 64 else half)}
+    dkdv = (half, block if head_dim <= 64 else half)
+    return {"fwd": (block, block), "dq": (block, half), "dkdv": dkdv, "sink_dkdv": (dkdv[0], SINK_BLOCK)}
+
+
+def _sink_slice_blocks(window: int, block_m: int, block_n: int) -> int:
+    """Query blocks per slice of `_window_sink_dkdv_kernel`: as many as a `_window_dkdv_kernel` program visits (its
+    key block and the window), at least SINK_SLICE_MIN_BLOCKS (which bounds the slices' partial sums)."""
+    return max(triton.cdiv(block_n - 1 + window, block_m), SINK_SLICE_MIN_BLOCKS)
+
+
+def _window_sink_grads(q, k, v, grads, bounds, blocks: dict, launch: dict) -> tuple[Tensor, Tensor] | None:
+    """The sink keys' dk / scale and dv from the queries past their blocks' window reach (see
+    `_window_sink_dkdv_kernel`): fp32 [B, sinks, H, D] and [B, sinks, H, V], the slices summed in a fixed order (no
+    atomics: the same bits every run); None without sinks or without such queries (T within one block's reach)."""
+    batch, length, heads = q.shape[:3]
+    block_m, block_s = blocks["sink_dkdv"]
+    block_n = blocks["dkdv"][1]
+    slice_blocks = _sink_slice_blocks(launch["window"], block_m, block_n)
+    # The first sink's reach is at least that of token 0's block: past it, at most this many queries of any row.
+    queries = length - (block_n - 1 + launch["window"])
+    sinks = launch["sinks"]
+    if sinks == 0 or queries <= 0:
+        return None
+    slices = triton.cdiv(queries, slice_blocks * block_m)
+    sink_dk = q.new_empty(batch, slices, sinks, heads, launch["D"], dtype=torch.float32)
+    sink_dv = q.new_empty(batch, slices, sinks, heads, launch["V"], dtype=torch.float32)
+    _window_sink_dkdv_kernel[(slices, batch * heads, triton.cdiv(sinks, block_s))](
+        q, k, v, *grads, sink_dk, sink_dv, bounds, slice_blocks=slice_blocks, BLOCK_M=block_m, BLOCK_S=block_s,
+        DKDV_BLOCK_N=block_n, **launch,
+    )
+    return sink_dk.sum(1), sink_dv.sum(1)
 
 
 class _WindowSoftmax(torch.autograd.Function):
@@ -1117,9 +1228,11 @@ class _WindowSoftmax(torch.autograd.Function):
         _window_dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
             q, k, v, *grads, dq, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
         )
+        sink_grads = _window_sink_grads(q, k, v, grads, bounds, ctx.blocks, ctx.launch)
         block_m, block_n = ctx.blocks["dkdv"]  # a program per BLOCK_N keys
         _window_dkdv_kernel[(triton.cdiv(length, block_n), batch * heads)](
-            q, k, v, *grads, dk, dv, bounds, BLOCK_M=block_m, BLOCK_N=block_n, **ctx.launch
+            q, k, v, *grads, *(sink_grads or (d_max, d_max)), dk, dv, bounds, BLOCK_M=block_m, BLOCK_N=block_n,
+            SINK_GRADS=sink_grads is not None, **ctx.launch,
         )
         return dq, dk, dv, None, None, None, None
 

@@ -78,9 +78,10 @@ def test_kernel_report_pruned_configs_do_not_spill(tmp_path, monkeypatch):
     """What the pruners (`_spill_free`, `_dqk_value_blocks`) and the launchers' block sizes leave compiles for sm_90
     without spilling registers at head dim 64, with at least one config per specialization: the dq/dk kernel in every
     decay mode with and without normalize's extra value column and in the window's linear part, the per-key-dim
-    decay's gradient kernel and the window's backward kernels."""
+    decay's gradient kernel and the window's backward kernels (the sinks' one included)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    kernels = ["_chunk_dqk_kernel", "_vector_grads_kernel", "_window_dq_kernel", "_window_dkdv_kernel"]
+    kernels = ["_chunk_dqk_kernel", "_vector_grads_kernel", "_window_dq_kernel", "_window_dkdv_kernel",
+               "_window_sink_dkdv_kernel"]
     result = run_script("kernel_report.py", "--parts", "compile", "--compile_dims", "64", "--kernels", *kernels,
                         "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -394,6 +394,70 @@ def test_window_decay_resets(decay):
                         num_sink_tokens=1, tol=max(1e-4, TOLERANCE[torch.float32]))
 
 
+class SinkSliceLaunches:
+    """Wraps `_window_sink_dkdv_kernel`, recording each launch's number of query slices (grid axis 0)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.slices = kernel, []
+
+    def __getitem__(self, grid):
+        self.slices.append(grid[0])
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def sink_slices(monkeypatch):
+    """Slices of as many query blocks as a dk/dv program visits (no minimum), so short rows have several; the
+    recorder of the sink kernel's launches."""
+    monkeypatch.setattr(ops_triton, "SINK_SLICE_MIN_BLOCKS", 1)
+    launches = SinkSliceLaunches(ops_triton._window_sink_dkdv_kernel)
+    monkeypatch.setattr(ops_triton, "_window_sink_dkdv_kernel", launches)
+    return launches
+
+
+@pytest.mark.parametrize(
+    "length, window_size, num_sink_tokens, padding, dtype",
+    [(301, 5, 3, None, torch.float32), (301, 5, 3, "left", torch.float32), (300, 40, 2, "right", torch.float32),
+     (233, 1, 70, "left", torch.float32), (301, 50, 4, (120, 150), torch.float32), (301, 5, 3, None, torch.bfloat16),
+     (250, 7, 4, "left", torch.float16)],
+)
+def test_window_sink_gradients_in_query_slices(sink_slices, length, window_size, num_sink_tokens, padding, dtype):
+    """The sinks' dk/dv from the queries past a key block's window reach, summed over several query slices of
+    `_window_sink_dkdv_kernel`: every gradient against the oracle, with pads on either side (rows starting past a
+    key block boundary, rows ending before the last slice; padding (lo, hi): the second row's real tokens, fewer
+    than the window), odd T, more sinks than a key block (70 > 64), and each dtype."""
+    if isinstance(padding, tuple):
+        mask = torch.ones(2, length, dtype=torch.bool)
+        mask[1, : padding[0]] = mask[1, padding[1] :] = False
+    else:
+        mask = padding_mask(length, padding)
+    compare_with_oracle(
+        window_attention, make_window_inputs(length), "parallel", dtype, WINDOW_LOW, window_size=window_size,
+        num_sink_tokens=num_sink_tokens, key_padding_mask=mask,
+    )
+    assert len(sink_slices.slices) == 1 and sink_slices.slices[0] >= 2
+
+
+@pytest.mark.parametrize("length, num_sink_tokens", [(301, 0), (60, 3)])
+def test_window_sink_kernel_launched_only_when_needed(sink_slices, length, num_sink_tokens):
+    """No sinks, or every query within the first key block's window reach: no sink kernel, gradients still exact."""
+    compare_with_oracle(
+        window_attention, make_window_inputs(length), "parallel", torch.float32, WINDOW_LOW, window_size=5,
+        num_sink_tokens=num_sink_tokens, key_padding_mask=padding_mask(length, "left"),
+    )
+    assert sink_slices.slices == []
+
+
+def test_window_backward_is_deterministic(sink_slices):
+    """Two backward passes through the sliced sink gradients give the same bits."""
+    length = 301
+    inputs = {name: x.detach().float().to(DEVICE).requires_grad_() for name, x in make_window_inputs(length).items()}
+    kwargs = dict(window_size=5, num_sink_tokens=3, key_padding_mask=padding_mask(length, "left"), backend="triton")
+    runs = [outputs_and_grads(window_attention, inputs, **kwargs) for _ in range(2)]
+    assert sink_slices.slices == [sink_slices.slices[0]] * 2 and sink_slices.slices[0] >= 2
+    assert all(torch.equal(first, second) for first, second in zip(*runs, strict=True))
+
+
 def test_whole_sequence_window_is_softmax_attention():
     length = C + 3
     inputs = {name: x.detach().float().to(DEVICE) for name, x in make_window_inputs(length).items()}
