@@ -258,7 +258,7 @@ def _tail(student: LinearAttentionForCausalLM, hidden: torch.Tensor, start: int)
     """The decoder from layer `start` on, for one unpadded row: the input of layer `start` [1, L, hidden] ->
     the final normed hidden states [L, hidden] (what `LinearAttentionModel.forward` does without cache or mask)."""
     positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
-    position_embeddings = student.model.rotary_emb(hidden, positions)
+    position_embeddings = student.model.rotary_emb.rotation(hidden, positions)
     for layer in student.model.layers[start:]:
         hidden = layer(hidden, position_embeddings)
     return student.model.norm(hidden)[0]

@@ -81,6 +81,8 @@ class LinearAttentionRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one composite op with the same bits as the lines below (fewer dispatches)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -124,18 +126,23 @@ class LinearAttentionRotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def rotation(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `position_embeddings` every layer takes: `forward`'s cos and sin as `apply_rotary` reads them,
+        [B, T, 1, D] each, the sin with its first half negated. Made once per model forward, not per layer."""
+        cos, sin = self(x, position_ids)
+        half = sin.shape[-1] // 2
+        return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [B, T, H, D] and k [B, T, H_kv, D] with cos/sin [B, T, D] (Llama's half-split convention)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """RoPE on q [B, T, H, D] and k [B, T, H_kv, D] with the tables of `rotation` [B, T, 1, D] (Llama's half-split
+    convention). Llama's x·cos + rotate_half(x)·sin with rotate_half(x) = [−x₂, x₁] is x·cos + roll(x)·sin with
+    roll(x) = [x₂, x₁] and the sign moved into the table: the same products and sum, bit for bit, in 4 ops a tensor
+    instead of 7 (a decode step runs them in every layer)."""
+    half = q.shape[-1] // 2
+    return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
 
 
 class LinearAttentionMLP(nn.Module):
@@ -150,7 +157,8 @@ class LinearAttentionMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        flat = x.reshape(-1, x.shape[-1])  # [B·T, hidden]: 2-D inputs go straight to one matrix product each
+        return self.down_proj(self.act_fn(self.gate_proj(flat)) * self.up_proj(flat)).view(x.shape)
 
 
 class AttentionProjections(nn.Module):
@@ -179,6 +187,7 @@ class AttentionProjections(nn.Module):
     def project_unrotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, T, H, D], k, v [B, T, H_kv, D] before RoPE (after the q/k norms)."""
         b, t, _ = x.shape
+        x = x.reshape(b * t, -1)  # [B·T, hidden]: a 2-D input goes straight to one matrix product
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -191,8 +200,12 @@ class AttentionProjections(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as the softmax teacher computes them: `project_unrotated`, then RoPE on q and k."""
         q, k, v = self.project_unrotated(x)
-        cos, sin = position_embeddings
-        return *apply_rotary(q, k, cos, sin), v
+        return *apply_rotary(q, k, *position_embeddings), v
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, V] -> o_proj of its heads concatenated, [B, T, hidden] (a 2-D product, as in `project`)."""
+        b, t = o.shape[:2]
+        return self.o_proj(o.reshape(b * t, -1)).view(b, t, -1)
 
     def key_features(self, k: torch.Tensor) -> torch.Tensor:
         """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head.
@@ -310,16 +323,15 @@ class LinearAttention(AttentionProjections):
         cache_layer: this layer's slot of a LinearAttentionCache, read and then advanced by T positions.
         cu_seqlens: None or [N + 1] boundaries of N documents packed into a batch of one (no cache).
         """
-        b, t, _ = hidden_states.shape
+        t = hidden_states.shape[1]
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
         q, k, v = self.project_unrotated(hidden_states)  # [B, T, H, D], [B, T, H_kv, D] x 2
         if self.qkv_conv is not None:
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
-        cos, sin = position_embeddings
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = apply_rotary(q, k, *position_embeddings)
         if self.update_rule == "delta" and self.window_size > 0:  # (norm and gate: on its state part)
             o = self.delta_window_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
-            return self.o_proj(o.reshape(b, t, -1))
+            return self.project_out(o)
         if self.window_size > 0 and cu_seqlens is not None:  # one document at a time
             bounds = cu_seqlens.tolist()
             log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
@@ -332,7 +344,7 @@ class LinearAttention(AttentionProjections):
             o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
         else:
             o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
-        return self.o_proj(self.normed_and_gated(o, hidden_states).reshape(b, t, -1))
+        return self.project_out(self.normed_and_gated(o, hidden_states))
 
     def normed_and_gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] after the optional output norm and output gate (Gated DeltaNet's RMSNorm(o) · silu(x W_g),
@@ -740,19 +752,22 @@ class LinearAttention(AttentionProjections):
         # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R] (and the memory's [B, H_kv, D, m]).
         keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
         mask = mask.view(b, 1, 1, -1)
-        linear = _cast(q_feat, dtype).view(b, heads, 1, -1) @ state  # [B, H, 1, V + 1]
+        # Products as bmm on 3-D views (a 4-D matmul dispatches its broadcasting as several more ops).
+        linear = torch.bmm(_cast(q_feat, dtype).view(b * heads, 1, -1), state.view(b * heads, *state.shape[2:]))
         if sparse:
             keys = torch.cat([keys, cache_layer.memory_keys.transpose(-1, -2)], dim=-1)
             values = torch.cat([values, cache_layer.memory_values], dim=-2)
             mask = torch.cat([mask.expand(-1, kv_heads, -1, -1), cache_layer.memory_mask[:, :, None]], dim=-1)
-        query = _cast(q, dtype).view(b, kv_heads, heads // kv_heads, head_dim)
-        scores = torch.where(mask, query @ _cast(keys, dtype) * self.head_dim**-0.5, -torch.inf)
+        query = _cast(q, dtype).view(b * kv_heads, heads // kv_heads, head_dim)
+        scores = torch.bmm(query, _cast(keys, dtype).reshape(b * kv_heads, head_dim, -1)).view(*keys.shape[:2], -1,
+                                                                                              keys.shape[-1])
+        scores = torch.where(mask, scores * self.head_dim**-0.5, -torch.inf)  # [B, H_kv, G, R (+ m)]
         top = scores.amax(-1, keepdim=True)
         if real is not None:
             top = top.clamp(min=torch.finfo(dtype).min)  # a pad's empty window: no nan
         gamma = torch.sigmoid(_cast(self.window_gate, dtype)).view(kv_heads, -1, 1)
         weights = (scores - top).exp_().mul_(gamma)  # [B, H_kv, G, R (+ m)]
-        linear = linear.view(b * kv_heads, -1, value_dim + 1)
+        linear = linear.view(b * kv_heads, -1, value_dim + 1)  # [B·H_kv, G, V + 1]
         numerator = torch.baddbmm(linear[..., :value_dim], weights.view(b * kv_heads, *weights.shape[2:]),
                                   _cast(values, dtype).reshape(b * kv_heads, *values.shape[2:]))  # [B·H_kv, G, V]
         denominator = linear[..., value_dim:] + weights.sum(-1).view(b * kv_heads, -1, 1)
@@ -911,12 +926,11 @@ class SoftmaxAttention(AttentionProjections):
     ) -> torch.Tensor:
         """hidden_states [B, T, hidden] -> [B, T, hidden]; attention_mask None or bool [B, past + T];
         cu_seqlens None or [N + 1] packed-document boundaries (attention stays within each document)."""
-        b, t, _ = hidden_states.shape
         q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, ·, T, D]
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)  # [B, H_kv, past + T, D]
         o = causal_softmax_attention(q, k, v, attention_mask, cu_seqlens)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return self.project_out(o.transpose(1, 2))
 
 
 class LinearAttentionDecoderLayer(GradientCheckpointingLayer):
@@ -1186,7 +1200,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 raise ValueError("Packed documents (position_ids restarting at 0) cannot fill a cache; "
                                  "pass use_cache=False.")
             cache = None  # only the config's default asked for one
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        position_embeddings = self.rotary_emb.rotation(inputs_embeds, position_ids)
 
         hidden_states = inputs_embeds
         all_hidden_states = [] if output_hidden_states else None

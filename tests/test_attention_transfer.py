@@ -23,7 +23,7 @@ def direct_transfer_losses(model, ids, mask, position_ids, cu_seqlens) -> list[t
     tokens, with the teacher's output passed on to the next layer."""
     decoder = model.model
     hidden = decoder.embed_tokens(ids)
-    position_embeddings = decoder.rotary_emb(hidden, position_ids)
+    position_embeddings = decoder.rotary_emb.rotation(hidden, position_ids)
     losses = []
     for layer in decoder.layers:
         attn = layer.self_attn

@@ -407,7 +407,7 @@ def test_delta_layer_is_gated_deltanet_from_its_parts():
     assert attn.beta_proj.weight.shape == (4, 64) and attn.g_proj.weight.shape == (64, 64)
     assert attn.qkv_conv.weight.shape == (128, 1, 4)  # (4 + 2 * 2) heads of 16 channels, width 4
     x = torch.randn(2, 11, 64)
-    position_embeddings = model.model.rotary_emb(x, torch.arange(11).expand(2, 11))
+    position_embeddings = model.model.rotary_emb.rotation(x, torch.arange(11).expand(2, 11))
     with torch.no_grad():
         q, k, v = attn.project_unrotated(x)
         qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
@@ -550,7 +550,7 @@ def test_delta_window_layer_is_window_softmax_plus_the_delta_rule_of_tokens_that
     mask[1, :3] = False
     x = torch.randn(2, 13, 64)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    position_embeddings = model.model.rotary_emb(x, positions)
+    position_embeddings = model.model.rotary_emb.rotation(x, positions)
     with torch.no_grad():
         got = attn(x, position_embeddings, mask)
         q, k, v = attn.project(x, position_embeddings)
