@@ -22,7 +22,8 @@ Loop (`--timings loop`, per `--batch_size`): a plain greedy decode loop calling 
 linear model's `torch.compile`d forward) directly, as transformers' own static-cache benchmarks do, on a cache
 brought to the context without the prefill's cost (`cache_at_context`; the teacher's prefill of 8 prompts of up to
 20K tokens is quadratic in their length); the variants take turns step by step, and the LM head alone is timed in
-the same rounds, so the ratios hold under a changing load. Report `decode_loop.*`.
+the same rounds, so the ratios hold under a changing load; each eager variant's aten operators per step are counted
+on one untimed step. Report `decode_loop.*`.
 
     python benchmarks/bench_decode.py                                # 256, 1K, 8K
     python benchmarks/bench_decode.py --contexts 256 1024 8192 65536 --peak_memory
@@ -48,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from common import added_peak_mib, reset_peak_rss
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
@@ -311,6 +313,19 @@ class DecodeLoop:
         return time.perf_counter() - start
 
 
+class CountAtenOps(TorchDispatchMode):
+    """Counts the aten operators that eager code dispatches inside the `with` block: what a decode step pays
+    per-operator overhead for (a few microseconds each on a CPU, whatever the tensors' size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 class Decoder(torch.nn.Module):
     """A causal LM without its LM head: the last hidden states `[B, T, hidden]`, the part of a step that compiling
     speeds up."""
@@ -350,6 +365,12 @@ def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments
                 for _ in range(args.warmup_tokens):
                     loops[kind, variant]()
                 graphs[kind, variant] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            ops = {}  # aten operators of one untimed eager step (after the warm-up: the steady step)
+            for key, loop in loops.items():
+                if not key[1].endswith("compiled"):
+                    with CountAtenOps() as counter:
+                        loop()
+                    ops[key] = counter.count
             counted = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             times = {key: [] for key in loops}
             head_times = {kind: [] for kind in models}
@@ -369,6 +390,8 @@ def loop_rows(models: dict[str, torch.nn.Module], args: DecodeBenchmarkArguments
                     row["rest_ms"] = ms - head_ms
                 if variant.endswith("compiled"):
                     row.update(graphs=graphs[kind, variant], graphs_while_timed=recompiled)
+                else:
+                    row["aten_ops"] = ops[kind, variant]
                 rows.append(row)
                 print(f"  loop {kind:<6} {variant:<8} batch {batch:>2} context {context:>6}: {ms:.2f} ms/step, "
                       f"{row['tokens_per_s']:.1f} tokens/s (LM head alone {head_ms:.2f} ms)", flush=True)
@@ -469,7 +492,7 @@ def report_generate(rows: list[dict], args: DecodeBenchmarkArguments, name: str)
     columns = {"model": "model", "variant": "variant", "batch": "batch", "context": "context",
                "ms_per_step": "ms/step", "tokens_per_s": "tokens/s", "vs_llama": "× Llama", "vs_eager": "× eager"}
     if "lm_head_ms" in rows[0]:
-        columns.update(lm_head_ms="LM head alone ms", rest_ms="step − LM head ms")
+        columns.update(lm_head_ms="LM head alone ms", rest_ms="step − LM head ms", aten_ops="aten ops per step")
     if args.compile:
         columns.update(graphs="graphs compiled", graphs_while_timed="recompiles while timed")
 

@@ -63,6 +63,10 @@ def test_decode_loop_benchmark_times_every_variant_in_turn(tmp_path, attention):
         [*(("linear", v) for v in variants), ("llama", "eager")]}
     assert all(r["tokens_per_s"] > 0 and r["lm_head_ms"] > 0 and r["context"] == 40 for r in rows)
     assert all(r["graphs"] >= 1 and r["graphs_while_timed"] == 0 for r in rows if r["variant"].endswith("compiled"))
+    # Eager steps have their aten operators counted; the LM head and the logits' argmax are a step's, not a decoder's.
+    ops = {(r["variant"], r["batch"]): r.get("aten_ops") for r in rows if r["model"] == "linear"}
+    assert ops["compiled", 1] is None and ops["decoder eager", 1] > 0
+    assert all(ops["eager", batch] > ops["decoder eager", batch] for batch in (1, 3))
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == ["decode_loop.json"]
 
 
