@@ -189,9 +189,10 @@ def _delta_reverse_state_pass_kernel(
     """The state gradients, last chunk first: dU = Pᵀ dO + K̄ dS_C, dS_0 = Γ_last dS_C + (Γ ⊙ Q̃)ᵀ dO − W_kᵀ dU.
 
     Slot first + j + 1 of `dstates` receives the gradient of the state leaving chunk j (the last one: d_final),
-    slot first that of the initial state; d_pseudo_values receives dU. q, k: [tokens, H, K]; do: [tokens, H, V];
-    w_k: fp32 [tokens, H, K]; b: fp32 [tokens, H, 1] or unused; d_final: fp32 [sequences, H, K, V]; dstates: fp32
-    [slots, H, K, V]; d_pseudo_values: fp32 [tokens, H, V]; seq_info as in `_delta_state_pass_kernel`.
+    slot first that of the initial state; d_pseudo_values holds Pᵀ dO (`ops_triton._chunk_output` without states,
+    every chunk at once) and receives dU. q, k: [tokens, H, K]; do: [tokens, H, V]; w_k: fp32 [tokens, H, K]; b:
+    fp32 [tokens, H, 1] or unused; d_final: fp32 [sequences, H, K, V]; dstates: fp32 [slots, H, K, V];
+    d_pseudo_values: fp32 [tokens, H, V]; seq_info as in `_delta_state_pass_kernel`.
     Grid: (V / BLOCK_V, sequences · H).
     """
     tl.static_assert(BLOCK_K >= K)
@@ -204,16 +205,17 @@ def _delta_reverse_state_pass_kernel(
         start = first_token + j * CHUNK
         end = tl.minimum(start + CHUNK, end_token)
         rows = start + tl.arange(0, CHUNK)
-        q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+        q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K)
         k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-        do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V)
         b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)
         b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
-        scores_t = _dot(k_tile, tl.trans(q_tile), BF16_DOT) * _causal_decay(b_rows, True, CHUNK)  # Pᵀ [i, t]
-        d_pseudo = _dot(scores_t, do_tile, BF16_DOT) + _dot(k_tile * tl.exp(b_last - b_rows), d_state, False)
+        # Γ ⊙ Q̃ is a row scaling: it goes onto the [CHUNK, BLOCK_V] tile of dO instead of the [CHUNK, K] one of q.
+        do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V).to(tl.float32) * (scale * tl.exp(b_rows))
+        d_pseudo = (_load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V)
+                    + _dot(k_tile * tl.exp(b_last - b_rows), d_state, False))  # Pᵀ dO + K̄ dS_C
         _store_tile(d_pseudo_values + h * V, d_pseudo, rows, end, H * V, vv, V)
         w_k_tile = _load_tile(w_k + h * K, rows, end, H * K, kk, K)
-        d_state = (d_state * tl.exp(b_last) + _dot(tl.trans(q_tile * tl.exp(b_rows)), do_tile, BF16_DOT)
+        d_state = (d_state * tl.exp(b_last) + _dot(tl.trans(q_tile), do_tile, BF16_DOT)
                    - _dot(tl.trans(w_k_tile), d_pseudo, False))
     _store_tile(_state_base(dstates, first_slot, h, H, K, V), d_state, kk, K, V, vv, V)
 
@@ -404,7 +406,10 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         inverse, w_k, states, pseudo_values = _forward_pass(k, v, beta, b, initial_state, chunks, bf16_dot)
 
         dstates = torch.empty_like(states)
-        d_pseudo_values = torch.empty_like(pseudo_values)
+        d_pseudo_values, _ = _chunk_output(  # Pᵀ dO, to which the reverse pass adds K̄ dS_C
+            k, q, do, b, None, None, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=torch.float32,
+            bf16_dot=bf16_dot,
+        )
         block_k, block_v = _block(key_dim, MAX_KEY_DIM), _block(value_dim, 32)
         _delta_reverse_state_pass_kernel[(triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)](
             q, k, do, w_k, states if b is None else b, d_final_state, dstates, d_pseudo_values, chunks.seq_info,
