@@ -175,5 +175,5 @@ def compile_for_hopper(spec: Specialization, config: triton.Config | None) -> Co
 def modes(spec: Specialization) -> dict:
     """The constexprs that tell a kernel's specializations apart in a one-line listing."""
     return {key: value for key, value in spec.constexprs.items()
-            if key in ("DECAY", "REVERSE", "TRANSPOSE", "NORM", "NORMALIZE", "HAS_PADS", "D", "K", "V", "BLOCK_K",
-                       "BLOCK_V")}
+            if key in ("DECAY", "REVERSE", "TRANSPOSE", "HAS_STATE", "NORM", "NORMALIZE", "HAS_PADS", "D", "K", "V",
+                       "BLOCK_K", "BLOCK_V")}

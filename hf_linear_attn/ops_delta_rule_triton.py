@@ -20,8 +20,10 @@ Backward, with dO and dS_C (the gradient of the state leaving the chunk; the fin
     dU   = Pᵀ dO + K̄ dS_C
     dS_0 = Γ_last dS_C + (Γ ⊙ Q̃)ᵀ dO − W_kᵀ dU                  (`_delta_reverse_state_pass_kernel`)
 
-then, chunk by chunk (`_delta_chunk_grads_kernel`). U = T R with R = β ⊙ (V − Γ ⊙ K S_0) (the right-hand side of
-(I + A) U = R, the same as W_v − W_k S_0), so dR = Tᵀ dU and, as dT = dU Rᵀ and T R = U, dA = −Tᵀ dT Tᵀ = −dR Uᵀ:
+then, chunk by chunk, `_delta_score_grads_kernel` (dR, dv and the [C, C] gradients w.r.t. P and A, which contract
+over V) and `_delta_chunk_dqk_kernel` (dq and dk in blocks of K; dβ and db are summed from one part per kernel and K
+block). U = T R with R = β ⊙ (V − Γ ⊙ K S_0) (the right-hand side of (I + A) U = R, the same as W_v − W_k S_0), so
+dR = Tᵀ dU and, as dT = dU Rᵀ and T R = U, dA = −Tᵀ dT Tᵀ = −dR Uᵀ:
 
     dq̃   = Γ ⊙ (dO S_0ᵀ) + (M ⊙ dO Uᵀ) K
     dk   = (M ⊙ dO Uᵀ)ᵀ Q̃ + e^{b_last − b} ⊙ (U dS_Cᵀ) − βΓ ⊙ (dR S_0ᵀ) + (dG + dGᵀ) K,    dG = β ⊙ M ⊙ dA
@@ -73,9 +75,11 @@ from .ops_triton import (
 
 __all__ = ["HAS_TRITON", "triton_delta_rule", "unsupported_delta_rule_inputs"]
 
-# The state passes and the gradient kernel hold whole fp32 [CHUNK, K] tiles (their products contract over K): at
-# K = 128 they take up to 224 KiB of shared memory on a Hopper GPU, which has 227 KiB (tests/gpu_compile_check.py).
+# The state passes hold whole fp32 [CHUNK, K] tiles (their products contract over K): at K = 128 they take up to
+# 224 KiB of shared memory on a Hopper GPU, which has 227 KiB (tests/gpu_compile_check.py).
 MAX_KEY_DIM = 128
+# The K block of `_delta_chunk_dqk_kernel`: at K = V = 128 an sm_90 compile of whole 128-wide ones spills registers.
+DQK_KEY_WIDTH = 64
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,9 +189,10 @@ def _delta_reverse_state_pass_kernel(
     """The state gradients, last chunk first: dU = Pᵀ dO + K̄ dS_C, dS_0 = Γ_last dS_C + (Γ ⊙ Q̃)ᵀ dO − W_kᵀ dU.
 
     Slot first + j + 1 of `dstates` receives the gradient of the state leaving chunk j (the last one: d_final),
-    slot first that of the initial state; d_pseudo_values receives dU. q, k: [tokens, H, K]; do: [tokens, H, V];
-    w_k: fp32 [tokens, H, K]; b: fp32 [tokens, H, 1] or unused; d_final: fp32 [sequences, H, K, V]; dstates: fp32
-    [slots, H, K, V]; d_pseudo_values: fp32 [tokens, H, V]; seq_info as in `_delta_state_pass_kernel`.
+    slot first that of the initial state; d_pseudo_values holds Pᵀ dO (`ops_triton._chunk_output` without states,
+    every chunk at once) and receives dU. q, k: [tokens, H, K]; do: [tokens, H, V]; w_k: fp32 [tokens, H, K]; b:
+    fp32 [tokens, H, 1] or unused; d_final: fp32 [sequences, H, K, V]; dstates: fp32 [slots, H, K, V];
+    d_pseudo_values: fp32 [tokens, H, V]; seq_info as in `_delta_state_pass_kernel`.
     Grid: (V / BLOCK_V, sequences · H).
     """
     tl.static_assert(BLOCK_K >= K)
@@ -200,104 +205,146 @@ def _delta_reverse_state_pass_kernel(
         start = first_token + j * CHUNK
         end = tl.minimum(start + CHUNK, end_token)
         rows = start + tl.arange(0, CHUNK)
-        q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+        q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K)
         k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-        do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V)
         b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)
         b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
-        scores_t = _dot(k_tile, tl.trans(q_tile), BF16_DOT) * _causal_decay(b_rows, True, CHUNK)  # Pᵀ [i, t]
-        d_pseudo = _dot(scores_t, do_tile, BF16_DOT) + _dot(k_tile * tl.exp(b_last - b_rows), d_state, False)
+        # Γ ⊙ Q̃ is a row scaling: it goes onto the [CHUNK, BLOCK_V] tile of dO instead of the [CHUNK, K] one of q.
+        do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V).to(tl.float32) * (scale * tl.exp(b_rows))
+        d_pseudo = (_load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V)
+                    + _dot(k_tile * tl.exp(b_last - b_rows), d_state, False))  # Pᵀ dO + K̄ dS_C
         _store_tile(d_pseudo_values + h * V, d_pseudo, rows, end, H * V, vv, V)
         w_k_tile = _load_tile(w_k + h * K, rows, end, H * K, kk, K)
-        d_state = (d_state * tl.exp(b_last) + _dot(tl.trans(q_tile * tl.exp(b_rows)), do_tile, BF16_DOT)
+        d_state = (d_state * tl.exp(b_last) + _dot(tl.trans(q_tile), do_tile, BF16_DOT)
                    - _dot(tl.trans(w_k_tile), d_pseudo, False))
     _store_tile(_state_base(dstates, first_slot, h, H, K, V), d_state, kk, K, V, vv, V)
 
 
 @triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
-def _delta_chunk_grads_kernel(
-    q, k, v, beta, b, do, pseudo_values, d_pseudo_values, inverse, states, dstates, dq, dk, dv, dbeta, db,
+def _delta_score_grads_kernel(
+    k, v, beta, b, do, pseudo_values, d_pseudo_values, inverse, dv, score_grads, dbeta_parts, db_parts, chunk_info,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr, PARTS: tl.constexpr,
+):
+    """Of one chunk: dR = Tᵀ dU, dv = β ⊙ dR, the gradients w.r.t. P and A, and the parts of dβ and db that do not
+    split over K (formulas in the module docstring). Loops over V, then over K for the Gram matrix K Kᵀ.
+
+    Overwrites dU (d_pseudo_values) with dR, which `_delta_chunk_dqk_kernel` reads. score_grads receives, on and
+    below the diagonal of row t's [CHUNK] slice, M ⊙ dO Uᵀ (the gradient w.r.t. P), strictly above it the
+    transposed dG = β ⊙ M ⊙ dA (strictly lower itself: two triangles in one square). Part 0 of dbeta_parts receives
+    v·dR + Σ_i dA_ti M_ti k_t·k_i, part 0 of db_parts Σ_i (dA ⊙ A)_ti − Σ_s (dA ⊙ A)_st.
+    k: [tokens, H, K]; v, do, dv: [tokens, H, V]; beta: [tokens, H]; b: fp32 [tokens, H, 1] (unused for
+    DECAY_NONE); pseudo_values, d_pseudo_values: fp32 [tokens, H, V]; inverse, score_grads: fp32 [tokens, H,
+    CHUNK]; dbeta_parts, db_parts: fp32 [tokens, H, PARTS] (db_parts unused for DECAY_NONE). Grid: (chunks, H).
+    """
+    chunk, h = tl.program_id(0), tl.program_id(1)
+    start, end, _ = _chunk_bounds(chunk_info, chunk)
+    rows = start + tl.arange(0, CHUNK)
+    local = tl.arange(0, CHUNK)
+    beta_rows = _load_rows(beta, h, rows, end, H)
+    solved = _load_tile(inverse + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # T
+    d_scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ
+    d_system = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # −dR Uᵀ, the gradient w.r.t. A (where i < t)
+    dbeta_acc = tl.zeros([CHUNK, 1], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        vv = v0 + tl.arange(0, BLOCK_V)
+        pseudo = _load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
+        d_rhs = _dot(tl.trans(solved), _load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V), False)  # dR
+        _store_tile(d_pseudo_values + h * V, d_rhs, rows, end, H * V, vv, V)
+        _store_tile(dv + h * V, d_rhs * beta_rows, rows, end, H * V, vv, V)
+        v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
+        dbeta_acc += tl.sum(v_tile * d_rhs, axis=1, keep_dims=True)
+        d_scores += _dot(_load_tile(do + h * V, rows, end, H * V, vv, V), tl.trans(pseudo), BF16_DOT)
+        d_system -= _dot(d_rhs, tl.trans(pseudo), False)
+    gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_tile = _load_tile(k + h * K, rows, end, H * K, k0 + tl.arange(0, BLOCK_K), K)
+        gram += _dot(k_tile, tl.trans(k_tile), BF16_DOT)
+
+    # Through A = β_t M_ti k_t·k_i (i < t).
+    decay = _causal_decay(_load_decay(b, h, rows, end, 0, H, K, DECAY), False, CHUNK)  # M
+    d_system = d_system * tl.where(_strictly_lower(CHUNK), decay, 0.0)  # dA ⊙ M
+    dbeta_acc += tl.sum(d_system * gram, axis=1, keep_dims=True)
+    d_gram = d_system * beta_rows
+    _store_tile(score_grads + h * CHUNK, d_scores * decay + tl.trans(d_gram), rows, end, H * CHUNK, local, CHUNK)
+    _store_tile(dbeta_parts + h * PARTS, dbeta_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
+    if DECAY != DECAY_NONE:
+        d_exponent = d_gram * gram  # dA ⊙ A: row t gains it, row i loses it
+        db_acc = tl.sum(d_exponent, axis=1, keep_dims=True) - tl.trans(tl.sum(d_exponent, axis=0, keep_dims=True))
+        _store_tile(db_parts + h * PARTS, db_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
+@triton.jit
+def _delta_chunk_dqk_kernel(
+    q, k, beta, b, do, pseudo_values, d_rhs_values, score_grads, states, dstates, dq, dk, dbeta_parts, db_parts,
     chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr, PARTS: tl.constexpr,
 ):
-    """dq, dk, dv, dβ and db (the gradient w.r.t. the cumulative log decay b) of one chunk, from U, dU, T and the
-    states and state gradients at its two ends (formulas in the module docstring). Loops over V in blocks.
+    """dq and dk of one block of BLOCK_K key dims of one chunk, and that K block's parts of dβ and db (formulas in
+    the module docstring), from U, dR, the gradients w.r.t. P and A (`_delta_score_grads_kernel`) and the states
+    and state gradients at the chunk's two ends. Loops over V in blocks.
 
-    q, k, dq, dk: [tokens, H, K]; v, do, dv: [tokens, H, V]; beta, dbeta: [tokens, H]; b, db: fp32 [tokens, H, 1]
-    (unused for DECAY_NONE); pseudo_values, d_pseudo_values: fp32 [tokens, H, V]; inverse: fp32 [tokens, H,
-    CHUNK]; states, dstates: fp32 [slots, H, K, V]. Grid: (chunks, H).
+    Part 1 + (K block) of dbeta_parts receives −Γ (S_0ᵀ k)·dR over the block's key dims, that of db_parts
+    q̃·dq̃ − k·dk^{(P, S_C)} − βΓ (S_0ᵀ k)·dR (+ Σ S_C ⊙ dS_C at the chunk's last token) over them.
+    q, k, dq, dk: [tokens, H, K]; do: [tokens, H, V]; beta: [tokens, H]; b: fp32 [tokens, H, 1] (unused for
+    DECAY_NONE); pseudo_values (U), d_rhs_values (dR): fp32 [tokens, H, V]; score_grads: fp32 [tokens, H, CHUNK];
+    states, dstates: fp32 [slots, H, K, V]; dbeta_parts, db_parts: fp32 [tokens, H, PARTS].
+    Grid: (chunks, H, K / BLOCK_K).
     """
-    tl.static_assert(BLOCK_K >= K)
-    chunk, h = tl.program_id(0), tl.program_id(1)
+    tl.static_assert(PARTS == 1 + (K + BLOCK_K - 1) // BLOCK_K)
+    chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     local = tl.arange(0, CHUNK)
-    kk = tl.arange(0, BLOCK_K)
-    k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-    beta_rows = _load_rows(beta, h, rows, end, H)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)
     b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
-    beta_gamma = beta_rows * tl.exp(b_rows)
-    solved = _load_tile(inverse + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # T
     entering = _state_base(states, slot, h, H, K, V)
     leaving = _state_base(states, slot + 1, h, H, K, V)
     d_leaving = _state_base(dstates, slot + 1, h, H, K, V)
 
     dq_state = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # dO S_0ᵀ
-    dk_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # e^{b_last − b} ⊙ U dS_Cᵀ − βΓ ⊙ dR S_0ᵀ
-    d_scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ, the gradient w.r.t. P
-    d_system = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # −dR Uᵀ, the gradient w.r.t. A (where i < t)
-    dbeta_acc = tl.zeros([CHUNK, 1], dtype=tl.float32)
-    k_dk_rhs = tl.zeros([CHUNK, 1], dtype=tl.float32)  # k·dk of the term −βΓ ⊙ (K S_0) of R
+    dk_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # e^{b_last − b} ⊙ U dS_Cᵀ
+    rhs_state = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # dR S_0ᵀ
     state_term = tl.zeros([BLOCK_K, 1], dtype=tl.float32)  # Σ_v S_C ⊙ dS_C
     for v0 in range(0, V, BLOCK_V):
         vv = v0 + tl.arange(0, BLOCK_V)
-        do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V)
-        pseudo = _load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
         s_entering = _load_tile(entering, kk, K, V, vv, V)
         ds_leaving = _load_tile(d_leaving, kk, K, V, vv, V)
-        d_rhs = _dot(tl.trans(solved), _load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V), False)  # dR
-        _store_tile(dv + h * V, d_rhs * beta_rows, rows, end, H * V, vv, V)
-        k_state = _dot(k_tile, s_entering, False)  # K S_0
-        v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
-        dbeta_acc += tl.sum((v_tile - tl.exp(b_rows) * k_state) * d_rhs, axis=1, keep_dims=True)
-        k_dk_rhs -= beta_gamma * tl.sum(k_state * d_rhs, axis=1, keep_dims=True)
-        dq_state += _dot(do_tile, tl.trans(s_entering), BF16_DOT)
+        pseudo = _load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
+        dq_state += _dot(_load_tile(do + h * V, rows, end, H * V, vv, V), tl.trans(s_entering), BF16_DOT)
         dk_acc += _dot(pseudo * tl.exp(b_last - b_rows), tl.trans(ds_leaving), False)
-        dk_acc -= _dot(d_rhs * beta_gamma, tl.trans(s_entering), False)
-        d_scores += _dot(do_tile, tl.trans(pseudo), BF16_DOT)
-        d_system -= _dot(d_rhs, tl.trans(pseudo), False)
+        rhs_state += _dot(_load_tile(d_rhs_values + h * V, rows, end, H * V, vv, V), tl.trans(s_entering), False)
         if DECAY != DECAY_NONE:
             state_term += tl.sum(_load_tile(leaving, kk, K, V, vv, V) * ds_leaving, axis=1, keep_dims=True)
 
-    # Through O = (Γ ⊙ Q̃) S_0 + P U, P = M ⊙ Q̃ Kᵀ.
+    # Through O = (Γ ⊙ Q̃) S_0 + P U and A = β_t M_ti k_t·k_i (i < t); packed as `_delta_score_grads_kernel` says.
+    packed = _load_tile(score_grads + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)
+    d_scores = tl.where(local[:, None] >= local[None, :], packed, 0.0)  # M ⊙ dO Uᵀ
+    d_gram = tl.trans(tl.where(local[:, None] < local[None, :], packed, 0.0))  # β ⊙ M ⊙ dA
+    k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
     q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
-    decay = _causal_decay(b_rows, False, CHUNK)  # M
-    d_scores = d_scores * decay
-    dq_acc = tl.exp(b_rows) * dq_state + _dot(d_scores, k_tile, False)
-    dk_acc += _dot(tl.trans(d_scores), q_tile, False)
+    gamma = tl.exp(b_rows)
+    beta_gamma = _load_rows(beta, h, rows, end, H) * gamma
+    dq_acc = gamma * dq_state + _dot(d_scores, k_tile, False)
+    dk_acc += _dot(tl.trans(d_scores), q_tile, False)  # dk^{(P, S_C)}
+    k_rhs_state = tl.sum(k_tile * rhs_state, axis=1, keep_dims=True)  # (S_0ᵀ k)·dR over this K block
     # Each factor e^{b_t} gives its term's x·dx to row t's db, each e^{−b_i} takes it from row i: queries gain,
-    # the keys of P and of S_C lose, the keys of R gain (so twice k_dk_rhs, which dk_acc already holds negated).
+    # the keys of P and of S_C lose, the keys of R (the term −βΓ ⊙ (K S_0)) gain.
     db_acc = (tl.sum(q_tile * dq_acc, axis=1, keep_dims=True) - tl.sum(k_tile * dk_acc, axis=1, keep_dims=True)
-              + 2.0 * k_dk_rhs)
+              - beta_gamma * k_rhs_state)
     db_acc += tl.where(rows[:, None] == end - 1, tl.sum(state_term, axis=0, keep_dims=True), 0.0)
-
-    # Through A = β_t M_ti k_t·k_i (i < t).
-    d_system = d_system * tl.where(_strictly_lower(CHUNK), decay, 0.0)  # dA ⊙ M
-    gram = _dot(k_tile, tl.trans(k_tile), BF16_DOT)
-    dbeta_acc += tl.sum(d_system * gram, axis=1, keep_dims=True)
-    d_gram = d_system * beta_rows
-    dk_acc += _dot(d_gram, k_tile, False) + _dot(tl.trans(d_gram), k_tile, False)
-    d_exponent = d_gram * gram  # dA ⊙ A: row t gains it, row i loses it
-    db_acc += tl.sum(d_exponent, axis=1, keep_dims=True) - tl.trans(tl.sum(d_exponent, axis=0, keep_dims=True))
+    dk_acc += _dot(d_gram, k_tile, False) + _dot(tl.trans(d_gram), k_tile, False) - beta_gamma * rhs_state
 
     _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
     _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
-    _store_tile(dbeta + h, dbeta_acc, rows, end, H, tl.arange(0, 1), 1)
+    part = h * PARTS + 1 + pid_k
+    _store_tile(dbeta_parts + part, -gamma * k_rhs_state, rows, end, H * PARTS, tl.arange(0, 1), 1)
     if DECAY != DECAY_NONE:
-        _store_tile(db + h, db_acc, rows, end, H, tl.arange(0, 1), 1)
+        _store_tile(db_parts + part, db_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -359,7 +406,10 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         inverse, w_k, states, pseudo_values = _forward_pass(k, v, beta, b, initial_state, chunks, bf16_dot)
 
         dstates = torch.empty_like(states)
-        d_pseudo_values = torch.empty_like(pseudo_values)
+        d_pseudo_values, _ = _chunk_output(  # Pᵀ dO, to which the reverse pass adds K̄ dS_C
+            k, q, do, b, None, None, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=torch.float32,
+            bf16_dot=bf16_dot,
+        )
         block_k, block_v = _block(key_dim, MAX_KEY_DIM), _block(value_dim, 32)
         _delta_reverse_state_pass_kernel[(triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)](
             q, k, do, w_k, states if b is None else b, d_final_state, dstates, d_pseudo_values, chunks.seq_info,
@@ -367,15 +417,30 @@ class _ChunkedDeltaRule(torch.autograd.Function):
             BLOCK_V=block_v, BF16_DOT=bf16_dot,
         )
 
-        dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
-        db = None if b is None else torch.empty_like(b)
-        _delta_chunk_grads_kernel[(chunks.num_chunks, heads)](
-            q, k, v, beta, states if b is None else b, do, pseudo_values, d_pseudo_values, inverse, states,
-            dstates, dq, dk, dv, dbeta, states if db is None else db, chunks.chunk_info, scale,
-            H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=block_k, BLOCK_V=block_v,
-            BF16_DOT=bf16_dot,
+        dv, score_grads = torch.empty_like(v), torch.empty_like(inverse)
+        dq_block_k = _block(key_dim, DQK_KEY_WIDTH)
+        parts = 1 + triton.cdiv(key_dim, dq_block_k)  # dβ and db: one part that does not split over K, one per K block
+        dbeta_parts = beta.new_empty(*beta.shape, parts, dtype=torch.float32)
+        db_parts = None if b is None else b.new_empty(*b.shape[:-1], parts)
+        unused = dbeta_parts  # for pointer arguments a specialization does not read
+        _delta_score_grads_kernel[(chunks.num_chunks, heads)](  # 32-wide K, 16-wide V blocks: wider ones spill at 128
+            k, v, beta, unused if b is None else b, do, pseudo_values, d_pseudo_values, inverse, dv, score_grads,
+            dbeta_parts, unused if db_parts is None else db_parts, chunks.chunk_info,
+            H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim, 32),
+            BLOCK_V=16, BF16_DOT=bf16_dot, PARTS=parts,
         )
-        d_log_decay = None if db is None else _chunk_cumsum(db, chunks, reverse=True).to(log_decay.dtype)
+        d_rhs_values = d_pseudo_values  # overwritten with dR
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        _delta_chunk_dqk_kernel[(chunks.num_chunks, heads, parts - 1)](
+            q, k, beta, unused if b is None else b, do, pseudo_values, d_rhs_values, score_grads, states, dstates,
+            dq, dk, dbeta_parts, unused if db_parts is None else db_parts, chunks.chunk_info, scale,
+            H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=dq_block_k, BLOCK_V=block_v,
+            BF16_DOT=bf16_dot, PARTS=parts,
+        )
+        dbeta = dbeta_parts.sum(-1).to(beta.dtype)
+        d_log_decay = None
+        if db_parts is not None:
+            d_log_decay = _chunk_cumsum(db_parts.sum(-1, keepdim=True), chunks, reverse=True).to(log_decay.dtype)
         d_initial = None if initial_state is None else dstates[chunks.first_slots].to(initial_state.dtype)
         return dq, dk, dv, dbeta, d_log_decay, d_initial, None, None
 

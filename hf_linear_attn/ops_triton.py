@@ -415,13 +415,14 @@ def _vector_scores_kernel(
     _store_tile(base, diagonal, rows, end, H * CHUNK, m * SUB + tl.arange(0, SUB), CHUNK)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "TRANSPOSE"],
+@triton.autotune(configs=_configs(), key=["K", "V", "DECAY", "TRANSPOSE", "HAS_STATE"],
                  prune_configs_by={"early_config_prune": _spill_free})
 @triton.jit
 def _chunk_output_kernel(
     row_k, col_k, col_v, b, scores, states, out, norm_states, den, chunk_info, row_scale, col_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DECAY: tl.constexpr, TRANSPOSE: tl.constexpr,
-    NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BF16_DOT: tl.constexpr,
+    HAS_STATE: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BF16_DOT: tl.constexpr,
 ):
     """Each chunk's output: the contribution of a carried state plus the masked intra-chunk product.
 
@@ -432,7 +433,8 @@ def _chunk_output_kernel(
     Backward (TRANSPOSE=1; rows: keys, row_k = k, col_k = q, col_v = do, states dS):
         dv_i = (k_i ⊙ e^{b_last − b_i})ᵀ dS_{j+1} + Σ_{t ≥ i} A_ti do_t
     (q̂ = scale·q.) A = (q̂ kᵀ) ⊙ e^{b_t − b_i} masked, for no or per-head decay; read from `scores`
-    (`_vector_scores_kernel`) for the per-key-dim decay.
+    (`_vector_scores_kernel`) for the per-key-dim decay. Without HAS_STATE the state term is left out (states
+    unused): the intra-chunk product alone.
     If NORM (forward only), the programs of the first V block also store the normaliser, the output of a ones value
     column whose states z_j are the K-vectors norm_states: den_t = (q̂_t ⊙ e^{b_t})·z_j + Σ_{i ≤ t} A_ti.
     row_k, col_k: [tokens, H, K]; col_v, out: [tokens, H, V]; states: [slots, H, K, V] (fp32; bf16 forward states
@@ -457,7 +459,8 @@ def _chunk_output_kernel(
             weight = tl.exp(b_last - b_rows)
         else:
             weight = tl.exp(b_rows)
-        acc += _dot(row_tile * weight, _load_tile(state, kk, K, V, vv, V), BF16_DOT)
+        if HAS_STATE:
+            acc += _dot(row_tile * weight, _load_tile(state, kk, K, V, vv, V), BF16_DOT)
         if NORM:
             z = tl.load(_state_base(norm_states, slot, h, H, K, 1) + kk, mask=kk < K, other=0.0).to(tl.float32)
             den_acc += tl.sum(row_tile * weight * z[None, :], axis=1)
@@ -760,21 +763,24 @@ def _vector_scores(q: Tensor, k: Tensor, b: Tensor, chunks: _Chunks, scale: floa
 
 
 def _chunk_output(
-    row_k: Tensor, col_k: Tensor, col_v: Tensor, b: Tensor | None, scores: Tensor | None, states: Tensor,
+    row_k: Tensor, col_k: Tensor, col_v: Tensor, b: Tensor | None, scores: Tensor | None, states: Tensor | None,
     chunks: _Chunks, *, transpose: bool, row_scale: float, col_scale: float, out_dtype: torch.dtype, bf16_dot: bool,
     norm_states: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """o (or, transposed, dv) [.., H, V] in out_dtype, and the fp32 normaliser [.., H] of the states norm_states
-    [slots, H, K, 1] (None without them), see `_chunk_output_kernel`."""
+    [slots, H, K, 1] (None without them), see `_chunk_output_kernel`; states None: the intra-chunk product alone."""
     heads, key_dim, value_dim = row_k.shape[-2], row_k.shape[-1], col_v.shape[-1]
     out = col_v.new_empty(col_v.shape, dtype=out_dtype)
     den = None if norm_states is None else col_v.new_empty(col_v.shape[:-1], dtype=torch.float32)
     block_v = _block(value_dim)
+    has_state = states is not None
+    states = out if states is None else states  # any tensor, for pointer arguments a specialization does not read
     _chunk_output_kernel[(chunks.num_chunks, heads, triton.cdiv(value_dim, block_v))](
         row_k, col_k, col_v, states if b is None else b, states if scores is None else scores, states, out,
         states if norm_states is None else norm_states, out if den is None else den, chunks.chunk_info, row_scale,
         col_scale, H=heads, K=key_dim, V=value_dim, DECAY=_decay_mode(b), TRANSPOSE=int(transpose),
-        NORM=norm_states is not None, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim), BLOCK_V=block_v, BF16_DOT=bf16_dot,
+        HAS_STATE=has_state, NORM=norm_states is not None, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim),
+        BLOCK_V=block_v, BF16_DOT=bf16_dot,
     )
     return out, den
 

@@ -65,6 +65,13 @@ def test_matches_torch_chunked_backend():
     compare(inputs, reference="torch")
 
 
+def test_key_dims_over_several_key_blocks_match_torch_chunked_backend():
+    """dq and dk in K blocks of DQK_KEY_WIDTH, the last one partial; dβ and db summed over the blocks' parts."""
+    key_dim = ops_delta_rule_triton.DQK_KEY_WIDTH + 17
+    inputs = make_delta_rule_inputs(C + 5, with_state=True, batch=1, heads=1, key_dim=key_dim, value_dim=7)
+    compare(inputs, reference="torch")
+
+
 @pytest.mark.parametrize("with_state", [False, True])
 def test_packed_sequences_match_recurrent(with_state):
     """cu_seqlens with an empty sequence, a partial and a whole chunk: each sequence starts from its own state."""

@@ -95,6 +95,23 @@ def test_kernel_report_pruned_configs_do_not_spill(tmp_path, monkeypatch):
     assert all(r["config"].endswith("warps=8 stages=2") for r in rows)  # 4 warps or 3 stages spill at 64
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the report compiles Triton kernels")
+def test_kernel_report_delta_rule_backward_does_not_spill(tmp_path, monkeypatch):
+    """The delta rule's backward kernels (whole [CHUNK, K] tiles in the reverse state pass, K blocks in dq/dk, the
+    [CHUNK, CHUNK] gradients apart) compile for sm_90 without spilling registers at K = V = 64 and 128, with and
+    without decay, in every config the autotuner may pick."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = ["_delta_reverse_state_pass_kernel", "_delta_score_grads_kernel", "_delta_chunk_dqk_kernel"]
+    result = run_script("kernel_report.py", "--parts", "compile", "--compile_dims", "64", "128", "--kernels", *kernels,
+                        "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads((tmp_path / "kernel_compile.json").read_text())["all"]
+    assert {r["kernel"] for r in rows} == set(kernels)
+    assert len({(r["kernel"], r["modes"]) for r in rows}) == len(rows) == 12  # 2 dims x 2 decays, one config each
+    assert all("error" not in r for r in rows), rows
+    assert [r for r in rows if r["spill_stores"] or r["spill_loads"]] == []
+
+
 def test_gpu_check_dry_stages(tmp_path, monkeypatch):
     """Each stage runs in its own spawned process; the kernels stage writes the benchmark's report, a failing op's
     row included; the compiled decode steps (dry: captured whole by dynamo, run without codegen) give the eager
