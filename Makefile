@@ -55,7 +55,7 @@ lm-eval-needles: install long-context-data
 		--device cpu --batch_size 1 --tasks needle --include_path configs/lm_eval --output_path outputs/lm_eval
 
 test: install transformers-tests
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # transformers' own common model tests (test_modeling_common.py, test_configuration_common.py) ship in the source
 # distribution of each release on PyPI, not in its wheel: fetched here, at install time, for the installed release
