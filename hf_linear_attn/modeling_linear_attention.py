@@ -759,8 +759,8 @@ class LinearAttention(AttentionProjections):
             values = torch.cat([values, cache_layer.memory_values], dim=-2)
             mask = torch.cat([mask.expand(-1, kv_heads, -1, -1), cache_layer.memory_mask[:, :, None]], dim=-1)
         query = _cast(q, dtype).view(b * kv_heads, heads // kv_heads, head_dim)
-        scores = torch.bmm(query, _cast(keys, dtype).reshape(b * kv_heads, head_dim, -1)).view(*keys.shape[:2], -1,
-                                                                                              keys.shape[-1])
+        scores = torch.bmm(query, _cast(keys, dtype).reshape(b * kv_heads, head_dim, -1))
+        scores = scores.view(b, kv_heads, -1, keys.shape[-1])
         scores = torch.where(mask, scores * self.head_dim**-0.5, -torch.inf)  # [B, H_kv, G, R (+ m)]
         top = scores.amax(-1, keepdim=True)
         if real is not None:
