@@ -522,23 +522,28 @@ class LinearAttention(AttentionProjections):
         dtype = state.dtype
         leaving_k, leaving_v, leaving_real, leaving_beta = cache_layer.push_window_token(
             k, v, real, self.window_size, self.num_sink_tokens, beta=beta)
-        key = self.delta_keys(leaving_k).to(dtype).view(b, heads, 1, -1)  # k̂_j [B, H, 1, K]
-        strength = (leaving_beta * leaving_real[..., None]).to(dtype).view(b, heads, 1, 1)  # β_j, 0 unless it enters
-        write = strength * key.transpose(-1, -2)  # β_j k̂_j [B, H, K, 1]
-        state.addcmul_(write, key @ state, value=-1.0)  # erase what S stores under k̂_j: S − β_j k̂_j (k̂_jᵀ S)
+        # Products as bmm on 3-D views, [B·H, ·, ·] (a 4-D matmul dispatches its broadcasting as several more ops).
+        key = _cast(self.delta_keys(leaving_k), dtype).view(b * heads, 1, -1)  # k̂_j [B·H, 1, K]
+        strength = _cast(leaving_beta * leaving_real[..., None], dtype).view(b * heads, 1, 1)  # β_j, 0 unless it enters
+        write = strength * key.transpose(-1, -2)  # β_j k̂_j [B·H, K, 1]
+        flat_state = state.view(b * heads, *state.shape[2:])  # [B·H, K, V]
+        flat_state.addcmul_(write, torch.bmm(key, flat_state), value=-1.0)  # erase what S stores under k̂_j
         if log_decay is not None:
-            state.mul_(log_decay.to(dtype).exp().view(b, heads, 1, 1))
+            state.mul_(_cast(log_decay, dtype).exp().view(b, heads, 1, 1))
         # + β_j k̂_j v_jᵀ: the query heads of a KV head [B, H_kv, G, K, V] share its v_j (no repeat)
         state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(
-            write.view(b, kv_heads, -1, state.shape[2], 1), leaving_v.to(dtype).view(b, kv_heads, 1, 1, -1))
-        read = (q_hat.view(b, heads, 1, -1).to(dtype) * self.key_dim**-0.5) @ state  # [B, H, 1, V]
-        read = self.normed_and_gated(read.view(b, 1, heads, -1).to(v.dtype), hidden_states)
-        # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R].
+            write.view(b, kv_heads, -1, state.shape[2], 1), _cast(leaving_v, dtype).view(b, kv_heads, 1, 1, -1))
+        read = torch.bmm(_cast(q_hat, dtype).view(b * heads, 1, -1) * self.key_dim**-0.5, flat_state)  # [B·H, 1, V]
+        read = self.normed_and_gated(_cast(read.view(b, 1, heads, -1), v.dtype), hidden_states)
+        # Softmax part: [B·H_kv, G, D] against the slots [B·H_kv, D, R].
         keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
-        query = q.view(b, kv_heads, heads // kv_heads, head_dim).to(dtype)
-        scores = query @ keys.to(dtype) * head_dim**-0.5
+        query = _cast(q, dtype).view(b * kv_heads, heads // kv_heads, head_dim)
+        scores = torch.bmm(query, _cast(keys, dtype).reshape(b * kv_heads, head_dim, -1)) * head_dim**-0.5
+        scores = scores.view(b, kv_heads, -1, keys.shape[-1])
         weights = torch.where(cache_layer.window_mask.view(b, 1, 1, -1), scores, -torch.inf).softmax(-1)
-        o = (weights @ values.to(dtype)).reshape(b, 1, heads, -1).to(v.dtype)  # [B, 1, H, V]
+        o = torch.bmm(weights.view(b * kv_heads, *weights.shape[2:]),
+                      _cast(values, dtype).reshape(b * kv_heads, *values.shape[2:]))  # [B·H_kv, G, V]
+        o = _cast(o.view(b, 1, heads, -1), v.dtype)  # [B, 1, H, V]
         o = o + self.window_gate.to(o.dtype).view(1, 1, -1, 1) * read
         if real is not None:  # pad queries output 0 (a pad's window may be empty: its softmax row is nan)
             o = torch.where(real.view(b, 1, 1, 1), o, 0.0)
