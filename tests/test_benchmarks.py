@@ -7,7 +7,6 @@ import pytest
 import torch
 from helpers import benchmark_module
 
-
 # The models of the decode and train benchmarks' tests: one layer, hidden 32, vocabulary 64.
 TINY_DECODE = ["--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
                "--num_hidden_layers", "1", "--vocab_size", "64"]
