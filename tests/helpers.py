@@ -6,6 +6,7 @@ Pytest fixtures live in `conftest.py`; everything here is an ordinary function o
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -347,6 +348,16 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536")  # as the scripts re-exec with
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
                           text=True, env=env, timeout=300, cwd=ROOT)
+
+
+def benchmark_module(script: str):
+    """`benchmarks/SCRIPT` imported into this process (its folder on sys.path, as when run as a script), so a test
+    calls its `main(argv)`: a subprocess spends most of a tiny run importing torch and transformers (~9 s each on
+    the suite's slow machine)."""
+    folder = str(ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(Path(script).stem)
 
 
 def tiny_args(output_dir: Path, cache_dir: Path, *extra: str) -> list[str]:

@@ -42,14 +42,21 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def results(checkpoint):
+def task_manager():
+    """One index of lm-eval's tasks and ours for the module: building it reads every task's YAML (~15 s on the
+    suite's slow machine); `simple_evaluate` builds its tasks afresh from it on each call."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(TASKS))
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint, task_manager):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     output = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={checkpoint},trust_remote_code=True",
                                      tasks=["jargon_cloze", "jargon_perplexity"], limit=LIMIT, batch_size=4,
-                                     device="cpu", task_manager=TaskManager(include_path=str(TASKS)))
+                                     device="cpu", task_manager=task_manager)
     torch.set_num_threads(threads)
     return output["results"]
 
@@ -123,25 +130,23 @@ def needle_trials(tokenizer, task: str) -> list[lc.PasskeyTrial]:
     return lc.passkey_trials(tokenizer, needle_documents(tokenizer), 1024, NEEDLE_TRIALS, haystack, variant)
 
 
-def evaluate_needles(model, tmp_path, **kwargs) -> dict:
+def evaluate_needles(model, tmp_path, task_manager, **kwargs) -> dict:
     """lm-eval's `simple_evaluate` on the group `needle_1k`, run in `tmp_path`, where the tasks' data is written
     (they read outputs/lm_eval_needles relative to the directory lm_eval runs in)."""
-    from lm_eval.tasks import TaskManager
-
     tokenizer = byte_level_tokenizer()
     lc.write_needles(tokenizer, needle_documents(tokenizer), tmp_path / lc.DEFAULT_NEEDLES_DIR, lengths=[1024],
                      trials=NEEDLE_TRIALS)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp_path)
         return lm_eval.simple_evaluate(model=model, tasks=["needle_1k"], log_samples=True,
-                                       task_manager=TaskManager(include_path=str(TASKS)), **kwargs)
+                                       task_manager=task_manager, **kwargs)
 
 
-def test_needle_accuracy_is_the_models_own_greedy_passkey_accuracy(checkpoint, tmp_path):
+def test_needle_accuracy_is_the_models_own_greedy_passkey_accuracy(checkpoint, task_manager, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     # add_bos_token=False: the prompt's tokens only, as training.long_context feeds them.
-    output = evaluate_needles("hf", tmp_path, batch_size=1, device="cpu",
+    output = evaluate_needles("hf", tmp_path, task_manager, batch_size=1, device="cpu",
                               model_args=f"pretrained={checkpoint},trust_remote_code=True,add_bos_token=False")
     model = hf_linear_attn.LinearAttentionForCausalLM.from_pretrained(checkpoint).eval()
     tokenizer = byte_level_tokenizer()
@@ -182,9 +187,9 @@ class KeyReader(pytest.importorskip("lm_eval.api.model").LM):
     loglikelihood_rolling = loglikelihood
 
 
-def test_a_model_that_reads_the_key_scores_1_through_the_harness_and_one_that_does_not_0(tmp_path):
-    right = evaluate_needles(KeyReader(), tmp_path / "right")["results"]
-    wrong = evaluate_needles(KeyReader(offset=1), tmp_path / "wrong")["results"]
+def test_a_model_that_reads_the_key_scores_1_through_the_harness_and_one_that_does_not_0(task_manager, tmp_path):
+    right = evaluate_needles(KeyReader(), tmp_path / "right", task_manager)["results"]
+    wrong = evaluate_needles(KeyReader(offset=1), tmp_path / "wrong", task_manager)["results"]
     for task in [*NEEDLE_TASKS, "needle_1k"]:
         assert right[task]["acc,none"] == 1.0
         assert wrong[task]["acc,none"] == 0.0
