@@ -33,6 +33,19 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def benchmark_main(single_thread, monkeypatch):
+    """`benchmark_main(script, *args)`: benchmarks/SCRIPT's `main(args)` in this process, as its subprocess would run
+    (single-threaded, offline; no ~9 s of imports). With MALLOC_MMAP_THRESHOLD_ set, as `run_script` sets it, the
+    scripts' `return_freed_memory_to_the_os` does not re-exec the process (pytest's, here), and children they start
+    inherit it."""
+    from helpers import benchmark_module
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    return lambda script, *args: benchmark_module(script).main(list(args))
+
+
 @pytest.fixture(scope="session")
 def dataset_cache(tmp_path_factory):
     """One `datasets` cache folder for the session, so tokenised data is reused between runs."""

@@ -5,7 +5,6 @@ import re
 
 import pytest
 import torch
-from helpers import benchmark_module
 
 # The models of the decode and train benchmarks' tests: one layer, hidden 32, vocabulary 64.
 TINY_DECODE = ["--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
@@ -13,17 +12,14 @@ TINY_DECODE = ["--hidden_size", "32", "--num_attention_heads", "2", "--intermedi
 
 
 @pytest.fixture
-def bench_decode(single_thread, monkeypatch, capsys):
-    """benchmarks/bench_decode.py's `main` run in this process, single-threaded as its subprocess would be:
-    `bench_decode(*args)` returns what it printed. A subprocess per run cost ~9 s of imports on the suite's slow
-    machine, more than the tiny runs themselves."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # --peak_memory's children start as run_script's do
-    module = benchmark_module("bench_decode.py")
+def bench_decode(benchmark_main, capsys):
+    """benchmarks/bench_decode.py's `main` run in this process (`benchmark_main`): `bench_decode(*args)` returns what
+    it printed. A subprocess per run cost ~9 s of imports on the suite's slow machine, more than the tiny runs
+    themselves."""
 
     def run(*args: str) -> str:
         capsys.readouterr()
-        assert module.main(list(args)) == 0
+        assert benchmark_main("bench_decode.py", *args) == 0
         return capsys.readouterr().out
 
     yield run
@@ -103,16 +99,8 @@ def test_decode_benchmark_refuses_bad_arguments_before_running(bench_decode, tmp
     assert not list(tmp_path.iterdir())
 
 
-@pytest.fixture
-def in_process(single_thread, monkeypatch):
-    """A benchmark script's `main` in this process (no ~9 s of imports): with MALLOC_MMAP_THRESHOLD_ set, the
-    scripts' `return_freed_memory_to_the_os` does not re-exec the process (pytest's, here)."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    return lambda script, *args: benchmark_module(script).main(list(args))
-
-
-def test_op_benchmark_runs_and_computes_speedups(in_process, tmp_path):
-    assert in_process("bench_ops.py", "--lengths", "70", "130", "--decays", "none", "vector", "--heads", "2",
+def test_op_benchmark_runs_and_computes_speedups(benchmark_main, tmp_path):
+    assert benchmark_main("bench_ops.py", "--lengths", "70", "130", "--decays", "none", "vector", "--heads", "2",
                       "--head_dim", "8", "--repeats", "1", "--output_dir", str(tmp_path)) == 0
     rows = json.loads((tmp_path / "ops.json").read_text())["rows"]
     assert {(r["decay"], r["method"]) for r in rows} == {
@@ -122,8 +110,8 @@ def test_op_benchmark_runs_and_computes_speedups(in_process, tmp_path):
     assert all("fwd_speedup_vs_sdpa" in r for r in chunked)
 
 
-def test_train_benchmark_runs(in_process, tmp_path):
-    assert in_process("bench_train.py", "--seq_lens", "32", "--steps", "1", *TINY_DECODE,
+def test_train_benchmark_runs(benchmark_main, tmp_path):
+    assert benchmark_main("bench_train.py", "--seq_lens", "32", "--steps", "1", *TINY_DECODE,
                       "--output_dir", str(tmp_path)) == 0
     rows = json.loads((tmp_path / "train.json").read_text())["rows"]
     assert [r["model"] for r in rows] == ["elu", "llama"]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close_in_float64, benchmark_module, make_delta_rule_inputs, outputs_and_grads
+from helpers import assert_close_in_float64, make_delta_rule_inputs, outputs_and_grads
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
@@ -248,13 +248,11 @@ def test_batched_cu_seqlens_raise():
         delta_rule_attention(**args, cu_seqlens=torch.tensor([0, 6]))
 
 
-def test_benchmark_script_runs(tmp_path, single_thread, monkeypatch):
-    # Its main in this process (a subprocess spends ~9 s importing here); the timing child still starts. With
-    # MALLOC_MMAP_THRESHOLD_ set the script does not re-exec pytest (peaks are those of this process's allocator).
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert benchmark_module("bench_delta_rule.py").main([
-        "--lengths", "70", "130", "--memory_lengths", "64", "128", "--heads", "1", "--head_dim", "8", "--repeats",
-        "1", "--output_dir", str(tmp_path)]) == 0
+def test_benchmark_script_runs(tmp_path, benchmark_main):
+    # Its main in this process (`benchmark_main`); the timing child still starts. The memory peaks are those of this
+    # process's allocator.
+    assert benchmark_main("bench_delta_rule.py", "--lengths", "70", "130", "--memory_lengths", "64", "128", "--heads",
+                          "1", "--head_dim", "8", "--repeats", "1", "--output_dir", str(tmp_path)) == 0
     rows = json.loads((tmp_path / "delta_rule.json").read_text())["rows"]
     timed = [r for r in rows if r["method"] == "torch" and "fwd_bwd_speedup_vs_recurrent" in r]
     assert [r["T"] for r in timed] == [70, 130]
