@@ -38,10 +38,12 @@ so the cache is compileable (`is_compileable`) unless a layer is a softmax layer
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .ops_sparse_memory import SparseMemory
+from .ops_sparse_memory import MEMORY_BLOCK_SIZE, SparseMemory
 
 NO_CROP = (
     "A linear-attention cache holds a recurrent state that cannot be rolled back to an earlier "
@@ -53,7 +55,9 @@ MEMORY_FIELDS = {field: f"memory_{field}" for field in SparseMemory._fields}
 
 
 class LinearStateLayer(CacheLayerMixin):
-    """Cache of one linear-attention (or window-hybrid) layer. See the module docstring for shapes.
+    """Cache of one layer with a recurrent state and no window (additive linear attention or the delta rule): the
+    state, and with a short convolution its last inputs. The window kinds extend it. See the module docstring for
+    shapes.
 
     Every tensor is allocated by the layer's first write and updated in place afterwards (a decode step changes
     no shape and no address), so a compiled decode step, or a CUDA graph of it, reads and writes the same
@@ -63,48 +67,40 @@ class LinearStateLayer(CacheLayerMixin):
 
     is_compileable = True
     is_croppable = False
+    # The tensors a layer of this kind can hold (each None until its first write), by attribute name.
+    TENSORS: tuple[str, ...] = ("state", "conv_inputs")
 
     def __init__(self) -> None:
         super().__init__()
-        self.state: torch.Tensor | None = None
-        self.window_keys: torch.Tensor | None = None
-        self.window_values: torch.Tensor | None = None
-        self.window_mask: torch.Tensor | None = None
-        self.window_log_decay: torch.Tensor | None = None
-        self.window_beta: torch.Tensor | None = None
-        self.conv_inputs: torch.Tensor | None = None
-        self.memory_keys: torch.Tensor | None = None
-        self.memory_values: torch.Tensor | None = None
-        self.memory_scores: torch.Tensor | None = None
-        self.memory_positions: torch.Tensor | None = None
-        self.memory_log_decay: torch.Tensor | None = None
-        self.memory_mask: torch.Tensor | None = None
-        # Whether every row's sink slots hold a token (eager bookkeeping: a decode step then skips the sink update).
-        self.sinks_filled = False
+        for name in self.TENSORS:
+            setattr(self, name, None)
         # Positions seen (pads included), a 0-d tensor so that a compiled step reads and advances it without a
         # host sync or a recompilation; `get_seq_length()` reads it as an int.
         self.seen: torch.Tensor | None = None
 
+    @property
+    def has_state(self) -> bool:
+        """Whether a forward has filled the layer (a prefill, then decode steps, continue from it)."""
+        return self.state is not None
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors this layer holds, by attribute name (only those that exist yet; not the position counter)."""
-        names = ("state", "window_keys", "window_values", "window_mask", "window_log_decay", "window_beta",
-                 "conv_inputs", *MEMORY_FIELDS.values())
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
 
     def _map(self, fn) -> None:
         for name, tensor in self.tensors().items():
             setattr(self, name, fn(tensor))
 
     def lazy_initialization(self, *args, **kwargs) -> None:
-        """Nothing to pre-allocate: the first write allocates each tensor (`write`)."""
+        """Nothing to pre-allocate: the first write allocates each tensor (`_write`)."""
 
     def update(self, *args, **kwargs):
         raise TypeError(
             "LinearStateLayer holds a recurrent state, not a key/value list; the linear-attention layer "
-            "writes it through `write` / `advance`."
+            "stores it through `store_state` / `advance`."
         )
 
-    def write(self, name: str, value: torch.Tensor) -> torch.Tensor:
+    def _write(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """Store `value` as the tensor `name`: copied in place into the existing one, or, on the first write (or
         after a batch-size change), kept as the new buffer. Returns the stored tensor."""
         current = getattr(self, name)
@@ -115,6 +111,14 @@ class LinearStateLayer(CacheLayerMixin):
         setattr(self, name, value)
         return value
 
+    def store_state(self, state: torch.Tensor) -> None:
+        """Keep the recurrent state a forward ended with (the op's final state)."""
+        self._write("state", state)
+
+    def store_conv_inputs(self, inputs: torch.Tensor) -> None:
+        """Keep the short convolution's last W − 1 inputs `[B, W − 1, C]`."""
+        self._write("conv_inputs", inputs)
+
     def advance(self, num_new_tokens: int, device: torch.device) -> None:
         """Count `num_new_tokens` more positions (in place)."""
         if self.seen is None:
@@ -123,136 +127,6 @@ class LinearStateLayer(CacheLayerMixin):
                 torch._dynamo.mark_static_address(self.seen)
         self.seen.add_(num_new_tokens)
         self.is_initialized = True
-
-    def retained_window(self, window_size: int) -> tuple[torch.Tensor, ...]:
-        """The retained keys, values `[B, R, H_kv, D]` and mask `[B, R]` in sequence order: the S sink slots first,
-        then the window positions p − w .. p − 1 oldest first (p = positions seen), as `window_attention` takes them
-        in front of new tokens."""
-        return tuple(self._in_sequence_order(x, window_size) for x in (
-            self.window_keys, self.window_values, self.window_mask))
-
-    def retained_log_decay(self, window_size: int) -> torch.Tensor:
-        """The retained slots' log decays `[B, R, H, 1 | F]` (fp32, 0 at the sink slots) in the order of
-        `retained_window` (sparse memory only: they decay the folds of the tokens that left during a block)."""
-        return self._in_sequence_order(self.window_log_decay, window_size)
-
-    def retained_beta(self, window_size: int) -> torch.Tensor:
-        """The retained slots' write strengths β `[B, R, H]` (fp32, 0 at the sink slots) in the order of
-        `retained_window` (delta-rule window hybrid only: a token enters the delta state with its β when it leaves)."""
-        return self._in_sequence_order(self.window_beta, window_size)
-
-    def _in_sequence_order(self, slots: torch.Tensor, window_size: int) -> torch.Tensor:
-        """Sink slots then ring slots `[B, S + w, ...]` in sequence order (ring slot S + q mod w holds position q)."""
-        sinks = slots.shape[1] - window_size
-        shift = -(self.get_seq_length() % window_size)
-        return torch.cat([slots[:, :sinks], slots[:, sinks:].roll(shift, dims=1)], dim=1)
-
-    def store_window(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor,
-        window_size: int,
-        num_sink_tokens: int,
-        log_decay: torch.Tensor | None = None,
-        beta: torch.Tensor | None = None,
-    ) -> None:
-        """Keep, of keys/values `[B, L, H_kv, D]` and mask `[B, L]` (the retained tokens in sequence order, if any,
-        followed by the new ones), the sinks (first `num_sink_tokens` real tokens) in the sink slots and the last
-        `window_size` positions (pads included, as masked slots: the window counts positions, so a decode step sees
-        a hole where the full forward does) in the ring, whose slot S + q mod w holds position q. A sink is kept in its
-        sink slot only (its ring slot is masked). Everything else has been folded into the state by the caller. With
-        log_decay (`[B, L, H]` or `[B, L, H, F]`, sparse memory only) the ring also keeps each position's log decay;
-        with beta (`[B, L, H]`, delta-rule window hybrid only) each position's write strength. Call after
-        `advance`."""
-        batch, length = mask.shape
-        sinks, window = num_sink_tokens, window_size
-        rank = mask.long().cumsum(-1) - 1
-        is_sink = mask & (rank < sinks)
-        ring = (keys, values, mask & ~is_sink)
-        if log_decay is not None:
-            ring = (*ring, (log_decay if log_decay.dim() == 4 else log_decay[..., None]).float())
-        if beta is not None:
-            ring = (*ring, beta.float())
-        if length < window:  # fewer positions than the window: empty (masked) slots stand for those before
-            ring = tuple(torch.cat([x.new_zeros(batch, window - length, *x.shape[2:]), x], dim=1) for x in ring)
-        shift = self.get_seq_length() % window  # the last w positions end at p − 1 (p = positions seen now)
-        ring = tuple(x[:, x.shape[1] - window :].roll(shift, dims=1) for x in ring)
-        # Sink slot s holds the real token of rank s, where one exists yet (retained sinks are among the inputs).
-        hit = is_sink[:, :, None] & (rank[:, :, None] == torch.arange(sinks, device=mask.device))  # [B, L, S]
-        found, index = hit.any(1), hit.long().argmax(1)  # [B, S]
-        sink_slots = []
-        for x in (keys, values):
-            shape = (batch, sinks, *[1] * (x.dim() - 2))
-            picked = x.gather(1, index.view(shape).expand(-1, -1, *x.shape[2:]))
-            sink_slots.append(torch.where(found.view(shape), picked, 0.0))
-        sink_slots.append(found)
-        per_position_names = {"window_log_decay": log_decay, "window_beta": beta}
-        names = ("window_keys", "window_values", "window_mask",
-                 *(name for name, given in per_position_names.items() if given is not None))
-        for per_position in ring[3:]:  # the log decays and β: zero in the sink slots (a sink never folds)
-            sink_slots.append(per_position.new_zeros(batch, sinks, *per_position.shape[2:]))
-        for name, sink_part, ring_part in zip(names, sink_slots, ring, strict=True):
-            self.write(name, torch.cat([sink_part, ring_part], dim=1))
-        self.sinks_filled = not torch.compiler.is_compiling() and bool(found.all())
-
-    def push_window_token(
-        self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None, window_size: int,
-        num_sink_tokens: int, log_decay: torch.Tensor | None = None, beta: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, ...]:
-        """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
-        `[B, 1, H_kv, D]`, real bool `[B, 1]`, or None when every row's token is real) replaces position p − w in ring
-        slot S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
-        masked; eager steps skip this once every sink slot is filled). Returns what the slot held before, the token
-        leaving the window: keys, values `[B, 1, H_kv, D]` and mask `[B, 1]` (real and not a sink: it folds into the
-        state, with the features the layer computes of its key). With log_decay (`[B, 1, H]` or `[B, 1, H, F]`,
-        sparse memory only) its slot's log decay is written too. With beta (`[B, 1, H]`,
-        delta-rule window hybrid only) its slot's β is written too, and the leaving token's β `[B, 1, H]` is returned
-        as a fourth element (the strength it enters the state with). Call before `advance`."""
-        sinks = num_sink_tokens
-        slot = (sinks + self.seen % window_size).view(1)  # a tensor: the same graph at every step
-        leaving = (self.window_keys.index_select(1, slot), self.window_values.index_select(1, slot),
-                   self.window_mask.index_select(1, slot))
-        if beta is not None:
-            leaving = (*leaving, self.window_beta.index_select(1, slot))
-            self.window_beta.index_copy_(1, slot, beta.float())
-        in_ring = real
-        if sinks and not self.sinks_filled:
-            if real is None:
-                real = torch.ones(keys.shape[0], 1, dtype=torch.bool, device=keys.device)
-            filled = self.window_mask[:, :sinks].sum(-1, keepdim=True)  # [B, 1]: sinks so far, filled in order
-            sink = real & (filled < sinks)
-            hit = sink & (torch.arange(sinks, device=real.device) == filled)  # [B, S]
-            for buffer, x in ((self.window_keys, keys), (self.window_values, values)):
-                buffer[:, :sinks].copy_(torch.where(hit[:, :, None, None], x, buffer[:, :sinks]))
-            self.window_mask[:, :sinks] |= hit
-            in_ring = real & ~sink
-            if not torch.compiler.is_compiling():
-                self.sinks_filled = bool(self.window_mask[:, :sinks].all())
-        self.window_keys.index_copy_(1, slot, keys)
-        self.window_values.index_copy_(1, slot, values)
-        if in_ring is None:
-            self.window_mask.index_fill_(1, slot, True)
-        else:
-            self.window_mask.index_copy_(1, slot, in_ring)
-        if log_decay is not None:
-            self.window_log_decay.index_copy_(1, slot, log_decay.view(self.window_log_decay[:, :1].shape).float())
-        return leaving
-
-    def sparse_memory(self) -> SparseMemory | None:
-        """The memory slots (None before the first write; positions absolute)."""
-        if self.memory_mask is None:
-            return None
-        return SparseMemory(**{field: getattr(self, name) for field, name in MEMORY_FIELDS.items()})
-
-    def store_memory(self, memory: SparseMemory, where: torch.Tensor | None = None) -> None:
-        """Keep `memory` (in place after the first write); with `where` (a bool 0-d tensor, the decode step's
-        block end) only if it holds, without a host sync."""
-        for field, name in MEMORY_FIELDS.items():
-            value = getattr(memory, field)
-            if value is not None:
-                current = getattr(self, name)
-                self.write(name, value if where is None else torch.where(where, value.to(current.dtype), current))
 
     def get_seq_length(self) -> int:
         return 0 if self.seen is None else int(self.seen)
@@ -267,12 +141,9 @@ class LinearStateLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
-        self.state = self.window_keys = self.window_values = self.window_mask = None
-        self.window_log_decay = self.window_beta = None
-        self.conv_inputs = self.seen = None
-        self.sinks_filled = False
-        for name in MEMORY_FIELDS.values():
+        for name in self.TENSORS:
             setattr(self, name, None)
+        self.seen = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -294,6 +165,269 @@ class LinearStateLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class LeavingToken(NamedTuple):
+    """What a decode step's push returns of the token leaving the window (the slot's previous contents): keys,
+    values `[B, 1, H_kv, D]`, and `real` `[B, 1]` (a real token that is not a sink: it enters the state)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    real: torch.Tensor
+
+
+class WindowStateLayer(LinearStateLayer):
+    """Cache of one additive window-hybrid layer: the linear state of every token that has left the window, plus the
+    raw keys and values of the sinks and of the last `ring_size` positions in fixed slots (`[B, S + ring_size, H_kv,
+    D]`: S sink slots, then position q in ring slot S + q mod ring_size) and which slots hold real keys. The window
+    kinds with more per-position data (the sparse memory, the delta rule) extend it."""
+
+    TENSORS = (*LinearStateLayer.TENSORS, "window_keys", "window_values", "window_mask")
+    # Per-position tensors the ring keeps beside keys and values (subclasses): each is 0 in the sink slots.
+    PER_POSITION: tuple[str, ...] = ()
+
+    def __init__(self, window_size: int, num_sink_tokens: int) -> None:
+        super().__init__()
+        self.window_size, self.num_sink_tokens = window_size, num_sink_tokens
+        self.ring_size = window_size  # the raw positions kept (the sparse memory keeps a block more)
+        # Whether every row's sink slots hold a token (eager bookkeeping: a decode step then skips the sink update).
+        self.sinks_filled = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.sinks_filled = False
+
+    def retained(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The retained keys, values `[B, S + w, H_kv, D]` and mask `[B, S + w]` in sequence order (w = ring_size): the
+        S sink slots first, then the positions p − w .. p − 1 oldest first (p = positions seen), as the window ops
+        take them in front of new tokens."""
+        return tuple(self._in_sequence_order(x) for x in (self.window_keys, self.window_values, self.window_mask))
+
+    def _in_sequence_order(self, slots: torch.Tensor) -> torch.Tensor:
+        """Sink slots then ring slots `[B, S + w, ...]` in sequence order (ring slot S + q mod w holds position q)."""
+        sinks = slots.shape[1] - self.ring_size
+        shift = -(self.get_seq_length() % self.ring_size)
+        return torch.cat([slots[:, :sinks], slots[:, sinks:].roll(shift, dims=1)], dim=1)
+
+    def store_window(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Keep, of keys/values `[B, L, H_kv, D]` and mask `[B, L]` (the retained tokens in sequence order, if any,
+        followed by the new ones), the sinks and the last positions: `_store_ring`. Call after `advance`."""
+        self._store_ring(keys, values, mask, {})
+
+    def _store_ring(
+        self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, per_position: dict[str, torch.Tensor]
+    ) -> None:
+        """Keep the sinks (first `num_sink_tokens` real tokens) in the sink slots and the last `ring_size` positions
+        (pads included, as masked slots: the window counts positions, so a decode step sees a hole where the full
+        forward does) in the ring, whose slot S + q mod w holds position q. A sink is kept in its sink slot only (its
+        ring slot is masked). Everything else has been folded into the state by the caller. `per_position` holds
+        the kind's PER_POSITION tensors `[B, L, ...]` (fp32), kept in the ring slots beside the keys."""
+        batch, length = mask.shape
+        sinks, window = self.num_sink_tokens, self.ring_size
+        rank = mask.long().cumsum(-1) - 1
+        is_sink = mask & (rank < sinks)
+        ring = (keys, values, mask & ~is_sink, *per_position.values())
+        if length < window:  # fewer positions than the window: empty (masked) slots stand for those before
+            ring = tuple(torch.cat([x.new_zeros(batch, window - length, *x.shape[2:]), x], dim=1) for x in ring)
+        shift = self.get_seq_length() % window  # the last w positions end at p − 1 (p = positions seen now)
+        ring = tuple(x[:, x.shape[1] - window :].roll(shift, dims=1) for x in ring)
+        # Sink slot s holds the real token of rank s, where one exists yet (retained sinks are among the inputs).
+        hit = is_sink[:, :, None] & (rank[:, :, None] == torch.arange(sinks, device=mask.device))  # [B, L, S]
+        found, index = hit.any(1), hit.long().argmax(1)  # [B, S]
+        sink_slots = []
+        for x in (keys, values):
+            shape = (batch, sinks, *[1] * (x.dim() - 2))
+            picked = x.gather(1, index.view(shape).expand(-1, -1, *x.shape[2:]))
+            sink_slots.append(torch.where(found.view(shape), picked, 0.0))
+        sink_slots.append(found)
+        for x in ring[3:]:  # the per-position tensors: zero in the sink slots (a sink never leaves)
+            sink_slots.append(x.new_zeros(batch, sinks, *x.shape[2:]))
+        names = ("window_keys", "window_values", "window_mask", *per_position)
+        for name, sink_part, ring_part in zip(names, sink_slots, ring, strict=True):
+            self._write(name, torch.cat([sink_part, ring_part], dim=1))
+        self.sinks_filled = not torch.compiler.is_compiling() and bool(found.all())
+
+    def push(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None) -> LeavingToken:
+        """One decode step of the window, in place and fixed-shape: the token at position p (keys/values
+        `[B, 1, H_kv, D]`, real bool `[B, 1]`, or None when every row's token is real) replaces position p − w in ring
+        slot S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
+        masked; eager steps skip this once every sink slot is filled). Returns the token leaving the window. Call
+        before `advance`."""
+        slot = self._slot()
+        leaving = LeavingToken(self.window_keys.index_select(1, slot), self.window_values.index_select(1, slot),
+                               self.window_mask.index_select(1, slot))
+        sinks = self.num_sink_tokens
+        in_ring = real
+        if sinks and not self.sinks_filled:
+            if real is None:
+                real = torch.ones(keys.shape[0], 1, dtype=torch.bool, device=keys.device)
+            filled = self.window_mask[:, :sinks].sum(-1, keepdim=True)  # [B, 1]: sinks so far, filled in order
+            sink = real & (filled < sinks)
+            hit = sink & (torch.arange(sinks, device=real.device) == filled)  # [B, S]
+            for buffer, x in ((self.window_keys, keys), (self.window_values, values)):
+                buffer[:, :sinks].copy_(torch.where(hit[:, :, None, None], x, buffer[:, :sinks]))
+            self.window_mask[:, :sinks] |= hit
+            in_ring = real & ~sink
+            if not torch.compiler.is_compiling():
+                self.sinks_filled = bool(self.window_mask[:, :sinks].all())
+        self.window_keys.index_copy_(1, slot, keys)
+        self.window_values.index_copy_(1, slot, values)
+        if in_ring is None:
+            self.window_mask.index_fill_(1, slot, True)
+        else:
+            self.window_mask.index_copy_(1, slot, in_ring)
+        return leaving
+
+    def _slot(self) -> torch.Tensor:
+        """The ring slot of the position being decoded, `[1]` (a tensor: the same graph at every step)."""
+        return (self.num_sink_tokens + self.seen % self.ring_size).view(1)
+
+
+class DeltaWindowStateLayer(WindowStateLayer):
+    """Cache of one delta-rule window layer: the delta-rule state of the tokens that have left the window, the window
+    hybrid's slots, and each slot's write strength β (fp32 `window_beta` `[B, S + w, H]`, 0 in the sink slots): what a
+    token needs to enter the state when it leaves the window."""
+
+    TENSORS = (*WindowStateLayer.TENSORS, "window_beta")
+    PER_POSITION = ("window_beta",)
+
+    def retained_beta(self) -> torch.Tensor:
+        """The retained slots' β `[B, S + w, H]` in the order of `retained`."""
+        return self._in_sequence_order(self.window_beta)
+
+    def store_window(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     beta: torch.Tensor) -> None:
+        """`WindowStateLayer.store_window`, keeping each position's β `[B, L, H]` too."""
+        self._store_ring(keys, values, mask, {"window_beta": beta.float()})
+
+    def push(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None,
+             beta: torch.Tensor) -> tuple[LeavingToken, torch.Tensor]:
+        """`WindowStateLayer.push` writing the token's β `[B, 1, H]` too; also returns the leaving token's β
+        `[B, 1, H]`, the strength it enters the state with."""
+        slot = self._slot()
+        leaving_beta = self.window_beta.index_select(1, slot)
+        self.window_beta.index_copy_(1, slot, beta.float())
+        return super().push(keys, values, real), leaving_beta
+
+
+class MemoryBlock(NamedTuple):
+    """What the sparse memory's block end reads of the cache (`SparseWindowStateLayer.ending_block`): the R ring
+    tokens that left the window during the block, oldest first: keys `[B, R, H_kv, D]`, values `[B, H_kv, R, V]`,
+    their log decay since leaving (None without decay, else `[B, H, R, 1 | F]`), absolute positions `[B, H_kv, R]`,
+    whether each holds a real token `[B, H_kv, R]`; and the memory slots."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    log_decay: torch.Tensor | None
+    positions: torch.Tensor
+    valid: torch.Tensor
+    memory: SparseMemory
+
+
+class SparseWindowStateLayer(WindowStateLayer):
+    """Cache of one window-hybrid layer with the sparse exact memory (`sparse_cache_size` = m > 0): `state` is the
+    actual linear state; the ring holds window_size + R positions (R = MEMORY_BLOCK_SIZE: the tokens that left the
+    window during the current block stay raw until it ends) with their log decays (fp32 `window_log_decay`, only with
+    a decay), and the m memory slots per KV head (`SparseMemory`'s fields as `memory_*`)."""
+
+    TENSORS = (*WindowStateLayer.TENSORS, "window_log_decay", *MEMORY_FIELDS.values())
+
+    def __init__(self, window_size: int, num_sink_tokens: int) -> None:
+        super().__init__(window_size, num_sink_tokens)
+        self.ring_size = window_size + MEMORY_BLOCK_SIZE
+
+    def retained_log_decay(self) -> torch.Tensor:
+        """The retained slots' log decays `[B, S + w, H, 1 | F]` (fp32, 0 at the sink slots) in the order of
+        `retained`: they decay the folds of the tokens that left during a block."""
+        return self._in_sequence_order(self.window_log_decay)
+
+    def store_window(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     log_decay: torch.Tensor | None) -> None:
+        """`WindowStateLayer.store_window`, keeping each position's log decay (`[B, L, H]` or `[B, L, H, F]`) too."""
+        per_position = {}
+        if log_decay is not None:
+            per_position["window_log_decay"] = (log_decay if log_decay.dim() == 4 else log_decay[..., None]).float()
+        self._store_ring(keys, values, mask, per_position)
+
+    def push(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None,
+             log_decay: torch.Tensor | None) -> LeavingToken:
+        """`WindowStateLayer.push` writing the token's log decay (`[B, 1, H]` or `[B, 1, H, F]`) too, and decaying the
+        memory slots' clocks by it."""
+        slot = self._slot()
+        leaving = super().push(keys, values, real)
+        if log_decay is not None:
+            self.window_log_decay.index_copy_(1, slot, log_decay.view(self.window_log_decay[:, :1].shape).float())
+        return leaving
+
+    def decay_memory(self, log_decay: torch.Tensor) -> None:
+        """Advance the memory slots' log decay since leaving by one step's log a `[B, H, 1 | F]` (with a decay)."""
+        if self.memory_log_decay is not None:
+            self.memory_log_decay.add_(log_decay.float().view(*self.memory_log_decay.shape[:2], 1, -1))
+
+    def current_window_mask(self, position: torch.Tensor) -> torch.Tensor:
+        """The slots a decode step's softmax row covers at `position` (0-d), `[B, S + w]`: the real sinks, and the real
+        ring tokens from the block start's window on (those that left the window before the block are in the state
+        or the memory)."""
+        sinks, ring = self.num_sink_tokens, self.ring_size
+        slots = torch.arange(ring, device=position.device)
+        slot_positions = position - (position - slots) % ring
+        current = slot_positions >= position - position % MEMORY_BLOCK_SIZE - self.window_size
+        return torch.cat([self.window_mask[:, :sinks], self.window_mask[:, sinks:] & current], dim=1)
+
+    def memory(self) -> SparseMemory | None:
+        """The memory slots (None before the first write; positions absolute)."""
+        if self.memory_mask is None:
+            return None
+        return SparseMemory(**{field: getattr(self, name) for field, name in MEMORY_FIELDS.items()})
+
+    def store_memory(self, memory: SparseMemory, where: torch.Tensor | None = None) -> None:
+        """Keep `memory` (in place after the first write); with `where` (a bool 0-d tensor, the decode step's
+        block end) only if it holds, without a host sync."""
+        for field, name in MEMORY_FIELDS.items():
+            value = getattr(memory, field)
+            if value is not None:
+                current = getattr(self, name)
+                self._write(name, value if where is None else torch.where(where, value.to(current.dtype), current))
+
+    def ending_block(self, position: torch.Tensor) -> MemoryBlock:
+        """The block end's candidates after the query at `position` (0-d): the memory and the R ring tokens that left
+        the window during the block, the oldest R slots (positions position − ring + 1 ..)."""
+        sinks, window, block, ring = self.num_sink_tokens, self.window_size, MEMORY_BLOCK_SIZE, self.ring_size
+        order = sinks + (position + 1 + torch.arange(ring, device=position.device)) % ring  # oldest first
+        candidates = order[:block]
+        since = None  # log decay since leaving: Σ over the slots from u + W + 1 on (oldest first)
+        if self.window_log_decay is not None:
+            steps = torch.nn.functional.pad(self.window_log_decay.index_select(1, order), (0, 0, 0, 0, 0, 1))
+            since = steps.flip(1).cumsum(1).flip(1)[:, window + 1 : window + 1 + block].transpose(1, 2)
+        memory = self.memory()
+        b, kv_heads = memory.mask.shape[:2]
+        positions = (position - ring + 1 + torch.arange(block, device=position.device)).expand(b, kv_heads, -1)
+        return MemoryBlock(
+            keys=self.window_keys.index_select(1, candidates),
+            values=self.window_values.index_select(1, candidates).transpose(1, 2),
+            log_decay=since, positions=positions,
+            valid=self.window_mask.index_select(1, candidates)[:, None].expand(-1, kv_heads, -1), memory=memory,
+        )
+
+    def store_block(self, state: torch.Tensor, memory: SparseMemory, where: torch.Tensor) -> None:
+        """Keep the block end's state and memory where `where` (0-d bool: the step ends a block) holds."""
+        self.state.copy_(torch.where(where, state, self.state))
+        self.store_memory(memory, where=where)
+
+
+def state_layer(config, layer_idx: int) -> CacheLayerMixin:
+    """The cache layer of decoder layer `layer_idx`, by its kind (`config.layer_kind`): transformers' growing
+    `DynamicLayer` for softmax layers, else the constant-size state of the kind."""
+    kind = config.layer_kind(layer_idx)
+    if kind == "softmax":
+        return DynamicLayer()
+    if kind == "window" and config.sparse_cache_size > 0:
+        return SparseWindowStateLayer(config.window_size, config.num_sink_tokens)
+    if kind == "window":
+        return WindowStateLayer(config.window_size, config.num_sink_tokens)
+    if kind == "delta_window":
+        return DeltaWindowStateLayer(config.window_size, config.num_sink_tokens)
+    return LinearStateLayer()
 
 
 # The config fields that decide what a cache holds and how the model reads it: the layer kinds, the state's
@@ -325,11 +459,7 @@ class LinearAttentionCache(Cache):
     is_linear_attention_cache = True  # duck-typing marker: checkpoints loaded as remote code have their own class
 
     def __init__(self, config) -> None:
-        softmax_layers = set(config.softmax_layers)
-        layers = [
-            DynamicLayer() if i in softmax_layers else LinearStateLayer() for i in range(config.num_hidden_layers)
-        ]
-        super().__init__(layers=layers)
+        super().__init__(layers=[state_layer(config, i) for i in range(config.num_hidden_layers)])
         self.config_fingerprint = config_fingerprint(config)
 
     def crop(self, max_length: int) -> None:
@@ -361,4 +491,7 @@ class LinearAttentionCache(Cache):
         return total
 
 
-__all__ = ["LinearAttentionCache", "LinearStateLayer", "config_fingerprint"]
+__all__ = [
+    "DeltaWindowStateLayer", "LinearAttentionCache", "LinearStateLayer", "SparseWindowStateLayer", "WindowStateLayer",
+    "config_fingerprint",
+]

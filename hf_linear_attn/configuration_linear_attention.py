@@ -26,6 +26,9 @@ FEATURE_MAPS = tuple(FEATURE_MAP_CLASSES)
 DECAYS = ("none", "fixed", "scalar", "vector")
 BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
 UPDATE_RULES = ("additive", "delta")
+# What a decoder layer's attention is (`LinearAttentionConfig.layer_kind`): the model builds one attention class per
+# kind and the cache one state class per kind (plus the sparse memory's variant of the window state).
+LAYER_KINDS = ("softmax", "linear", "delta", "window", "delta_window")
 # What the delta rule accepts. Its keys are L2-normalised after φ: the maps whose output is a direction worth
 # normalising qualify; taylor does not (its 1 + D + D² features approximate exp(q·k), which normalising breaks,
 # and its state would be (1 + D + D²) × D). Its decay is a per-head scalar (the op takes log a [B, T, H]).
@@ -384,10 +387,21 @@ class LinearAttentionConfig(PretrainedConfig):
         except KeyError as error:
             raise ValueError(f"invalid `rope_parameters`={rope!r}: {error.args[0]}.") from None
 
+    def layer_kind(self, layer_idx: int) -> str:
+        """The kind of attention of layer `layer_idx`, one of LAYER_KINDS: "softmax" (listed in softmax_layers),
+        else by update_rule and window_size: "linear" (additive), "delta", "window" (the additive window hybrid, with
+        or without the sparse memory) or "delta_window" (the delta rule behind a window). The one place a layer's
+        kind is decided."""
+        if layer_idx in self.softmax_layers:
+            return "softmax"
+        if self.window_size > 0:
+            return "delta_window" if self.update_rule == "delta" else "window"
+        return "delta" if self.update_rule == "delta" else "linear"
+
     @property
     def feature_output_dim(self) -> int:
         """K: the size of φ(q), φ(k) and so of the key side of the recurrent state."""
         return feature_output_dim(self.feature_map, self.head_dim, self.feature_dim)
 
 
-__all__ = ["ATTENTION_OPTIONS", "AttentionOptions", "LinearAttentionConfig", "check_sparse_cache_size"]
+__all__ = ["ATTENTION_OPTIONS", "AttentionOptions", "LAYER_KINDS", "LinearAttentionConfig", "check_sparse_cache_size"]

@@ -31,7 +31,14 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
-from .cache_linear_attention import LinearAttentionCache, LinearStateLayer, config_fingerprint
+from .cache_linear_attention import (
+    DeltaWindowStateLayer,
+    LinearAttentionCache,
+    LinearStateLayer,
+    SparseWindowStateLayer,
+    WindowStateLayer,
+    config_fingerprint,
+)
 from .configuration_linear_attention import LinearAttentionConfig, check_sparse_cache_size
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
 from .ops import linear_attention, window_attention
@@ -207,12 +214,6 @@ class AttentionProjections(nn.Module):
         b, t = o.shape[:2]
         return self.o_proj(o.reshape(b * t, -1)).view(b, t, -1)
 
-    def key_features(self, k: torch.Tensor) -> torch.Tensor:
-        """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head.
-        The cache stores no features: the layer recomputes them with this of the cached keys it folds (the ring's,
-        the sparse memory's slots)."""
-        return self.feature_map_k(self.repeat_kv(k))
-
     def repeat_kv(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
         """[.., H_kv, ..] -> [.., H, ..] along `dim`: each KV head serves H / H_kv query heads."""
         groups = self.num_heads // self.num_kv_heads
@@ -249,11 +250,15 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class LinearAttention(AttentionProjections):
-    """Linear attention (optionally decayed, additive or delta rule) or the sliding-window softmax + linear hybrid.
+    """What every attention kind with a recurrent state shares; one subclass per kind implements `attend`.
 
-    Per layer: q/k/v projections (+ q/k norms), the optional short convolution (`conv_size`), RoPE, then one of
-    `linear_forward` (additive), `delta_forward` (delta rule) or `window_forward` (hybrid), the optional output
-    norm and output gate, and o_proj.
+    Per layer: q/k/v projections (+ q/k norms), the optional short convolution (`conv_size`), RoPE, the kind's
+    attention (`attend`: additive linear, delta rule, window hybrid, delta rule behind a window) with its optional
+    output norm and output gate, and o_proj. The parts are built here, for every kind, in one order (parameter
+    names and state-dict keys are those of the checkpoints; the order keeps seeded initialisations as they were):
+    the feature maps φ, the decay gate (`decay_proj`, None without a data-dependent decay), the window mix
+    (`window_gate`, window kinds), the output norm (`o_norm`), the write strength (`beta_proj`, delta kinds), the
+    short convolution (`qkv_conv`) and the output gate (`g_proj`).
     """
 
     def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
@@ -269,6 +274,7 @@ class LinearAttention(AttentionProjections):
         # memory size stay read from the config: a loaded model may switch them.
         self.update_rule, self.decay = config.update_rule, config.decay
         self.window_size, self.num_sink_tokens = config.window_size, config.num_sink_tokens
+        self.decay_proj = None  # optional submodules are None when absent (as AttentionProjections' norms)
         if config.decay == "scalar":
             self.decay_proj = nn.Linear(h, heads, bias=True)
         elif config.decay == "vector":
@@ -329,22 +335,25 @@ class LinearAttention(AttentionProjections):
         if self.qkv_conv is not None:
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
         q, k = apply_rotary(q, k, *position_embeddings)
-        if self.update_rule == "delta" and self.window_size > 0:  # (norm and gate: on its state part)
-            o = self.delta_window_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
-            return self.project_out(o)
-        if self.window_size > 0 and cu_seqlens is not None:  # one document at a time
-            bounds = cu_seqlens.tolist()
-            log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
-            o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j],
-                                               None if log_decay is None else log_decay[:, i:j], None, None)
-                           for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
-        elif self.window_size > 0:
-            o = self.window_forward(q, k, v, self.log_decay(hidden_states), new_mask, cache_layer)
-        elif self.update_rule == "delta":
-            o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
-        else:
-            o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
-        return self.project_out(self.normed_and_gated(o, hidden_states))
+        return self.project_out(self.attend(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens))
+
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The attention of the layer's kind, output norm and gate included: o [B, T, H, V] before o_proj.
+
+        hidden_states [B, T, hidden] (the layer's input, for the gates); q [B, T, H, D], k, v [B, T, H_kv, D] after
+        the short convolution and RoPE; new_mask None or bool [B, T]; cache_layer the kind's cache state or None;
+        cu_seqlens None or the packed documents' boundaries (no cache)."""
+        raise NotImplementedError(f"{type(self).__name__} is the shared base: build one of its kinds "
+                                  "(attention_class picks it from the config)")
 
     def normed_and_gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] after the optional output norm and output gate (Gated DeltaNet's RMSNorm(o) · silu(x W_g),
@@ -383,9 +392,115 @@ class LinearAttention(AttentionProjections):
         else:
             y, last_inputs = causal_conv1d(x, weight, None if cache_layer is None else cache_layer.conv_inputs)
             if cache_layer is not None:
-                cache_layer.write("conv_inputs", last_inputs)
+                cache_layer.store_conv_inputs(last_inputs)
         sizes = [q.shape[2] * self.head_dim, k.shape[2] * self.head_dim, v.shape[2] * self.head_dim]
         return tuple(part.reshape(b, t, -1, self.head_dim) for part in y.split(sizes, dim=-1))
+
+    def key_features(self, k: torch.Tensor) -> torch.Tensor:
+        """φ of the window hybrid's keys: k [B, T, H_kv, D] (after RoPE) -> [B, T, H, F], φ_h for every query head.
+        The cache stores no features: the layer recomputes them with this of the cached keys it folds (the ring's,
+        the sparse memory's slots)."""
+        return self.feature_map_k(self.repeat_kv(k))
+
+    def recurrent_op(
+        self,
+        op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+        q: torch.Tensor,
+        *inputs: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+        **options,
+    ) -> torch.Tensor:
+        """`op(q, *inputs, **options)` (linear_attention or delta_rule_attention) started from the cached state and
+        with the config's backend; with a cache, the state it ends with is stored and the cache advanced."""
+        o, state = op(
+            q, *inputs, **options,
+            initial_state=None if cache_layer is None else cache_layer.state,
+            output_final_state=cache_layer is not None,
+            cu_seqlens=cu_seqlens,
+            backend=self.config.linear_attention_backend,
+        )
+        if cache_layer is not None:
+            cache_layer.store_state(state)
+            cache_layer.advance(q.shape[1], q.device)
+        return o
+
+    def _decode_step(self, q: torch.Tensor, cache_layer: LinearStateLayer | None, cu_seqlens) -> bool:
+        """Whether this call is one token after a filled cache with backend "auto": the lean fixed-shape step
+        (the ops' direct forms, reached with any other backend, are its twins)."""
+        return (
+            q.shape[1] == 1 and cache_layer is not None and cache_layer.has_state and cu_seqlens is None
+            and self.config.linear_attention_backend == "auto"
+        )
+
+
+class AdditiveLinearAttention(LinearAttention):
+    """Linear attention, optionally decayed and normalised (config kind "linear"): `linear_attention` from the
+    cached state, or one fused decode step after it."""
+
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """(Decayed) linear attention, then the output norm and gate: o [B, T, H, V]."""
+        o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
+        return self.normed_and_gated(o, hidden_states)
+
+    def linear_forward(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """(Decayed) linear attention from the cached state (or per packed document): o [B, T, H, V]."""
+        q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(self.repeat_kv(k))  # [B, T, H, K]
+        v = self.repeat_kv(v)
+        log_decay = self.log_decay(hidden_states)
+        if new_mask is not None:
+            # Pads leave the state untouched: zero φ(k), v and log a after the maps (elu(0)+1 = 1).
+            keep = new_mask[:, :, None, None]
+            k_feat = k_feat * keep.to(k_feat.dtype)
+            v = v * keep.to(v.dtype)
+            if log_decay is not None:
+                log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
+        if self._decode_step(q, cache_layer, cu_seqlens):  # on CUDA one fused kernel, its twin in torch elsewhere
+            step = triton_linear_decode_step if use_decode_kernels(q_feat, cache_layer.state) else linear_decode_step
+            o = step(q_feat, k_feat, v, log_decay, cache_layer.state,
+                     scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
+            cache_layer.advance(1, q.device)
+            return o
+        return self.recurrent_op(linear_attention, q_feat, k_feat, v, log_decay,
+                                 scale=self.feature_map_q.query_scale, normalize=self.config.normalize,
+                                 cache_layer=cache_layer, cu_seqlens=cu_seqlens)
+
+
+class DeltaRuleAttention(LinearAttention):
+    """The delta rule (DeltaNet; Gated DeltaNet with a decay, the short convolution and the output gate; config kind
+    "delta"): `delta_rule_attention` on L2-normalised features from the cached state."""
+
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The delta rule, then the output norm and gate: o [B, T, H, V]."""
+        o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
+        return self.normed_and_gated(o, hidden_states)
 
     def delta_rule_inputs(
         self, hidden_states: torch.Tensor, q: torch.Tensor, new_mask: torch.Tensor | None,
@@ -429,6 +544,24 @@ class LinearAttention(AttentionProjections):
         return self.recurrent_op(delta_rule_attention, q, k, v, beta, log_decay, scale=self.key_dim**-0.5,
                                  cache_layer=cache_layer, cu_seqlens=cu_seqlens)
 
+
+class DeltaWindowAttention(DeltaRuleAttention):
+    """The delta rule behind a sliding window (config kind "delta_window"): exact softmax over the window and sinks
+    plus λ · the delta-rule state of the tokens that have left the window (its inputs are the delta rule's)."""
+
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache_layer: DeltaWindowStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Softmax window + λ · the normed and gated delta part: o [B, T, H, V]."""
+        return self.delta_window_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
+
     def delta_window_forward(
         self,
         hidden_states: torch.Tensor,
@@ -436,7 +569,7 @@ class LinearAttention(AttentionProjections):
         k: torch.Tensor,
         v: torch.Tensor,
         new_mask: torch.Tensor | None,
-        cache_layer: LinearStateLayer | None,
+        cache_layer: DeltaWindowStateLayer | None,
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
         """The delta rule with the sliding window: o [B, T, H, V] (output norm and gate included).
@@ -465,10 +598,10 @@ class LinearAttention(AttentionProjections):
         masked = new_mask is not None  # else no mask reaches the softmax op ("auto" may then pick Triton)
         real = new_mask if masked else torch.ones(b, t, dtype=torch.bool, device=q.device)
         mask, ring = real, 0  # over every key: [retained sinks and window,] new tokens; the window positions held
-        if cache_layer is not None and cache_layer.state is not None:
-            retained_k, retained_v, retained_mask = cache_layer.retained_window(window)
+        if cache_layer is not None and cache_layer.has_state:
+            retained_k, retained_v, retained_mask = cache_layer.retained()
             k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
-            beta = torch.cat([cache_layer.retained_beta(window), beta], dim=1)
+            beta = torch.cat([cache_layer.retained_beta(), beta], dim=1)
             mask, ring, masked = torch.cat([retained_mask, real], dim=1), window, True
         k_hat = self.delta_keys(k)  # [B, L, H, K]: the cache keeps no k̂, so the retained keys' are recomputed
         o = window_softmax(q, self.repeat_kv(k), self.repeat_kv(v), window_size=window, num_sink_tokens=sinks,
@@ -487,7 +620,7 @@ class LinearAttention(AttentionProjections):
                                  entering(beta * enters), log_decay, scale=self.key_dim**-0.5,
                                  cache_layer=cache_layer, cu_seqlens=None)
         if cache_layer is not None:
-            cache_layer.store_window(k, v, mask, window, sinks, beta=beta)
+            cache_layer.store_window(k, v, mask, beta)
         read = read * real[:, :, None, None].to(read.dtype)  # pad queries output 0, as the window's
         lam = self.window_gate.to(o.dtype).view(1, 1, -1, 1)
         return o + lam * self.normed_and_gated(read, hidden_states)
@@ -502,7 +635,7 @@ class LinearAttention(AttentionProjections):
         beta: torch.Tensor,
         log_decay: torch.Tensor | None,
         real: torch.Tensor | None,
-        cache_layer: LinearStateLayer,
+        cache_layer: DeltaWindowStateLayer,
     ) -> torch.Tensor:
         """One token of the delta rule with the window from the cache, fixed-shape and in place: o [B, 1, H, V]
         (output norm and gate included).
@@ -520,8 +653,7 @@ class LinearAttention(AttentionProjections):
         kv_heads = self.num_kv_heads
         state = cache_layer.state  # [B, H, K, V], fp32
         dtype = state.dtype
-        leaving_k, leaving_v, leaving_real, leaving_beta = cache_layer.push_window_token(
-            k, v, real, self.window_size, self.num_sink_tokens, beta=beta)
+        (leaving_k, leaving_v, leaving_real), leaving_beta = cache_layer.push(k, v, real, beta)
         # Products as bmm on 3-D views, [B·H, ·, ·] (a 4-D matmul dispatches its broadcasting as several more ops).
         key = _cast(self.delta_keys(leaving_k), dtype).view(b * heads, 1, -1)  # k̂_j [B·H, 1, K]
         strength = _cast(leaving_beta * leaving_real[..., None], dtype).view(b * heads, 1, 1)  # β_j, 0 unless it enters
@@ -550,67 +682,32 @@ class LinearAttention(AttentionProjections):
         cache_layer.advance(1, q.device)
         return o
 
-    def linear_forward(
+
+class WindowHybridAttention(LinearAttention):
+    """The sliding-window softmax + linear hybrid (LoLCATs; config kind "window"), optionally with a decayed linear
+    part and the sparse exact memory (`sparse_cache_size`, read from the config at every call: a loaded model may
+    switch it)."""
+
+    def attend(
         self,
         hidden_states: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         new_mask: torch.Tensor | None,
-        cache_layer: LinearStateLayer | None,
+        cache_layer: WindowStateLayer | None,
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """(Decayed) linear attention from the cached state (or per packed document): o [B, T, H, V]."""
-        q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(self.repeat_kv(k))  # [B, T, H, K]
-        v = self.repeat_kv(v)
-        log_decay = self.log_decay(hidden_states)
-        if new_mask is not None:
-            # Pads leave the state untouched: zero φ(k), v and log a after the maps (elu(0)+1 = 1).
-            keep = new_mask[:, :, None, None]
-            k_feat = k_feat * keep.to(k_feat.dtype)
-            v = v * keep.to(v.dtype)
-            if log_decay is not None:
-                log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
-        if self._decode_step(q, cache_layer, cu_seqlens):  # on CUDA one fused kernel, its twin in torch elsewhere
-            step = triton_linear_decode_step if use_decode_kernels(q_feat, cache_layer.state) else linear_decode_step
-            o = step(q_feat, k_feat, v, log_decay, cache_layer.state,
-                     scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
-            cache_layer.advance(1, q.device)
-            return o
-        return self.recurrent_op(linear_attention, q_feat, k_feat, v, log_decay,
-                                 scale=self.feature_map_q.query_scale, normalize=self.config.normalize,
-                                 cache_layer=cache_layer, cu_seqlens=cu_seqlens)
-
-    def recurrent_op(
-        self,
-        op: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
-        q: torch.Tensor,
-        *inputs: torch.Tensor | None,
-        cache_layer: LinearStateLayer | None,
-        cu_seqlens: torch.Tensor | None,
-        **options,
-    ) -> torch.Tensor:
-        """`op(q, *inputs, **options)` (linear_attention or delta_rule_attention) started from the cached state and
-        with the config's backend; with a cache, the state it ends with is stored and the cache advanced."""
-        o, state = op(
-            q, *inputs, **options,
-            initial_state=None if cache_layer is None else cache_layer.state,
-            output_final_state=cache_layer is not None,
-            cu_seqlens=cu_seqlens,
-            backend=self.config.linear_attention_backend,
-        )
-        if cache_layer is not None:
-            cache_layer.write("state", state)
-            cache_layer.advance(q.shape[1], q.device)
-        return o
-
-    def _decode_step(self, q: torch.Tensor, cache_layer: LinearStateLayer | None, cu_seqlens) -> bool:
-        """Whether this call is one token after a filled cache with backend "auto": the lean fixed-shape step
-        (the ops' direct forms, reached with any other backend, are its twins)."""
-        return (
-            q.shape[1] == 1 and cache_layer is not None and cache_layer.state is not None and cu_seqlens is None
-            and self.config.linear_attention_backend == "auto"
-        )
+        """The window hybrid (packed documents one at a time), then the output norm and gate: o [B, T, H, V]."""
+        if cu_seqlens is not None:  # one document at a time
+            bounds = cu_seqlens.tolist()
+            log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
+            o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j],
+                                               None if log_decay is None else log_decay[:, i:j], None, None)
+                           for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
+        else:
+            o = self.window_forward(q, k, v, self.log_decay(hidden_states), new_mask, cache_layer)
+        return self.normed_and_gated(o, hidden_states)
 
     def window_forward(
         self,
@@ -619,7 +716,7 @@ class LinearAttention(AttentionProjections):
         v: torch.Tensor,
         log_decay: torch.Tensor | None,
         new_mask: torch.Tensor | None,
-        cache_layer: LinearStateLayer | None,
+        cache_layer: WindowStateLayer | None,
     ) -> torch.Tensor:
         """The sliding-window hybrid: o [B, T, H, V].
 
@@ -644,17 +741,16 @@ class LinearAttention(AttentionProjections):
             return self.window_decode_step(q, k, v, q_feat, log_decay, new_mask, cache_layer)
         window, sinks = self.window_size, self.num_sink_tokens
         sparse = self.config.sparse_cache_size > 0
-        ring = window + MEMORY_BLOCK_SIZE if sparse else window  # the raw positions a cache keeps
         if not masked:
             new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
         state = None
-        if cache_layer is not None and cache_layer.state is not None:
+        if cache_layer is not None and cache_layer.has_state:
             # The retained tokens run in front of the new ones (their features recomputed with the new ones' below).
-            retained_k, retained_v, retained_mask = cache_layer.retained_window(ring)
+            retained_k, retained_v, retained_mask = cache_layer.retained()
             k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
             if log_decay is not None:
                 if sparse:
-                    retained = cache_layer.retained_log_decay(ring).to(log_decay.dtype)
+                    retained = cache_layer.retained_log_decay().to(log_decay.dtype)
                     retained = retained if log_decay.dim() == 4 else retained[..., 0]
                 else:  # their steps have already decayed the state
                     retained = log_decay.new_zeros(b, retained_mask.shape[1], *log_decay.shape[2:])
@@ -678,18 +774,20 @@ class LinearAttention(AttentionProjections):
         else:
             # Input index i is absolute position i + start (the retained ring ends at the positions seen so far).
             start = 0 if state is None else cache_layer.get_seq_length() - (k.shape[1] - t)
-            memory = None if cache_layer is None else cache_layer.sparse_memory()
+            memory = None if cache_layer is None else cache_layer.memory()
             # The blocked op reads the state directly: it takes no linear-attention backend.
             o, state, memory = sparse_window_attention(q, k, v, q_feat, k_feat, self.window_gate, memory=memory,
                                                        key_feature_map=self.key_features,
                                                        memory_size=self.config.sparse_cache_size,
                                                        block_size=MEMORY_BLOCK_SIZE, start_position=start, **options)
         if cache_layer is not None:
+            cache_layer.store_state(state)
+            cache_layer.advance(t, q.device)
             if sparse:
                 cache_layer.store_memory(memory)
-            cache_layer.write("state", state)
-            cache_layer.advance(t, q.device)
-            cache_layer.store_window(k, v, new_mask, ring, sinks, log_decay if sparse else None)
+                cache_layer.store_window(k, v, new_mask, log_decay)
+            else:
+                cache_layer.store_window(k, v, new_mask)
         return o
 
     def window_decode_step(
@@ -700,7 +798,7 @@ class LinearAttention(AttentionProjections):
         q_feat: torch.Tensor,
         log_decay: torch.Tensor | None,
         real: torch.Tensor | None,
-        cache_layer: LinearStateLayer,
+        cache_layer: WindowStateLayer,
     ) -> torch.Tensor:
         """One token of the window hybrid from the cache, fixed-shape and in place: o [B, 1, H, V].
 
@@ -726,12 +824,12 @@ class LinearAttention(AttentionProjections):
         kv_heads, value_dim = self.num_kv_heads, v.shape[-1]
         state = cache_layer.state  # [B, H, F, V + 1], fp32
         dtype = state.dtype
-        sinks, window = self.num_sink_tokens, self.window_size
-        ring = cache_layer.window_mask.shape[1] - sinks  # window_size, + MEMORY_BLOCK_SIZE with a sparse memory
-        sparse = ring > window
+        sparse = isinstance(cache_layer, SparseWindowStateLayer)  # (the model checked the cache against the config)
         position = cache_layer.seen  # 0-d: this token's position
-        leaving_k, leaving_v, leaving_real = cache_layer.push_window_token(
-            k, v, real, ring, sinks, log_decay if sparse else None)
+        if sparse:
+            leaving_k, leaving_v, leaving_real = cache_layer.push(k, v, real, log_decay)
+        else:
+            leaving_k, leaving_v, leaving_real = cache_layer.push(k, v, real)
         if not sparse and use_decode_kernels(q, state):  # the rest of this step as one fused kernel (its twin below)
             o = triton_window_decode_step(q, q_feat, log_decay, state, cache_layer.window_keys,
                                           cache_layer.window_values, cache_layer.window_mask,
@@ -743,12 +841,9 @@ class LinearAttention(AttentionProjections):
             state.mul_(_cast(log_decay[:, 0], dtype).exp().view(b, heads, -1, 1))
         mask = cache_layer.window_mask
         if sparse:  # nothing leaves into the state until the block ends; the ring masks what left before it
-            if cache_layer.memory_log_decay is not None:
-                cache_layer.memory_log_decay.add_(log_decay[:, 0].float().view(b, heads, 1, -1))
-            slots = torch.arange(ring, device=q.device)
-            slot_positions = position - (position - slots) % ring
-            current = slot_positions >= position - position % MEMORY_BLOCK_SIZE - window
-            mask = torch.cat([mask[:, :sinks], mask[:, sinks:] & current], dim=1)
+            if log_decay is not None:
+                cache_layer.decay_memory(log_decay[:, 0])
+            mask = cache_layer.current_window_mask(position)
         else:  # S += φ(k) [v, 1]ᵀ, the query heads of a KV head [B, H_kv, G, F, V + 1] sharing its v: no repeat
             fold_k = _cast(self.key_features(leaving_k), dtype).view(b, kv_heads, -1, state.shape[2], 1)  # φ(k_j)
             fold_k = fold_k * leaving_real.view(b, 1, 1, 1, 1)  # [B, H_kv, G, F, 1]: 0 unless it folds
@@ -780,44 +875,27 @@ class LinearAttention(AttentionProjections):
         if real is not None:
             o = o.masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
         if sparse:
-            self.memory_block_end(cache_layer, position, ring)
+            self.memory_block_end(cache_layer, position)
         cache_layer.advance(1, q.device)
         return _cast(o, v.dtype)
 
-    def memory_block_end(self, cache_layer: LinearStateLayer, position: torch.Tensor, ring: int) -> None:
+    def memory_block_end(self, cache_layer: SparseWindowStateLayer, position: torch.Tensor) -> None:
         """After the query at `position` (0-d): if it ends a block, re-score the memory and the R ring tokens that
-        left the window during the block (the oldest R slots, positions position − ring + 1 ..), keep the best m
-        and fold the rest into the state, in place. Eager, it returns at once between block ends (one read of
-        the position); traced (compile, export), it is computed at every step and kept only at a block end, so
-        that the step has no branch on a tensor's value."""
-        sinks, window, block = self.num_sink_tokens, self.window_size, MEMORY_BLOCK_SIZE
-        ends = (position + 1) % block == 0
+        left the window during the block (`SparseWindowStateLayer.ending_block`), keep the best m and fold the rest
+        into the state, in place. Eager, it returns at once between block ends (one read of the position); traced
+        (compile, export), it is computed at every step and kept only at a block end, so that the step has no branch
+        on a tensor's value."""
+        ends = (position + 1) % MEMORY_BLOCK_SIZE == 0
         if not _tracing() and not bool(ends):
             return
-        order = sinks + (position + 1 + torch.arange(ring, device=position.device)) % ring  # oldest first
-        candidates = order[:block]
-        block_keys = cache_layer.window_keys.index_select(1, candidates)  # [B, R, H_kv, D]
-
-        def ring_part(x: torch.Tensor) -> torch.Tensor:
-            return x.index_select(1, candidates).transpose(1, 2)  # [B, ·, R, ...]
-
-        since = None  # log decay since leaving: Σ over the slots from u + W + 1 on (oldest first)
-        if cache_layer.window_log_decay is not None:
-            steps = F.pad(cache_layer.window_log_decay.index_select(1, order), (0, 0, 0, 0, 0, 1))
-            since = steps.flip(1).cumsum(1).flip(1)[:, window + 1 : window + 1 + block].transpose(1, 2)
-        memory = cache_layer.sparse_memory()
-        memory = memory._replace(values=F.pad(memory.values, (0, 1), value=1.0))
-        b, kv_heads = memory.mask.shape[:2]
-        positions = (position - ring + 1 + torch.arange(block, device=position.device)).expand(b, kv_heads, -1)
+        block = cache_layer.ending_block(position)
+        memory = block.memory._replace(values=F.pad(block.memory.values, (0, 1), value=1.0))
         state, memory = block_end(
-            cache_layer.state, memory, block_keys.transpose(1, 2),
-            F.pad(ring_part(cache_layer.window_values), (0, 1), value=1.0),
-            self.key_features(block_keys).transpose(1, 2),  # φ [B, H, R, F], recomputed: the cache keeps none
-            positions, since, cache_layer.window_mask.index_select(1, candidates)[:, None].expand(-1, kv_heads, -1),
-            self.key_features,
+            cache_layer.state, memory, block.keys.transpose(1, 2), F.pad(block.values, (0, 1), value=1.0),
+            self.key_features(block.keys).transpose(1, 2),  # φ [B, H, R, F], recomputed: the cache keeps none
+            block.positions, block.log_decay, block.valid, self.key_features,
         )
-        cache_layer.state.copy_(torch.where(ends, state, cache_layer.state))
-        cache_layer.store_memory(memory._replace(values=memory.values[..., :-1]), where=ends)
+        cache_layer.store_block(state, memory._replace(values=memory.values[..., :-1]), where=ends)
 
 
 def linear_decode_step(
@@ -938,11 +1016,20 @@ class SoftmaxAttention(AttentionProjections):
         return self.project_out(o.transpose(1, 2))
 
 
+# The attention class of each layer kind (`LinearAttentionConfig.layer_kind` decides a layer's kind).
+ATTENTION_CLASSES: dict[str, type[nn.Module]] = {
+    "softmax": SoftmaxAttention,
+    "linear": AdditiveLinearAttention,
+    "delta": DeltaRuleAttention,
+    "window": WindowHybridAttention,
+    "delta_window": DeltaWindowAttention,
+}
+
+
 class LinearAttentionDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
         super().__init__()
-        attention_cls = SoftmaxAttention if layer_idx in config.softmax_layers else LinearAttention
-        self.self_attn = attention_cls(config, layer_idx)
+        self.self_attn = ATTENTION_CLASSES[config.layer_kind(layer_idx)](config, layer_idx)
         self.mlp = LinearAttentionMLP(config)
         self.input_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -977,9 +1064,9 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
             init.copy_(module.weight, torch.eye(d, f).expand(heads, d, f))
             if isinstance(module, T2RFeatureMap):
                 init.zeros_(module.bias)
-        elif isinstance(module, LinearAttention) and hasattr(module, "window_gate"):
-            init.zeros_(module.window_gate)  # γ = 0.5
-            if hasattr(module, "decay_proj"):
+        elif isinstance(module, (WindowHybridAttention, DeltaWindowAttention)):
+            init.zeros_(module.window_gate)  # γ = 0.5 (additive), λ = 0 (delta rule)
+            if module.decay_proj is not None:
                 # Data-independent at init: a = sigmoid(bias)^(1/16) = 1 - 1/decay_horizon for every token (the
                 # gate's last projection zero, its bias set to match); attention transfer learns where to forget.
                 # Only the gate's last projection is zeroed: vector decay's low-rank input projection keeps its
@@ -1303,6 +1390,12 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
 
 
 __all__ = [
+    "AdditiveLinearAttention",
+    "DeltaRuleAttention",
+    "DeltaWindowAttention",
+    "LinearAttention",
+    "SoftmaxAttention",
+    "WindowHybridAttention",
     "LinearAttentionPreTrainedModel",
     "LinearAttentionModel",
     "LinearAttentionForCausalLM",

@@ -94,7 +94,7 @@ def tiny_model(seed: int = 0, **overrides) -> hf_linear_attn.LinearAttentionForC
         # hide a misplaced decay: give it random weights and a ≈ 0.9 on average, so every step's decay matters.
         with torch.no_grad():
             for module in model.modules():
-                if isinstance(module, LinearAttention) and hasattr(module, "decay_proj"):
+                if isinstance(module, LinearAttention) and module.decay_proj is not None:
                     gate = module.decay_proj[-1] if isinstance(module.decay_proj, torch.nn.Sequential) \
                         else module.decay_proj
                     gate.weight.normal_(0.0, 0.3)

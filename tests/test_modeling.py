@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import VARIANTS, left_pad, prompts, teacher, tiny_config, tiny_model
+from transformers.cache_utils import DynamicLayer
 
 from hf_linear_attn import (
     LinearAttentionCache,
@@ -13,7 +14,23 @@ from hf_linear_attn import (
     LinearAttentionModel,
     convert_to_linear_attention,
 )
-from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention, apply_rotary, causal_conv1d
+from hf_linear_attn.cache_linear_attention import (
+    DeltaWindowStateLayer,
+    LinearStateLayer,
+    SparseWindowStateLayer,
+    WindowStateLayer,
+)
+from hf_linear_attn.modeling_linear_attention import (
+    AdditiveLinearAttention,
+    DeltaRuleAttention,
+    DeltaWindowAttention,
+    LinearAttention,
+    LinearAttentionRotaryEmbedding,
+    SoftmaxAttention,
+    WindowHybridAttention,
+    apply_rotary,
+    causal_conv1d,
+)
 from hf_linear_attn.ops_delta_rule import recurrent_delta_rule
 
 
@@ -45,7 +62,42 @@ def test_causal_future_tokens_do_not_change_the_past(name):
 def test_layer_kinds_follow_softmax_layers():
     model = tiny_model(num_hidden_layers=3, softmax_layers=[1])
     kinds = [type(layer.self_attn) for layer in model.model.layers]
-    assert kinds == [LinearAttention, SoftmaxAttention, LinearAttention]
+    assert kinds == [AdditiveLinearAttention, SoftmaxAttention, AdditiveLinearAttention]
+
+
+# Each attention kind: its config, the class its layers get, the cache state the layer reads and writes.
+KINDS = {
+    "linear": ({}, AdditiveLinearAttention, LinearStateLayer),
+    "delta": (VARIANTS["gated-delta-conv"], DeltaRuleAttention, LinearStateLayer),
+    "window": (VARIANTS["hedgehog-window-sinks"], WindowHybridAttention, WindowStateLayer),
+    "sparse window": (VARIANTS["hedgehog-window-sinks-scalar-decay-sparse-memory"], WindowHybridAttention,
+                      SparseWindowStateLayer),
+    "delta_window": (VARIANTS["gated-delta-window-sinks"], DeltaWindowAttention, DeltaWindowStateLayer),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_gets_its_class_and_a_cache_state_holding_only_its_tensors(kind):
+    overrides, attention_class, state_class = KINDS[kind]
+    model = tiny_model(num_hidden_layers=2, softmax_layers=[1], **overrides)
+    assert model.config.layer_kind(0) == kind.split()[-1] and model.config.layer_kind(1) == "softmax"
+    assert type(model.model.layers[0].self_attn) is attention_class
+    ids, mask = left_pad(prompts([9, 4]))
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    state, softmax = cache.layers
+    assert type(state) is state_class and type(softmax) is DynamicLayer
+    assert set(state.tensors()) <= set(state_class.TENSORS)  # a state has no field of another kind
+    expected = {"state"} | ({"conv_inputs"} if model.config.conv_size else set())
+    assert expected <= set(state.tensors())
+
+
+def test_the_shared_base_has_no_attention_of_its_own():
+    config = tiny_config()
+    x = torch.randn(1, 3, config.hidden_size)
+    rotation = LinearAttentionRotaryEmbedding(config).rotation(x, torch.arange(3)[None])
+    with pytest.raises(NotImplementedError, match="shared base"):
+        LinearAttention(config, layer_idx=0)(x, rotation)
 
 
 @pytest.mark.parametrize("name", VARIANTS)

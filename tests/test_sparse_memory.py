@@ -7,8 +7,13 @@ import torch
 import torch.nn.functional as F
 from helpers import left_pad, prompts, tiny_model
 
-from hf_linear_attn import LinearAttentionCache, LinearAttentionConfig, modeling_linear_attention
-from hf_linear_attn.cache_linear_attention import LinearStateLayer
+from hf_linear_attn import (
+    LinearAttentionCache,
+    LinearAttentionConfig,
+    cache_linear_attention,
+    modeling_linear_attention,
+)
+from hf_linear_attn.cache_linear_attention import SparseWindowStateLayer
 from hf_linear_attn.ops_sparse_memory import reference_sparse_window_attention, sparse_window_attention
 
 BLOCK = 4  # R in the tests: block ends at lengths the oracle and the tiny model can afford
@@ -134,14 +139,15 @@ def test_op_refuses_bad_memory_and_block_sizes():
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """The model runs with R = BLOCK: its tiny prompts then cross several block ends."""
-    monkeypatch.setattr(modeling_linear_attention, "MEMORY_BLOCK_SIZE", BLOCK)
+    for module in (modeling_linear_attention, cache_linear_attention):
+        monkeypatch.setattr(module, "MEMORY_BLOCK_SIZE", BLOCK)
 
 
 def memories(cache):
     """Per linear layer: (held positions ascending, their scores) — what the memory holds."""
     out = []
     for layer in cache.layers:
-        memory = layer.sparse_memory()
+        memory = layer.memory()
         order = torch.where(memory.mask, memory.positions, torch.iinfo(torch.long).max).argsort(-1)
         out.append((held_positions(memory), memory.scores.gather(-1, order) * memory.mask.gather(-1, order)))
     return out
@@ -179,7 +185,7 @@ def test_the_memory_changes_the_outputs_and_m_zero_never_reaches_it(monkeypatch)
 
         monkeypatch.setattr(modeling_linear_attention, "sparse_window_attention", unreachable)
         monkeypatch.setattr(modeling_linear_attention, "block_end", unreachable)
-        monkeypatch.setattr(LinearStateLayer, "store_memory", unreachable)
+        monkeypatch.setattr(SparseWindowStateLayer, "store_memory", unreachable)
         cache = LinearAttentionCache(model.config)
         plain = model(ids, attention_mask=mask, cache=cache).logits
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
@@ -213,7 +219,7 @@ def test_decode_is_fixed_shape_and_the_cache_constant_in_length():
         assert {"memory_keys", "memory_log_decay", "memory_mask", "window_log_decay"} <= set(buffers)
         sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1]
-    assert LinearStateLayer.is_compileable
+    assert SparseWindowStateLayer.is_compileable
 
 
 @pytest.mark.parametrize("decay", ["none", "vector"])
@@ -236,7 +242,7 @@ def test_memory_slots_hold_keys_not_features(decay):
     memory_slot = kv_heads * (2 * head_dim * item + 4 + 8 + 1) + heads * decay_dim * 4  # ..., scores, pos, mask
     per_layer = BLOCK * ring_slot + (sinks + window + BLOCK) * heads * decay_dim * 4 + size * memory_slot
     assert caches[size].nbytes() - caches[0].nbytes() == len(caches[size].layers) * per_layer
-    assert layer.sparse_memory().keys.shape == (1, kv_heads, size, head_dim)
+    assert layer.memory().keys.shape == (1, kv_heads, size, head_dim)
 
 
 def test_set_on_a_loaded_config_it_takes_effect_and_old_caches_are_refused(tmp_path):

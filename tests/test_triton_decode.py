@@ -22,8 +22,8 @@ from helpers import (
 )
 
 from hf_linear_attn import modeling_linear_attention as modeling
-from hf_linear_attn.cache_linear_attention import LinearStateLayer
-from hf_linear_attn.modeling_linear_attention import LinearAttention, linear_decode_step
+from hf_linear_attn.cache_linear_attention import WindowStateLayer
+from hf_linear_attn.modeling_linear_attention import LinearAttention, WindowHybridAttention, linear_decode_step
 from hf_linear_attn.ops_triton_decode import triton_linear_decode_step, triton_window_decode_step, use_decode_kernels
 
 DEVICE = triton_test_device()
@@ -147,7 +147,7 @@ def window_layer(heads: int, kv_heads: int, head_dim: int, feature_dim: int, dty
     config = tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                          feature_map="hedgehog", feature_dim=feature_dim // 2, window_size=window,
                          num_sink_tokens=sinks)
-    layer = LinearAttention(config, layer_idx=0)
+    layer = WindowHybridAttention(config, layer_idx=0)
     with torch.no_grad():
         layer.window_gate.copy_(torch.randn(heads))
         layer.feature_map_k.weight.normal_(0.0, head_dim**-0.5)  # (a bare module's weights are uninitialised)
@@ -179,21 +179,19 @@ def window_cache(
     )
 
 
-def cache_layer(buffers: dict[str, torch.Tensor]) -> LinearStateLayer:
-    """A cache layer holding copies of `buffers`."""
-    layer = LinearStateLayer()
+def cache_layer(buffers: dict[str, torch.Tensor], config) -> WindowStateLayer:
+    """A window cache layer of `config`'s sizes holding copies of `buffers`."""
+    layer = WindowStateLayer(config.window_size, config.num_sink_tokens)
     for name, x in buffers.items():
         setattr(layer, name, x.clone())
     layer.sinks_filled = False  # the step then checks the sink slots itself
     return layer
 
 
-def kernel_window_step(layer: LinearAttention, cache: LinearStateLayer, q, k, v, q_feat, log_decay, real):
+def kernel_window_step(layer: LinearAttention, cache: WindowStateLayer, q, k, v, q_feat, log_decay, real):
     """The step as the model would run it with the kernel: the ring write in torch, the leaving key's features,
     then one kernel."""
-    config = layer.config
-    leaving_keys, leaving_values, leaving_real = cache.push_window_token(
-        k, v, real, config.window_size, config.num_sink_tokens)
+    leaving_keys, leaving_values, leaving_real = cache.push(k, v, real)
     o = triton_window_decode_step(
         q, q_feat, log_decay, cache.state, cache.window_keys, cache.window_values, cache.window_mask,
         layer.key_features(leaving_keys), leaving_values, leaving_real, layer.window_gate, real,
@@ -211,7 +209,7 @@ def compare_window_step(batch: int, heads: int, kv_heads: int, head_dim: int, fe
     layer = window_layer(heads, kv_heads, head_dim, feature_dim, dtype, window=window, sinks=sinks)
     buffers = window_cache(batch, heads, kv_heads, head_dim, feature_dim, dtype, window=window, sinks=sinks,
                            seen=seen, gen=gen, empty=empty)
-    twin, ours = cache_layer(buffers), cache_layer(buffers)
+    twin, ours = cache_layer(buffers, layer.config), cache_layer(buffers, layer.config)
     for _ in range(steps):
         q = torch.randn(batch, 1, heads, head_dim, generator=gen).to(DEVICE, dtype)
         k, v = (torch.randn(batch, 1, kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
@@ -267,7 +265,7 @@ def test_window_step_updates_state_in_place():
     gen = torch.Generator().manual_seed(5)
     buffers = window_cache(2, 2, 1, 8, 6, torch.float32, window=4, sinks=1, seen=9, gen=gen)
     layer = window_layer(2, 1, 8, 6, torch.float32, window=4, sinks=1)
-    cache, twin = cache_layer(buffers), cache_layer(buffers)
+    cache, twin = cache_layer(buffers, layer.config), cache_layer(buffers, layer.config)
     state, before = cache.state, cache.state.clone()
     q, k, v = (torch.randn(2, 1, h, 8, generator=gen).to(DEVICE) for h in (2, 1, 1))
     q_feat = torch.rand(2, 1, 2, 6, generator=gen).to(DEVICE)
