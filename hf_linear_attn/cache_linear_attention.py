@@ -1,6 +1,9 @@
 """LinearAttentionCache: the decode cache of a linear-attention model, constant in size.
 
-Per layer it holds what the next token needs and nothing that grows with the context:
+Per layer it holds what the next token needs and nothing that grows with the context, in one class per layer kind
+(`state_layer` picks it by `config.layer_kind`): `LinearStateLayer` (linear and delta-rule layers), `WindowStateLayer`
+(the window hybrid), `SparseWindowStateLayer` (with its sparse memory), `DeltaWindowStateLayer` (the delta rule behind
+a window), each holding only the tensors of its kind:
 
 - linear layers: the recurrent state S (and z as its last column when normalised),
   fp32 `[B, H, K, V (+1)]`; with `update_rule="delta"` the delta-rule state S, fp32 `[B, H, K, V]`;
