@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import VARIANTS, left_pad, prompts, tiny_model
+from helpers import VARIANTS, left_pad, prompts, tiny_model, triton_test_device
 
 from hf_linear_attn import modeling_linear_attention as modeling
 from hf_linear_attn import ops
@@ -21,6 +21,7 @@ from hf_linear_attn.ops import (
     window_attention_step,
 )
 from hf_linear_attn.ops_sparse_memory import MEMORY_BLOCK_SIZE
+from hf_linear_attn.ops_triton import HAS_TRITON
 
 # ---------------------------------------------------------------------------------------------------------------
 # The steps as a layer calls them: the model's decode steps, bit for bit
@@ -256,6 +257,35 @@ def test_linear_step_is_the_linear_op_for_one_token():
 # ---------------------------------------------------------------------------------------------------------------
 # Backend choice
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the kernels run in its interpreter without a GPU)")
+def test_steps_with_backend_triton_run_the_kernels():
+    """The entry points hand their arguments to the fused kernels as to the torch steps: the same results to float32
+    rounding (grouped-query values repeated for the linear kernel, the slots of a KV head shared in the window one)."""
+    device, gen = triton_test_device(), torch.Generator().manual_seed(8)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.rand(*shape, generator=gen).to(device, dtype)
+
+    q_feat, k_feat, v = rand(B, 1, H, F_DIM), rand(B, 1, H, F_DIM), rand(B, 1, H_KV, D)
+    log_decay, state = -rand(B, 1, H), rand(B, H, F_DIM, D + 1)
+    twin = state.clone()
+    o = linear_attention_step(q_feat, k_feat, v, log_decay, state, scale=0.5, normalize=True, backend="triton")
+    expected = linear_attention_step(q_feat, k_feat, v, log_decay, twin, scale=0.5, normalize=True, backend="torch")
+    torch.testing.assert_close(o, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, twin, rtol=1e-5, atol=1e-5)
+
+    slots = S + W
+    mask = torch.rand(B, slots, generator=gen).to(device) > 0.3
+    args = [rand(B, 1, H, D), q_feat, log_decay, state, rand(B, slots, H_KV, D), rand(B, slots, H_KV, D), mask,
+            rand(B, 1, H, F_DIM), rand(B, 1, H_KV, D), torch.ones(B, 1, dtype=torch.bool, device=device),
+            rand(H), None]
+    twin = state.clone()
+    o = window_attention_step(*args, scale=D**-0.5, backend="triton")
+    expected = window_attention_step(*args[:3], twin, *args[4:], scale=D**-0.5, backend="torch")
+    torch.testing.assert_close(o, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, twin, rtol=1e-5, atol=1e-5)
 
 
 def test_steps_pick_their_backend_through_pick_backend(monkeypatch):
