@@ -1,9 +1,14 @@
-"""Public entry points of the attention math: `linear_attention` and `window_attention` (defined here), and
-`delta_rule_attention` (the delta rule, re-exported from `ops_delta_rule`, which has its own backends).
+"""The op family every layer calls, one op per path: `linear_attention`, `window_attention` (additive or delta
+state rule, the sparse memory, packed documents) and `window_softmax` (defined here), `delta_rule_attention` (the
+delta rule, re-exported from `ops_delta_rule`, which has its own backends), and the one-token decode steps
+`linear_attention_step`, `window_attention_step` and `delta_window_attention_step` (torch steps in `ops_decode`,
+fused kernels in `ops_triton_decode`).
 
-Both validate every input before any work, pick the backend and dispatch to it, so callers (the model layers)
-pass `backend="auto"` or a user's choice and never need to know which one ran. Shapes follow `[B, T, H, D]`:
-batch, time, heads, head dim.
+Each validates its inputs before any work, picks the backend through `ops_common.pick_backend` and dispatches to
+it, so callers (the model layers) pass `backend="auto"` or a user's choice and never need to know which one ran.
+Shapes follow `[B, T, H, D]`: batch, time, heads, head dim. Every op takes keys and values with the layer's H_kv
+KV heads (grouped-query attention, H_kv dividing the H query heads) and repeats them inside where a form needs one
+per query head; features (q_feat, k_feat, q̂, k̂) are per query head.
 
 Backends (the names `BACKENDS`, which the config's `linear_attention_backend` mirrors):
 - "recurrent": the token loop (`ops_reference`), the oracle; for `window_attention` the hybrid's one oracle,
