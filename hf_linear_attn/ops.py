@@ -621,9 +621,9 @@ def window_attention_step(
 
     name = pick_backend(backend, q.device, single_query=False, triton_problem=triton_problem,
                         names=("auto", *WINDOW_STEPS))
-    memory = {}
-    if name == "torch":
-        memory = {"memory_keys": memory_keys, "memory_values": memory_values, "memory_mask": memory_mask}
+    # (the kernel, chosen only without a memory, takes no memory arguments)
+    memory = {} if name == "triton" else dict(memory_keys=memory_keys, memory_values=memory_values,
+                                              memory_mask=memory_mask)
     return WINDOW_STEPS[name](q, q_feat, log_decay, state, window_keys, window_values, window_mask, leaving_feat,
                               leaving_values, leaving_real, window_gate, real, scale=scale, **memory)
 
