@@ -302,6 +302,8 @@ def test_steps_pick_their_backend_through_pick_backend(monkeypatch):
 
     assert step() == "torch"
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors, *dims: "float64")
+    assert step() == "torch"  # inputs the kernel does not take (a dtype, no triton installed)
     monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors, *dims: None)
     assert step() == "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
