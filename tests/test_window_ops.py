@@ -5,7 +5,7 @@ documents and the sparse memory through the one entry point; window_softmax agai
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_window_inputs, window_initial_state, with_resets
+from helpers import make_window_inputs, triton_test_device, window_initial_state, with_resets
 
 from hf_linear_attn.ops import window_attention, window_softmax
 from hf_linear_attn.ops_common import CHUNK_SIZE
@@ -527,3 +527,17 @@ def test_packed_window_softmax_equals_one_call_per_document():
     o = window_softmax(**inputs, window_size=6, num_sink_tokens=1, cu_seqlens=torch.tensor(BOUNDS))
     expected = per_document(lambda doc: window_softmax(**doc, window_size=6, num_sink_tokens=1), inputs, BOUNDS)
     assert torch.equal(o, expected)
+
+
+def test_window_softmax_on_the_triton_kernels_is_its_reference():
+    """The fast path on the window kernels (the interpreter without a GPU), queries behind keys, sinks, padding."""
+    device = triton_test_device()
+    inputs = {name: x.detach().to(device) for name, x in softmax_inputs(C + 5, torch.float32).items()}
+    inputs["q"] = inputs["q"][:, -9:]
+    mask = torch.ones(2, C + 5, dtype=torch.bool, device=device)
+    mask[1, :7] = False
+    kwargs = dict(window_size=6, num_sink_tokens=2, key_padding_mask=mask)
+    o = window_softmax(**inputs, backend="triton", **kwargs)
+    k, v = (inputs[name].repeat_interleave(2, dim=2) for name in ("k", "v"))
+    expected = reference_window_softmax(inputs["q"], k, v, scale=8**-0.5, **kwargs)
+    torch.testing.assert_close(o, expected, rtol=1e-5, atol=1e-5)
