@@ -16,7 +16,7 @@ from .modeling_linear_attention import (
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
 )
-from .ops import delta_rule_attention, linear_attention, window_attention
+from .ops import delta_rule_attention, linear_attention, window_attention, window_softmax
 from .ops_sparse_memory import sparse_window_attention
 
 __version__ = "0.1.0"
@@ -40,4 +40,5 @@ __all__ = [
     "linear_attention",
     "sparse_window_attention",
     "window_attention",
+    "window_softmax",
 ]

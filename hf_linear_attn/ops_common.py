@@ -158,19 +158,34 @@ def check_sizes(name: str, x: Tensor, dims: str, nonempty: tuple[int, ...]) -> N
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """q, k [B, T, H, K] and v [B, T, H, V] of `linear_attention` and `delta_rule_attention`: floating-point,
-    k shaped as q, v with q's B, T, H, and every dim ≥ 1."""
+    """q, k [B, T, H, K] and v [B, T, H_kv, V] of `linear_attention` and `delta_rule_attention`: floating-point,
+    k shaped as q, v with q's B, T and H_kv KV heads dividing H (grouped-query attention), every dim ≥ 1."""
     check_4d_floating("q", q, "[B, T, H, K]")
     check_4d_floating("k", k, "[B, T, H, K]")
-    check_4d_floating("v", v, "[B, T, H, V]")
+    check_4d_floating("v", v, "[B, T, H_kv, V]")
     if k.shape != q.shape:
         raise ValueError(f"k must have the shape of q, [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
     if q.shape[1] == 0:
         raise ValueError("q, k, v must hold at least one token, got T = 0")
     check_sizes("q", q, "[B, T, H, K]", (0, 2, 3))
+    check_kv_heads("v", v, "[B, T, H_kv, V]", q.shape[:2], q.shape[2])
     check_sizes("v", v, "[B, T, H, V]", (3,))
+
+
+def check_kv_heads(name: str, x: Tensor, dims: str, batch_time: tuple[int, int], heads: int) -> None:
+    """x [B, T, H_kv, ·] must have the given B, T and a number of KV heads H_kv ≥ 1 that divides the H query heads
+    (grouped-query attention: each KV head serves H / H_kv query heads)."""
+    kv_heads = x.shape[2]
+    if tuple(x.shape[:2]) != tuple(batch_time) or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{name} must be {dims} with B, T = {tuple(batch_time)} and H_kv dividing H = {heads} "
+                         f"(grouped-query attention), got shape {tuple(x.shape)}")
+
+
+def repeat_kv_heads(x: Tensor, heads: int) -> Tensor:
+    """x [B, T, H_kv, ·] -> [B, T, H, ·], each KV head repeated for the H / H_kv query heads it serves (x itself
+    when H_kv == H: no copy)."""
+    groups = heads // x.shape[2]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
 
 
 def checked_scale(scale: float | None, default: float, *, positive: bool = True) -> float:

@@ -19,6 +19,7 @@ inputs), the same layout as transformers' and flash-linear-attention's gated del
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .ops_common import (
@@ -29,11 +30,13 @@ from .ops_common import (
     checked_scale,
     checks_values,
     pick_backend,
+    repeat_kv_heads,
+    window_token_masks,
 )
 from .ops_delta_rule_chunked import chunk_delta_rule
 from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
 
-__all__ = ["delta_rule_attention"]
+__all__ = ["delta_rule_attention", "window_delta_rule"]
 
 # How far above 1 a key's L2 norm may be: bfloat16 rounding of a unit vector moves its norm by up to ~4e-3.
 KEY_NORM_TOLERANCE = 1e-2
@@ -125,7 +128,8 @@ def delta_rule_attention(
             normalise them. A key norm above 1 makes I − β k kᵀ expand the state, so norms above 1 + 1e-2 are
             an error (checked for CPU tensors; on an accelerator the check would cost a host sync per call).
             Norms below 1, as from an eps in the normalisation, are allowed.
-        v: [B, T, H, V].
+        v: [B, T, H_kv, V], H_kv dividing H (grouped-query attention: each value head serves H / H_kv query heads,
+            repeated inside; q and k are features, one per query head).
         beta: [B, T, H], the write strength, in [0, 1] (typically a sigmoid, which may round to exactly 0 or 1
             in low precision: both are well defined; checked for CPU tensors).
         log_decay: None (no decay, DeltaNet) or [B, T, H] (Gated DeltaNet), all ≤ 0 (checked for CPU tensors);
@@ -147,6 +151,7 @@ def delta_rule_attention(
     check_qkv(q, k, v)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
+    v = repeat_kv_heads(v, heads)
     scale = checked_scale(scale, key_dim**-0.5, positive=False)
     _check_per_token("beta", beta, (batch, length, heads))
     if log_decay is not None:
@@ -183,3 +188,52 @@ def delta_rule_attention(
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
     )
+
+
+def window_delta_rule(
+    q_hat: Tensor,
+    k_hat: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor | None,
+    *,
+    window_size: int,
+    num_sink_tokens: int,
+    key_padding_mask: Tensor | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor | None]:
+    """The state part of the delta rule behind a sliding window: the delta rule over the tokens that have left the
+    window, read by the T_q queries at the last T_q of the T key positions. Inputs validated by
+    `ops.window_attention` (update_rule="delta"), whose docstring gives the rule.
+
+    q_hat [B, T_q, H, K]; k_hat [B, T, H, K] (unit keys); v [B, T, H, V] (already one per query head); beta
+    [B, T, H]; log_decay None or [B, T, H] (the T_q new steps' decays last; those in front of the queries decay
+    the initial state: they join the first new step's); key_padding_mask None or bool [B, T]; initial_state None or
+    [B, H, K, V]. At new step i the token of key index j = (T − T_q) + i − window_size enters the state with its β
+    (none for j < 0; β = 0 for a sink or a pad), so keys in front of the queries (a cache's retained sinks and
+    window) feed the first steps. Returns the read-out [B, T_q, H, V] (0 at pad queries) and the final state (None
+    unless output_final_state).
+    """
+    batch, length = k_hat.shape[:2]
+    queries = q_hat.shape[1]
+    if log_decay is not None and length > queries:
+        front, steps = log_decay[:, : length - queries], log_decay[:, length - queries :]
+        log_decay = torch.cat([steps[:, :1] + front.sum(1, keepdim=True), steps[:, 1:]], dim=1)
+    real_keys, sink_keys = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, k_hat.device)
+    offset = length - queries - window_size  # the key entering at new step 0 (< 0: that many steps see none)
+
+    def entering(x: Tensor) -> Tensor:
+        """x [B, T, ...] at the key entering at each new step: [B, T_q, ...], zeros where none enters."""
+        return F.pad(x[:, max(offset, 0):], (0, 0) * (x.dim() - 2) + (max(-offset, 0), 0))[:, :queries]
+
+    enters = (real_keys & ~sink_keys)[..., None]  # [B, T, 1]: real, non-sink keys enter when they leave
+    read, state = delta_rule_attention(
+        q_hat, entering(k_hat), entering(v), entering(beta * enters), log_decay,
+        scale=q_hat.shape[-1] ** -0.5, initial_state=initial_state, output_final_state=output_final_state,
+        backend=backend,
+    )
+    if key_padding_mask is not None:  # pad queries output 0, as the window's
+        read = read * key_padding_mask[:, length - queries :, None, None].to(read.dtype)
+    return read, state

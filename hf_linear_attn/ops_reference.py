@@ -246,3 +246,35 @@ def reference_window_attention(
                 initial_state = state_exponents[:, :, -1, 0, :, None].exp() * initial_state  # Π_{i<T} a_i ⊙ S_0
             final_state = final_state + initial_state
     return o.transpose(1, 2).to(v.dtype), final_state
+
+
+def reference_window_softmax(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window_size: int,
+    num_sink_tokens: int,
+    scale: float,
+    key_padding_mask: Tensor | None,
+) -> Tensor:
+    """Exact softmax of each query over its window and sinks alone, as one masked [B, H, T_q, T] softmax: the oracle
+    of `ops.window_softmax`.
+
+    q: [B, T_q, H, D] at the last T_q ≤ T positions; k, v: [B, T, H, D | V]; key_padding_mask: None or bool [B, T].
+    Query t sees the real keys i ≤ t with t − i < window_size and the first num_sink_tokens real tokens i ≤ t:
+    o_t = softmax_i(scale · q_t·k_i) v over them. A pad query outputs 0. Returns [B, T_q, H, V] in v's dtype.
+    """
+    batch, length = k.shape[:2]
+    first_query = length - q.shape[1]
+    dtype = accumulation_dtype(q, k, v)
+    real, sink = window_token_masks(key_padding_mask, batch, length, num_sink_tokens, q.device)
+    pos = torch.arange(length, device=q.device)
+    distance = pos[first_query:, None] - pos[None, :]  # query index − key index, [T_q, T]
+    seen = (distance >= 0) & real[:, None, :] & ((distance < window_size) | sink[:, None, :])  # [B, T_q, T]
+    seen = seen | ~seen.any(-1, keepdim=True)  # a pad query may see no key: any finite row (its output is zeroed)
+    scores = torch.einsum("bthd,bihd->bhti", q.to(dtype), k.to(dtype)) * scale
+    weights = scores.masked_fill(~seen[:, None], -torch.inf).softmax(-1)
+    o = weights @ v.to(dtype).transpose(1, 2)  # [B, H, T_q, V]
+    o = o * real[:, None, first_query:, None]  # pad queries output 0
+    return o.transpose(1, 2).to(v.dtype)

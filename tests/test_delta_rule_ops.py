@@ -258,3 +258,24 @@ def test_benchmark_script_runs(tmp_path, benchmark_main):
     assert [r["T"] for r in timed] == [70, 130]
     assert all(r["fwd_bwd_ms"] > 0 and r["fwd_bwd_peak_mib"] >= 0 for r in rows)
     assert all(r["fwd_bwd_mmap_ms"] > 0 for r in rows if r["part"] == "speed")  # the peak runs' own times
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "torch"])
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 2, 6]])
+def test_grouped_values_equal_the_repeated_call(backend, cu_seqlens):
+    """v with H_kv heads (H_kv dividing H, repeated inside; q and k stay per query head) gives exactly what the
+    repeated v gives."""
+    gen = torch.Generator().manual_seed(1)
+    states = 1 if cu_seqlens is None else len(cu_seqlens) - 1
+    args = _args(q=torch.randn(1, 6, 4, 4, generator=gen),
+                 k=F.normalize(torch.randn(1, 6, 4, 4, generator=gen), dim=-1),
+                 v=torch.randn(1, 6, 2, 3, generator=gen), beta=torch.rand(1, 6, 4, generator=gen),
+                 log_decay=-torch.rand(1, 6, 4, generator=gen),
+                 initial_state=torch.randn(states, 4, 4, 3, generator=gen))
+    kwargs = dict(output_final_state=True, backend=backend,
+                  cu_seqlens=None if cu_seqlens is None else torch.tensor(cu_seqlens))
+    o, state = delta_rule_attention(**args, **kwargs)
+    expected, expected_state = delta_rule_attention(**{**args, "v": args["v"].repeat_interleave(2, dim=2)}, **kwargs)
+    assert torch.equal(o, expected) and torch.equal(state, expected_state)
+    with pytest.raises(ValueError, match="H_kv dividing H = 4"):
+        delta_rule_attention(**{**args, "v": torch.randn(1, 6, 3, 3)}, **kwargs)

@@ -265,3 +265,19 @@ def test_auto_picks_by_device_query_count_and_what_triton_takes():
     with pytest.raises(ValueError, match="needs the triton package"):
         ops.pick_backend("triton", torch.device("cuda"), single_query=False,
                          triton_problem=lambda: "backend 'triton' needs the triton package")
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "parallel", "torch"])
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 2, 6]])
+def test_grouped_values_equal_the_repeated_call(backend, cu_seqlens):
+    """v with H_kv heads (H_kv dividing H, repeated inside) gives exactly what the repeated v gives."""
+    states = 1 if cu_seqlens is None else len(cu_seqlens) - 1
+    args = _args(batch=1, heads=4, log_decay=-torch.rand(1, 6, 4), initial_state=torch.rand(states, 4, 4, 3))
+    args["v"] = torch.randn(1, 6, 2, 3)
+    kwargs = dict(output_final_state=True, backend=backend,
+                  cu_seqlens=None if cu_seqlens is None else torch.tensor(cu_seqlens))
+    o, state = linear_attention(**args, **kwargs)
+    expected, expected_state = linear_attention(**{**args, "v": args["v"].repeat_interleave(2, dim=2)}, **kwargs)
+    assert torch.equal(o, expected) and torch.equal(state, expected_state)
+    with pytest.raises(ValueError, match="H_kv dividing H = 4"):
+        linear_attention(**{**args, "v": torch.randn(1, 6, 3, 3)}, **kwargs)

@@ -1,13 +1,16 @@
 """window_attention: chunked against the T x T reference (with and without decay), the reference against the
-definition, padding, the softmax limit, the carried state, dtypes, validation."""
+definition, padding, the softmax limit, the carried state, dtypes, validation; grouped-query keys and values, packed
+documents and the sparse memory through the one entry point; window_softmax against its T x T reference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_window_inputs, window_initial_state, with_resets
+from helpers import make_window_inputs, triton_test_device, window_initial_state, with_resets
 
-from hf_linear_attn.ops import window_attention
+from hf_linear_attn.ops import window_attention, window_softmax
 from hf_linear_attn.ops_common import CHUNK_SIZE
+from hf_linear_attn.ops_reference import reference_window_softmax
+from hf_linear_attn.ops_sparse_memory import MEMORY_BLOCK_SIZE, sparse_window_attention
 
 C = CHUNK_SIZE
 
@@ -288,9 +291,9 @@ def _sized(batch: int = 1, heads: int = 2, head_dim: int = 8, value_dim: int = 5
         (_args(backend=None), "backend"),
         (_args(initial_state=torch.zeros(1, 2, 6, 5)), "initial_state"),
         (_args(q=torch.randn(1, 7, 2, 8), q_feat=torch.rand(1, 7, 2, 6)), "T_q ≤ T"),
-        (_sized(batch=0), "k must have B, H, D ≥ 1"),
-        (_sized(heads=0), "k must have B, H, D ≥ 1"),
-        (_sized(head_dim=0), "k must have B, H, D ≥ 1"),
+        (_sized(batch=0), "k must have B, H_kv, D ≥ 1"),
+        (_sized(heads=0), "k must have B, H_kv, D ≥ 1"),
+        (_sized(head_dim=0), "k must have B, H_kv, D ≥ 1"),
         (_sized(value_dim=0), "v must have V ≥ 1"),
         (_sized(features=0), "q_feat must have F ≥ 1"),
         (_args(scale=0.0), "scale must be a finite number > 0"),
@@ -327,3 +330,214 @@ def test_every_config_backend_name_runs_the_window(backend):
     torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
     if backend == "recurrent":
         assert torch.equal(o, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped-query keys and values, packed documents, the sparse memory: one entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def grouped_inputs(length: int, decay: str | None = "scalar", seed: int = 0) -> dict[str, torch.Tensor]:
+    """window_attention inputs with H = 4 query heads and k, v of H_kv = 2 KV heads."""
+    inputs = {name: x.detach() for name, x in make_window_inputs(length, heads=4, decay=decay, seed=seed).items()}
+    inputs["k"], inputs["v"] = inputs["k"][:, :, :2].contiguous(), inputs["v"][:, :, :2].contiguous()
+    return inputs
+
+
+def repeated(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {**inputs, "k": inputs["k"].repeat_interleave(2, dim=2), "v": inputs["v"].repeat_interleave(2, dim=2)}
+
+
+@pytest.mark.parametrize("backend", ["parallel", "torch"])
+@pytest.mark.parametrize("queries", [C + 9, 3])
+def test_grouped_keys_and_values_equal_the_repeated_call(backend, queries):
+    """k, v with H_kv heads give exactly what the same heads repeated per query head give (output and state)."""
+    inputs = grouped_inputs(C + 9)
+    inputs["q"], inputs["q_feat"] = inputs["q"][:, -queries:], inputs["q_feat"][:, -queries:]
+    kwargs = dict(window_size=5, num_sink_tokens=2, key_padding_mask=left_padding(C + 9, 4),
+                  initial_state=torch.rand(2, 4, 6, 6, dtype=torch.float64), output_final_state=True, backend=backend)
+    o, state = window_attention(**inputs, **kwargs)
+    expected, expected_state = window_attention(**repeated(inputs), **kwargs)
+    assert torch.equal(o, expected) and torch.equal(state, expected_state)
+
+
+def test_grouped_heads_must_divide_the_query_heads():
+    inputs = grouped_inputs(6)
+    inputs["k"], inputs["v"] = (torch.randn(2, 6, 3, dim, dtype=torch.float64) for dim in (8, 5))
+    with pytest.raises(ValueError, match="H a multiple of its H_kv"):
+        window_attention(**inputs, window_size=2)
+
+
+def packed(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Row 0 of every per-token input (a batch of one)."""
+    return {name: x if name == "window_gate" else x[:1] for name, x in inputs.items()}
+
+
+def per_document(run, inputs: dict[str, torch.Tensor], bounds: list[int]) -> torch.Tensor:
+    """run(inputs of one document) over the documents, outputs concatenated."""
+    outputs = []
+    for i, j in zip(bounds[:-1], bounds[1:], strict=True):
+        if j > i:
+            outputs.append(run({name: x if name == "window_gate" else x[:, i:j] for name, x in inputs.items()}))
+    return torch.cat(outputs, dim=1)
+
+
+BOUNDS = [0, 5, 5, C + 3, C + 20]  # an empty document, one across a chunk boundary
+
+
+@pytest.mark.parametrize("backend", ["parallel", "torch", "auto"])
+@pytest.mark.parametrize("decay", [None, "vector"])
+def test_packed_documents_equal_one_call_per_document(backend, decay):
+    inputs = packed(grouped_inputs(C + 20, decay=decay))
+    kwargs = dict(window_size=6, num_sink_tokens=2, backend=backend)
+    o, state = window_attention(**inputs, cu_seqlens=torch.tensor(BOUNDS), **kwargs)
+    expected = per_document(lambda doc: window_attention(**doc, **kwargs)[0], inputs, BOUNDS)
+    assert state is None and torch.equal(o, expected)
+
+
+def test_packed_documents_with_the_sparse_memory_equal_one_call_per_document():
+    inputs = packed(grouped_inputs(C + 20))
+    feature_map = sparse_feature_map(inputs)
+    kwargs = dict(window_size=6, num_sink_tokens=2, memory_size=3, key_feature_map=feature_map)
+    o, state, memory = window_attention(**inputs, cu_seqlens=torch.tensor(BOUNDS), **kwargs)
+    expected = per_document(lambda doc: window_attention(**doc, **kwargs)[0], inputs, BOUNDS)
+    assert state is None and memory is None and torch.equal(o, expected)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(initial_state=torch.zeros(1, 4, 6, 6, dtype=torch.float64)), "no initial_state"),
+        (dict(output_final_state=True), "fill no cache"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 6]), batch=2), "batch size 1"),
+        (dict(queries=2), "T_q == T"),
+    ],
+)
+def test_packed_documents_refuse_what_a_cache_would_give(changes, message):
+    inputs = grouped_inputs(6)
+    inputs = inputs if changes.pop("batch", 1) == 2 else packed(inputs)
+    queries = changes.pop("queries", 6)
+    inputs["q"], inputs["q_feat"] = inputs["q"][:, -queries:], inputs["q_feat"][:, -queries:]
+    kwargs = {"cu_seqlens": torch.tensor([0, 3, 6]), **changes}
+    with pytest.raises(ValueError, match=message):
+        window_attention(**inputs, window_size=2, **kwargs)
+
+
+def sparse_feature_map(inputs: dict[str, torch.Tensor]):
+    """A key feature map k [B, T, H_kv, D] -> [B, T, H, F]: a fixed positive projection per query head."""
+    weight = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    return lambda k: torch.einsum("bthd,hdf->bthf", k.repeat_interleave(2, dim=2), weight).sigmoid()
+
+
+@pytest.mark.parametrize("queries", [2 * MEMORY_BLOCK_SIZE + 7, 9])
+def test_sparse_memory_runs_through_window_attention(queries):
+    """memory_size > 0 runs sparse_window_attention with the same arguments: the same output, state and memory."""
+    inputs = grouped_inputs(2 * MEMORY_BLOCK_SIZE + 7)
+    feature_map = sparse_feature_map(inputs)
+    inputs["k_feat"] = feature_map(inputs["k"])
+    inputs["q"], inputs["q_feat"] = inputs["q"][:, -queries:], inputs["q_feat"][:, -queries:]
+    kwargs = dict(window_size=5, num_sink_tokens=2, key_padding_mask=left_padding(2 * MEMORY_BLOCK_SIZE + 7, 3),
+                  initial_state=torch.rand(2, 4, 6, 6, dtype=torch.float64), output_final_state=True,
+                  start_position=11)
+    o, state, memory = window_attention(**inputs, memory_size=3, key_feature_map=feature_map, **kwargs)
+    expected, expected_state, expected_memory = sparse_window_attention(
+        **inputs, memory_size=3, key_feature_map=feature_map, scale=8**-0.5, **kwargs)
+    assert torch.equal(o, expected) and torch.equal(state, expected_state)
+    for got, want in zip(memory, expected_memory, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(memory_size=2), "key_feature_map must be a callable"),
+        (dict(memory_size=-1), "memory_size must be an int ≥ 0"),
+        (dict(start_position=3), "only with memory_size > 0"),
+        (dict(update_rule="delta", beta=torch.rand(2, 6, 4), memory_size=2, key_feature_map=abs),
+         "sparse memory .* runs with update_rule='additive' only"),
+        (dict(update_rule="delta"), "beta must be a floating-point tensor of shape"),
+        (dict(update_rule="delta", beta=torch.rand(2, 6, 4), backend="parallel"), "backends of delta_rule_attention"),
+        (dict(update_rule="multiplicative"), "update_rule must be"),
+        (dict(beta=torch.rand(2, 6, 4)), "belong to update_rule='delta'"),
+        (dict(update_rule="delta", beta=torch.rand(2, 6, 4), log_decay=torch.zeros(2, 6, 4, 6)), "log_decay must be"),
+        (dict(update_rule="delta", beta=torch.rand(2, 6, 4), initial_state=torch.zeros(2, 4, 6, 6)), "initial_state"),
+    ],
+)
+def test_invalid_state_rule_arguments_raise(changes, message):
+    inputs = grouped_inputs(6, decay=None)
+    error = TypeError if "callable" in message else ValueError
+    with pytest.raises(error, match=message):
+        window_attention(**inputs, window_size=2, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# window_softmax
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def softmax_inputs(length: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, length, 4, 8, generator=gen)
+    k, v = torch.randn(2, length, 2, 8, generator=gen), torch.randn(2, length, 2, 5, generator=gen)
+    return {name: x.to(dtype).requires_grad_() for name, x in (("q", q), ("k", k), ("v", v))}
+
+
+def softmax_with_grads(attention, inputs: dict[str, torch.Tensor], **kwargs) -> list[torch.Tensor]:
+    o = attention(**inputs, **kwargs)
+    weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(o.dtype)
+    return [o, *torch.autograd.grad((o * weights).sum(), list(inputs.values()))]
+
+
+@pytest.mark.parametrize("backend", ["torch", "parallel", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", [None, "left", "right", "holes"])
+@pytest.mark.parametrize("length, window_size, num_sink_tokens, queries",
+                         [(7, 3, 0, 7), (13, 4, 2, 13), (C + 3, 9, 3, C + 3), (C + 3, 9, 3, 5), (5, 9, 1, 1)])
+def test_window_softmax_is_its_reference(length, window_size, num_sink_tokens, queries, mask, dtype, backend):
+    """Forward and backward, odd lengths, sinks, pads (pad queries output 0), fp32 and bf16, queries behind keys."""
+    inputs = softmax_inputs(length, dtype)
+    padding_mask = None
+    if mask is not None:
+        padding_mask = torch.ones(2, length, dtype=torch.bool)
+        if mask == "left":
+            padding_mask[1, : length // 3] = False
+        elif mask == "right":
+            padding_mask[1, length - length // 3 :] = False
+        else:
+            padding_mask[1, 1::4] = False
+    with torch.no_grad():
+        inputs["q"] = inputs["q"][:, -queries:].detach().requires_grad_()
+    kwargs = dict(window_size=window_size, num_sink_tokens=num_sink_tokens, key_padding_mask=padding_mask)
+    actual = softmax_with_grads(window_softmax, inputs, backend=backend, **kwargs)
+
+    def reference(q, k, v, **options):
+        return reference_window_softmax(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2), scale=8**-0.5,
+                                        **options)
+
+    expected = softmax_with_grads(reference, inputs, **kwargs)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a.float(), e.float(), rtol=tolerance, atol=tolerance)
+    if padding_mask is not None:
+        assert (actual[0][~padding_mask[:, -queries:]] == 0).all()
+
+
+def test_packed_window_softmax_equals_one_call_per_document():
+    inputs = {name: x.detach()[:1] for name, x in softmax_inputs(C + 20, torch.float32).items()}
+    o = window_softmax(**inputs, window_size=6, num_sink_tokens=1, cu_seqlens=torch.tensor(BOUNDS))
+    expected = per_document(lambda doc: window_softmax(**doc, window_size=6, num_sink_tokens=1), inputs, BOUNDS)
+    assert torch.equal(o, expected)
+
+
+def test_window_softmax_on_the_triton_kernels_is_its_reference():
+    """The fast path on the window kernels (the interpreter without a GPU), queries behind keys, sinks, padding."""
+    device = triton_test_device()
+    inputs = {name: x.detach().to(device) for name, x in softmax_inputs(C + 5, torch.float32).items()}
+    inputs["q"] = inputs["q"][:, -9:]
+    mask = torch.ones(2, C + 5, dtype=torch.bool, device=device)
+    mask[1, :7] = False
+    kwargs = dict(window_size=6, num_sink_tokens=2, key_padding_mask=mask)
+    o = window_softmax(**inputs, backend="triton", **kwargs)
+    k, v = (inputs[name].repeat_interleave(2, dim=2) for name in ("k", "v"))
+    expected = reference_window_softmax(inputs["q"], k, v, scale=8**-0.5, **kwargs)
+    torch.testing.assert_close(o, expected, rtol=1e-5, atol=1e-5)
