@@ -26,6 +26,7 @@ kernels.{md,json,png}: 6 files, so that a device run's output folder brings all 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import inspect
 import json
@@ -129,11 +130,12 @@ def stage_decode(dry: bool, device: str) -> dict:
     size = SIZE_TOY if dry else DECODE_SIZE
     contexts, steps = ([16, 80], 3) if dry else ([1024, 4096, 16384, 65536], 24)
     rows = []
-    kernels = modeling_linear_attention.use_decode_kernels
+    window_step = modeling_linear_attention.window_attention_step
     for kind in ("linear", "hybrid", "hybrid torch step", "llama"):
         model = build(kind.split()[0], size, device, torch.float32 if dry else torch.bfloat16).eval()
         keyword = cache_keyword(model)
-        modeling_linear_attention.use_decode_kernels = (lambda *tensors: False) if "torch" in kind else kernels
+        modeling_linear_attention.window_attention_step = (
+            functools.partial(window_step, backend="torch") if "torch" in kind else window_step)
         for context in contexts:
             ids = torch.randint(3, size.vocab_size, (1, context), device=device,
                                 generator=torch.Generator(device).manual_seed(context))

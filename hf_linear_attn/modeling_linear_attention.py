@@ -41,20 +41,27 @@ from .cache_linear_attention import (
 )
 from .configuration_linear_attention import LinearAttentionConfig, check_sparse_cache_size
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
-from .ops import linear_attention, window_attention
+from .ops import (
+    delta_rule_attention,
+    delta_window_attention_step,
+    linear_attention,
+    linear_attention_step,
+    window_attention,
+    window_attention_step,
+)
 
 # A checkpoint's code is this file plus the files it imports relatively. transformers 5.5 copies only the
 # *direct* relative imports of the model file when loading remote code from a local folder (later releases
 # follow imports transitively), so the modules that `ops.py` builds on are named here as well.
 from .ops_chunked import chunk_linear_attention  # noqa: F401
-from .ops_common import CHUNK_SIZE, NORM_EPS, window_token_masks  # noqa: F401
-from .ops_delta_rule import delta_rule_attention
+from .ops_common import CHUNK_SIZE  # noqa: F401
+from .ops_decode import window_decode_step  # noqa: F401
 from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
 from .ops_delta_rule_triton import triton_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
-from .ops_sparse_memory import MEMORY_BLOCK_SIZE, block_end, sparse_window_attention
+from .ops_sparse_memory import MEMORY_BLOCK_SIZE, block_end
 from .ops_triton import HAS_TRITON  # noqa: F401
-from .ops_triton_decode import triton_linear_decode_step, triton_window_decode_step, use_decode_kernels
+from .ops_triton_decode import triton_window_decode_step  # noqa: F401
 
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
 # (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.
@@ -237,11 +244,6 @@ def causal_conv1d(
     else:
         y = F.conv1d(inputs.transpose(1, 2), weight, groups=x.shape[2]).transpose(1, 2)
     return y, inputs[:, inputs.shape[1] - (width - 1) :]
-
-
-def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in `dtype`, without dispatching a cast when it already is (a decode step's ops are counted)."""
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -436,7 +438,7 @@ class LinearAttention(AttentionProjections):
 
 class AdditiveLinearAttention(LinearAttention):
     """Linear attention, optionally decayed and normalised (config kind "linear"): `linear_attention` from the
-    cached state, or one fused decode step after it."""
+    cached state, or `linear_attention_step` for one token after it."""
 
     def attend(
         self,
@@ -448,23 +450,9 @@ class AdditiveLinearAttention(LinearAttention):
         cache_layer: LinearStateLayer | None,
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """(Decayed) linear attention, then the output norm and gate: o [B, T, H, V]."""
-        o = self.linear_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
-        return self.normed_and_gated(o, hidden_states)
-
-    def linear_forward(
-        self,
-        hidden_states: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        new_mask: torch.Tensor | None,
-        cache_layer: LinearStateLayer | None,
-        cu_seqlens: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """(Decayed) linear attention from the cached state (or per packed document): o [B, T, H, V]."""
+        """(Decayed) linear attention from the cached state (or per packed document), then the output norm and gate:
+        o [B, T, H, V]."""
         q_feat, k_feat = self.feature_map_q(q), self.feature_map_k(self.repeat_kv(k))  # [B, T, H, K]
-        v = self.repeat_kv(v)
         log_decay = self.log_decay(hidden_states)
         if new_mask is not None:
             # Pads leave the state untouched: zero φ(k), v and log a after the maps (elu(0)+1 = 1).
@@ -473,15 +461,15 @@ class AdditiveLinearAttention(LinearAttention):
             v = v * keep.to(v.dtype)
             if log_decay is not None:
                 log_decay = log_decay * (keep if log_decay.dim() == 4 else keep[..., 0]).to(log_decay.dtype)
-        if self._decode_step(q, cache_layer, cu_seqlens):  # on CUDA one fused kernel, its twin in torch elsewhere
-            step = triton_linear_decode_step if use_decode_kernels(q_feat, cache_layer.state) else linear_decode_step
-            o = step(q_feat, k_feat, v, log_decay, cache_layer.state,
-                     scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
+        if self._decode_step(q, cache_layer, cu_seqlens):
+            o = linear_attention_step(q_feat, k_feat, v, log_decay, cache_layer.state,
+                                      scale=self.feature_map_q.query_scale, normalize=self.config.normalize)
             cache_layer.advance(1, q.device)
-            return o
-        return self.recurrent_op(linear_attention, q_feat, k_feat, v, log_decay,
-                                 scale=self.feature_map_q.query_scale, normalize=self.config.normalize,
-                                 cache_layer=cache_layer, cu_seqlens=cu_seqlens)
+        else:
+            o = self.recurrent_op(linear_attention, q_feat, k_feat, v, log_decay,
+                                  scale=self.feature_map_q.query_scale, normalize=self.config.normalize,
+                                  cache_layer=cache_layer, cu_seqlens=cu_seqlens)
+        return self.normed_and_gated(o, hidden_states)
 
 
 class DeltaRuleAttention(LinearAttention):
@@ -498,8 +486,18 @@ class DeltaRuleAttention(LinearAttention):
         cache_layer: LinearStateLayer | None,
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The delta rule, then the output norm and gate: o [B, T, H, V]."""
-        o = self.delta_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
+        """The delta rule from the cached state (or per packed document), then the output norm and gate:
+        o [B, T, H, V].
+
+        q̂, β and log a come from `delta_rule_inputs`, k̂ from `delta_keys`. Pads set β = 0 and log a = 0, so a pad
+        step is S ← 1 · (I − 0) S + 0 = S: the state is exactly unchanged.
+        """
+        q, beta, log_decay = self.delta_rule_inputs(hidden_states, q, new_mask)
+        k = self.delta_keys(k)
+        if new_mask is not None:
+            beta = beta * new_mask[:, :, None].to(beta.dtype)
+        o = self.recurrent_op(delta_rule_attention, q, k, v, beta, log_decay, scale=self.key_dim**-0.5,
+                              cache_layer=cache_layer, cu_seqlens=cu_seqlens)
         return self.normed_and_gated(o, hidden_states)
 
     def delta_rule_inputs(
@@ -521,33 +519,11 @@ class DeltaRuleAttention(LinearAttention):
         enter the state."""
         return l2_normalize(self.key_features(k))
 
-    def delta_forward(
-        self,
-        hidden_states: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        new_mask: torch.Tensor | None,
-        cache_layer: LinearStateLayer | None,
-        cu_seqlens: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The delta rule from the cached state (or per packed document): o [B, T, H, V].
-
-        q̂, β and log a come from `delta_rule_inputs`, k̂ from `delta_keys`. Pads set β = 0 and log a = 0, so a pad
-        step is S ← 1 · (I − 0) S + 0 = S: the state is exactly unchanged.
-        """
-        q, beta, log_decay = self.delta_rule_inputs(hidden_states, q, new_mask)
-        k = self.delta_keys(k)
-        v = self.repeat_kv(v)
-        if new_mask is not None:
-            beta = beta * new_mask[:, :, None].to(beta.dtype)
-        return self.recurrent_op(delta_rule_attention, q, k, v, beta, log_decay, scale=self.key_dim**-0.5,
-                                 cache_layer=cache_layer, cu_seqlens=cu_seqlens)
-
 
 class DeltaWindowAttention(DeltaRuleAttention):
     """The delta rule behind a sliding window (config kind "delta_window"): exact softmax over the window and sinks
-    plus λ · the delta-rule state of the tokens that have left the window (its inputs are the delta rule's)."""
+    plus λ · the delta-rule state of the tokens that have left the window, `window_attention(update_rule="delta")`
+    (its inputs q̂, k̂, β and log a are the delta rule's)."""
 
     def attend(
         self,
@@ -559,134 +535,50 @@ class DeltaWindowAttention(DeltaRuleAttention):
         cache_layer: DeltaWindowStateLayer | None,
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Softmax window + λ · the normed and gated delta part: o [B, T, H, V]."""
-        return self.delta_window_forward(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)
-
-    def delta_window_forward(
-        self,
-        hidden_states: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        new_mask: torch.Tensor | None,
-        cache_layer: DeltaWindowStateLayer | None,
-        cu_seqlens: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The delta rule with the sliding window: o [B, T, H, V] (output norm and gate included).
-
-        o_t = softmax_t + λ_h · gate_t(norm(S_tᵀ (K^-½ q̂_t))), λ = window_gate. softmax_t is exact softmax over the
-        window and sinks with the raw (RoPE'd) q, k and its own normaliser (`window_softmax`). S holds only the
-        tokens that have left the window: at step t the token j = t − W enters,
-        S_t = a_t (I − β_j k̂_j k̂_jᵀ) S_{t−1} + β_j k̂_j v_jᵀ, with β_j = 0 when j is a sink, a pad or j < 0, and
-        a_t the step's own decay (0 in log at pads); q̂, k̂ = L2-normalised φ(q), φ(k). That is `delta_rule_attention`
-        on k̂, v and β delayed by W positions. With a cache, the retained sinks and window (k̂ and β in their
-        slots; k̂ recomputed from their keys) run in front of the new tokens, and the window's last W positions feed
-        the first steps; one token after a filled cache with backend "auto" takes the fixed-shape
-        `delta_window_decode_step` instead.
-        """
-        if cu_seqlens is not None:  # one document at a time (no cache)
-            bounds = cu_seqlens.tolist()
-            return torch.cat([self.delta_window_forward(hidden_states[:, i:j], q[:, i:j], k[:, i:j], v[:, i:j],
-                                                        None, None, None)
-                              for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
-        b, t = q.shape[:2]
-        window, sinks = self.window_size, self.num_sink_tokens
+        """o_t = softmax_t + λ_h · gate_t(norm(S_tᵀ (K^-½ q̂_t))), λ = window_gate: o [B, T, H, V] (the output norm
+        and gate act on the state part only, `state_output`). With a cache, the retained sinks and window run in front
+        of the new tokens (k̂ recomputed from their keys, their β from the cache); one token after a filled cache with
+        backend "auto" runs `delta_window_attention_step` on the cache's slots instead."""
         q_hat, beta, log_decay = self.delta_rule_inputs(hidden_states, q, new_mask)
-        if self._decode_step(q, cache_layer, None):
-            return self.delta_window_decode_step(hidden_states, q, k, v, q_hat, beta, log_decay, new_mask,
-                                                 cache_layer)
-        masked = new_mask is not None  # else no mask reaches the softmax op ("auto" may then pick Triton)
-        real = new_mask if masked else torch.ones(b, t, dtype=torch.bool, device=q.device)
-        mask, ring = real, 0  # over every key: [retained sinks and window,] new tokens; the window positions held
+
+        def state_output(read: torch.Tensor) -> torch.Tensor:
+            return self.normed_and_gated(read, hidden_states)
+
+        if self._decode_step(q, cache_layer, cu_seqlens):
+            (leaving_k, leaving_v, leaving_real), leaving_beta = cache_layer.push(k, v, new_mask, beta)
+            o = delta_window_attention_step(
+                q, q_hat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
+                cache_layer.window_mask, self.delta_keys(leaving_k), leaving_v, leaving_beta, leaving_real,
+                self.window_gate, new_mask, scale=self.head_dim**-0.5, state_output=state_output)
+            cache_layer.advance(1, q.device)
+            return o
+        key_mask, state = new_mask, None  # over every key: [retained sinks and window,] new tokens
         if cache_layer is not None and cache_layer.has_state:
             retained_k, retained_v, retained_mask = cache_layer.retained()
+            real = new_mask if new_mask is not None else torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
             k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
             beta = torch.cat([cache_layer.retained_beta(), beta], dim=1)
-            mask, ring, masked = torch.cat([retained_mask, real], dim=1), window, True
-        k_hat = self.delta_keys(k)  # [B, L, H, K]: the cache keeps no k̂, so the retained keys' are recomputed
-        o = window_softmax(q, self.repeat_kv(k), self.repeat_kv(v), window_size=window, num_sink_tokens=sinks,
-                           key_padding_mask=mask if masked else None, backend=self.config.linear_attention_backend)
-
-        # The token entering at new step i is index i of [window positions, new tokens], with W − ring empty
-        # (β = 0) positions in front when no cache holds a window; the sink slots in front never enter.
-        real_keys, sink_keys = window_token_masks(mask, b, mask.shape[1], sinks, q.device)
-        first, empty = mask.shape[1] - t - ring, window - ring
-
-        def entering(x: torch.Tensor) -> torch.Tensor:
-            return F.pad(x[:, first:], (0, 0) * (x.dim() - 2) + (empty, 0))[:, :t]
-
-        enters = (real_keys & ~sink_keys)[..., None]  # [B, L, 1]: real, non-sink keys enter when they leave
-        read = self.recurrent_op(delta_rule_attention, q_hat, entering(k_hat), entering(self.repeat_kv(v)),
-                                 entering(beta * enters), log_decay, scale=self.key_dim**-0.5,
-                                 cache_layer=cache_layer, cu_seqlens=None)
+            key_mask = torch.cat([retained_mask, real], dim=1)
+            if log_decay is not None:  # (their steps have already decayed the state)
+                log_decay = torch.cat([log_decay.new_zeros(*retained_mask.shape, log_decay.shape[2]), log_decay], 1)
+            state = cache_layer.state
+        o, state = window_attention(
+            q, k, v, q_hat, self.delta_keys(k), self.window_gate, window_size=self.window_size,
+            num_sink_tokens=self.num_sink_tokens, log_decay=log_decay, key_padding_mask=key_mask,
+            initial_state=state, output_final_state=cache_layer is not None, cu_seqlens=cu_seqlens,
+            update_rule="delta", beta=beta, state_output=state_output, backend=self.config.linear_attention_backend)
         if cache_layer is not None:
-            cache_layer.store_window(k, v, mask, beta)
-        read = read * real[:, :, None, None].to(read.dtype)  # pad queries output 0, as the window's
-        lam = self.window_gate.to(o.dtype).view(1, 1, -1, 1)
-        return o + lam * self.normed_and_gated(read, hidden_states)
-
-    def delta_window_decode_step(
-        self,
-        hidden_states: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_hat: torch.Tensor,
-        beta: torch.Tensor,
-        log_decay: torch.Tensor | None,
-        real: torch.Tensor | None,
-        cache_layer: DeltaWindowStateLayer,
-    ) -> torch.Tensor:
-        """One token of the delta rule with the window from the cache, fixed-shape and in place: o [B, 1, H, V]
-        (output norm and gate included).
-
-        hidden_states [B, 1, hidden]; q [B, 1, H, D], k, v [B, 1, H_kv, D]; q̂ [B, 1, H, K], β [B, 1, H] and log a
-        None / [B, 1, H] (0 at a pad) from `delta_rule_inputs`; real bool [B, 1], or None when every row's token is
-        real. The token (k, v, β) takes the ring slot of the token j = p − W leaving the window, which enters the
-        state with its own β (0 unless real and not a sink) and k̂_j = `delta_keys` of its cached key (the step
-        computes no k̂ of its own token: it enters only when it leaves), in `recurrent_delta_rule`'s order:
-        S ← a_p (S − β_j k̂_j (k̂_jᵀ S)) + β_j k̂_j v_jᵀ. Then one read-out Sᵀ (K^-½ q̂) and one row of exact softmax
-        over the sinks and the ring (masked, grouped by KV head: no repeat), each with its own normaliser. The same
-        sums as `delta_window_forward` over the retained slots and the token (its twin with any other backend).
-        """
-        b, _, heads, head_dim = q.shape
-        kv_heads = self.num_kv_heads
-        state = cache_layer.state  # [B, H, K, V], fp32
-        dtype = state.dtype
-        (leaving_k, leaving_v, leaving_real), leaving_beta = cache_layer.push(k, v, real, beta)
-        # Products as bmm on 3-D views, [B·H, ·, ·] (a 4-D matmul dispatches its broadcasting as several more ops).
-        key = _cast(self.delta_keys(leaving_k), dtype).view(b * heads, 1, -1)  # k̂_j [B·H, 1, K]
-        strength = _cast(leaving_beta * leaving_real[..., None], dtype).view(b * heads, 1, 1)  # β_j, 0 unless it enters
-        write = strength * key.transpose(-1, -2)  # β_j k̂_j [B·H, K, 1]
-        flat_state = state.view(b * heads, *state.shape[2:])  # [B·H, K, V]
-        flat_state.addcmul_(write, torch.bmm(key, flat_state), value=-1.0)  # erase what S stores under k̂_j
-        if log_decay is not None:
-            state.mul_(_cast(log_decay, dtype).exp().view(b, heads, 1, 1))
-        # + β_j k̂_j v_jᵀ: the query heads of a KV head [B, H_kv, G, K, V] share its v_j (no repeat)
-        state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(
-            write.view(b, kv_heads, -1, state.shape[2], 1), _cast(leaving_v, dtype).view(b, kv_heads, 1, 1, -1))
-        read = torch.bmm(_cast(q_hat, dtype).view(b * heads, 1, -1) * self.key_dim**-0.5, flat_state)  # [B·H, 1, V]
-        read = self.normed_and_gated(_cast(read.view(b, 1, heads, -1), v.dtype), hidden_states)
-        # Softmax part: [B·H_kv, G, D] against the slots [B·H_kv, D, R].
-        keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
-        query = _cast(q, dtype).view(b * kv_heads, heads // kv_heads, head_dim)
-        scores = torch.bmm(query, _cast(keys, dtype).reshape(b * kv_heads, head_dim, -1)) * head_dim**-0.5
-        scores = scores.view(b, kv_heads, -1, keys.shape[-1])
-        weights = torch.where(cache_layer.window_mask.view(b, 1, 1, -1), scores, -torch.inf).softmax(-1)
-        o = torch.bmm(weights.view(b * kv_heads, *weights.shape[2:]),
-                      _cast(values, dtype).reshape(b * kv_heads, *values.shape[2:]))  # [B·H_kv, G, V]
-        o = _cast(o.view(b, 1, heads, -1), v.dtype)  # [B, 1, H, V]
-        o = o + self.window_gate.to(o.dtype).view(1, 1, -1, 1) * read
-        if real is not None:  # pad queries output 0 (a pad's window may be empty: its softmax row is nan)
-            o = torch.where(real.view(b, 1, 1, 1), o, 0.0)
-        cache_layer.advance(1, q.device)
+            cache_layer.store_state(state)
+            cache_layer.advance(q.shape[1], q.device)
+            cache_layer.store_window(k, v, _all_real(key_mask, k), beta)
         return o
 
 
 class WindowHybridAttention(LinearAttention):
     """The sliding-window softmax + linear hybrid (LoLCATs; config kind "window"), optionally with a decayed linear
     part and the sparse exact memory (`sparse_cache_size`, read from the config at every call: a loaded model may
-    switch it)."""
+    switch it): `window_attention` from the cache's retained sinks, window and state, or `window_attention_step`
+    for one token after it."""
 
     def attend(
         self,
@@ -698,52 +590,41 @@ class WindowHybridAttention(LinearAttention):
         cache_layer: WindowStateLayer | None,
         cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The window hybrid (packed documents one at a time), then the output norm and gate: o [B, T, H, V]."""
-        if cu_seqlens is not None:  # one document at a time
-            bounds = cu_seqlens.tolist()
-            log_decay = self.log_decay(hidden_states)  # None, [B, T, H] or [B, T, H, K]
-            o = torch.cat([self.window_forward(q[:, i:j], k[:, i:j], v[:, i:j],
-                                               None if log_decay is None else log_decay[:, i:j], None, None)
-                           for i, j in zip(bounds[:-1], bounds[1:], strict=True) if j > i], dim=1)
+        """The window hybrid, then the output norm and gate: o [B, T, H, V].
+
+        The decay (None or [B, T, H] / [B, T, H, F] of the new tokens) acts on the linear part from the step a key
+        leaves the window on, and is zeroed at pads so that a pad leaves the state unchanged. With a cache, the new
+        tokens run behind the retained raw keys/values (sinks + the last positions) from the folded linear state,
+        and the retained positions get log decay 0 (their steps have already decayed that state), or with the
+        sparse memory their own log decays (they decay the folds at the block end); afterwards the cache keeps the
+        new sinks and window and the state of everything older, so memory stays constant.
+        """
+        b, t = q.shape[:2]
+        log_decay = self.log_decay(hidden_states)
+        if new_mask is not None and log_decay is not None:
+            log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
+        q_feat = self.feature_map_q(q)  # [B, T, H, F]
+        if self._decode_step(q, cache_layer, cu_seqlens):
+            o = self.decode_step(q, k, v, q_feat, log_decay, new_mask, cache_layer)
         else:
-            o = self.window_forward(q, k, v, self.log_decay(hidden_states), new_mask, cache_layer)
+            o = self.prefill(q, k, v, q_feat, log_decay, new_mask, cache_layer, cu_seqlens)
         return self.normed_and_gated(o, hidden_states)
 
-    def window_forward(
+    def prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        q_feat: torch.Tensor,
         log_decay: torch.Tensor | None,
         new_mask: torch.Tensor | None,
         cache_layer: WindowStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The sliding-window hybrid: o [B, T, H, V].
-
-        log_decay: None or [B, T, H] / [B, T, H, K] of the new tokens; it decays the linear part from the step a
-        key leaves the window on (see `window_attention`), and is zeroed at pads so that a pad leaves the state
-        unchanged. With a cache, the new tokens run behind the retained raw keys/values (sinks + last
-        window_size positions) from the folded linear state (queries only for the new tokens), and the retained
-        positions get log decay 0: their steps have already decayed that state. Afterwards the cache keeps the
-        new sinks/window and the state of everything older, so memory stays constant.
-
-        With `sparse_cache_size` = m > 0 the hybrid runs with its sparse exact memory (`sparse_window_attention`,
-        blocks of MEMORY_BLOCK_SIZE absolute positions): the cache's ring then holds window_size + R positions with
-        their log decays (passed in front as they are: they decay the folds at the block end), and its m memory
-        slots per KV head carry on.
-        """
-        b, t = q.shape[:2]
-        masked = new_mask is not None  # else no mask reaches the op: "auto" then may pick the Triton kernels
-        if masked and log_decay is not None:
-            log_decay = log_decay.masked_fill(~new_mask.reshape(b, t, *[1] * (log_decay.dim() - 2)), 0.0)
-        q_feat = self.feature_map_q(q)  # [B, T, H, F]
-        if self._decode_step(q, cache_layer, None):
-            return self.window_decode_step(q, k, v, q_feat, log_decay, new_mask, cache_layer)
-        window, sinks = self.window_size, self.num_sink_tokens
+        """Any number of tokens, behind the cache's retained tokens if it holds any: o [B, T, H, V]."""
+        t = q.shape[1]
         sparse = self.config.sparse_cache_size > 0
-        if not masked:
-            new_mask = torch.ones(b, t, dtype=torch.bool, device=q.device)
-        state = None
+        key_mask, state, memory, start = new_mask, None, None, 0  # key_mask over every key, retained ones first
         if cache_layer is not None and cache_layer.has_state:
             # The retained tokens run in front of the new ones (their features recomputed with the new ones' below).
             retained_k, retained_v, retained_mask = cache_layer.retained()
@@ -753,44 +634,31 @@ class WindowHybridAttention(LinearAttention):
                     retained = cache_layer.retained_log_decay().to(log_decay.dtype)
                     retained = retained if log_decay.dim() == 4 else retained[..., 0]
                 else:  # their steps have already decayed the state
-                    retained = log_decay.new_zeros(b, retained_mask.shape[1], *log_decay.shape[2:])
+                    retained = log_decay.new_zeros(*retained_mask.shape, *log_decay.shape[2:])
                 log_decay = torch.cat([retained, log_decay], dim=1)
-            new_mask = torch.cat([retained_mask, new_mask], dim=1)
-            masked = True  # the retained slots may hold pads
+            key_mask = torch.cat([retained_mask, _all_real(new_mask, q)], dim=1)  # the retained slots may hold pads
             state = cache_layer.state
-        k_feat = self.key_features(k)  # [B, L, H, F]
-        options = dict(
-            window_size=window,
-            num_sink_tokens=sinks,
-            scale=self.head_dim**-0.5,
-            log_decay=log_decay,
-            key_padding_mask=new_mask if masked else None,
-            initial_state=state,
-            output_final_state=cache_layer is not None,
-        )
-        if not sparse:
-            o, state = window_attention(q, self.repeat_kv(k), self.repeat_kv(v), q_feat, k_feat, self.window_gate,
-                                        backend=self.config.linear_attention_backend, **options)
-        else:
-            # Input index i is absolute position i + start (the retained ring ends at the positions seen so far).
-            start = 0 if state is None else cache_layer.get_seq_length() - (k.shape[1] - t)
-            memory = None if cache_layer is None else cache_layer.memory()
-            # The blocked op reads the state directly: it takes no linear-attention backend.
-            o, state, memory = sparse_window_attention(q, k, v, q_feat, k_feat, self.window_gate, memory=memory,
-                                                       key_feature_map=self.key_features,
-                                                       memory_size=self.config.sparse_cache_size,
-                                                       block_size=MEMORY_BLOCK_SIZE, start_position=start, **options)
+            start = cache_layer.get_seq_length() - (k.shape[1] - t)  # input index i is absolute position i + start
+        memory_options = {}
+        if sparse:
+            memory_options = dict(memory_size=self.config.sparse_cache_size, key_feature_map=self.key_features,
+                                  memory=None if cache_layer is None else cache_layer.memory(), start_position=start)
+        o, state, *memory = window_attention(
+            q, k, v, q_feat, self.key_features(k), self.window_gate, window_size=self.window_size,
+            num_sink_tokens=self.num_sink_tokens, scale=self.head_dim**-0.5, log_decay=log_decay,
+            key_padding_mask=key_mask, initial_state=state, output_final_state=cache_layer is not None,
+            cu_seqlens=cu_seqlens, backend=self.config.linear_attention_backend, **memory_options)
         if cache_layer is not None:
             cache_layer.store_state(state)
             cache_layer.advance(t, q.device)
             if sparse:
-                cache_layer.store_memory(memory)
-                cache_layer.store_window(k, v, new_mask, log_decay)
+                cache_layer.store_memory(memory[0])
+                cache_layer.store_window(k, v, _all_real(key_mask, k), log_decay)
             else:
-                cache_layer.store_window(k, v, new_mask)
+                cache_layer.store_window(k, v, _all_real(key_mask, k))
         return o
 
-    def window_decode_step(
+    def decode_step(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -800,84 +668,35 @@ class WindowHybridAttention(LinearAttention):
         real: torch.Tensor | None,
         cache_layer: WindowStateLayer,
     ) -> torch.Tensor:
-        """One token of the window hybrid from the cache, fixed-shape and in place: o [B, 1, H, V].
+        """One token after a filled cache, fixed-shape and in place: o [B, 1, H, V].
 
-        q [B, 1, H, D], k, v [B, 1, H_kv, D], q_feat [B, 1, H, F], log_decay None / [B, 1, H] / [B, 1, H, F] (0 at a
-        pad), real bool [B, 1], or None when every row's token is real (then no pad handling runs: the token's own
-        slot is unmasked, so no row's scores are all masked). The token enters the ring slot of the one leaving the
-        window (position p − w); the state is decayed by a_p and takes the leaving token undecayed, with the
-        features φ computed of its cached key (the step computes no φ of its own token: it folds only when it
-        leaves); then one row of softmax scores against the R retained slots (masked, grouped by KV head: no
-        repeat) and one read-out of the state share the normaliser. The same sums as `window_attention` over the
-        retained keys and the new one (its "recurrent" form is the twin the tests hold this against).
-
-        With a sparse memory (m > 0; the cache's layout says so, as the model checked it against the config) the ring
-        holds window_size + R positions (R = MEMORY_BLOCK_SIZE); the softmax row covers the sinks, the ring slots
-        from the block start's window on and the m memory slots, the linear part reads the state; and at a block end
-        (without a Python branch: computed at every step, kept where the step ends a block) the memory and the R
-        tokens that left during the block are re-scored (`block_end`).
-
-        Every op here runs once per layer and token, so the step spends no op on what it can skip: no cast of a
-        tensor already in the state's dtype (`_cast`), the numerator's sum and add in one `baddbmm`.
+        The token takes the ring slot of the one leaving the window (position p − w), which folds into the state with
+        the features φ computed of its cached key (the step computes no φ of its own token: it folds only when it
+        leaves); then `window_attention_step` decays the state, folds, and reads the softmax row over the slots and
+        the state with one normaliser. With the sparse memory nothing folds before the block end: the softmax row
+        covers the sinks, the ring from the block start's window on and the memory slots, and at a block end the
+        memory is re-chosen (`memory_block_end`).
         """
-        b, _, heads, head_dim = q.shape
-        kv_heads, value_dim = self.num_kv_heads, v.shape[-1]
-        state = cache_layer.state  # [B, H, F, V + 1], fp32
-        dtype = state.dtype
-        sparse = isinstance(cache_layer, SparseWindowStateLayer)  # (the model checked the cache against the config)
         position = cache_layer.seen  # 0-d: this token's position
-        if sparse:
-            leaving_k, leaving_v, leaving_real = cache_layer.push(k, v, real, log_decay)
-        else:
-            leaving_k, leaving_v, leaving_real = cache_layer.push(k, v, real)
-        if not sparse and use_decode_kernels(q, state):  # the rest of this step as one fused kernel (its twin below)
-            o = triton_window_decode_step(q, q_feat, log_decay, state, cache_layer.window_keys,
-                                          cache_layer.window_values, cache_layer.window_mask,
-                                          self.key_features(leaving_k), leaving_v,
-                                          leaving_real, self.window_gate, real, scale=self.head_dim**-0.5)
-            cache_layer.advance(1, q.device)
-            return o
-        if log_decay is not None:
-            state.mul_(_cast(log_decay[:, 0], dtype).exp().view(b, heads, -1, 1))
-        mask = cache_layer.window_mask
-        if sparse:  # nothing leaves into the state until the block ends; the ring masks what left before it
+        if isinstance(cache_layer, SparseWindowStateLayer):  # (the model checked the cache against the config)
+            cache_layer.push(k, v, real, log_decay)
             if log_decay is not None:
                 cache_layer.decay_memory(log_decay[:, 0])
-            mask = cache_layer.current_window_mask(position)
-        else:  # S += φ(k) [v, 1]ᵀ, the query heads of a KV head [B, H_kv, G, F, V + 1] sharing its v: no repeat
-            fold_k = _cast(self.key_features(leaving_k), dtype).view(b, kv_heads, -1, state.shape[2], 1)  # φ(k_j)
-            fold_k = fold_k * leaving_real.view(b, 1, 1, 1, 1)  # [B, H_kv, G, F, 1]: 0 unless it folds
-            fold_v = F.pad(_cast(leaving_v, dtype), (0, 1), value=1.0).view(b, kv_heads, 1, 1, -1)  # [.., V + 1]
-            state.view(b, kv_heads, -1, *state.shape[2:]).addcmul_(fold_k, fold_v)
-        # Softmax part: [B, H_kv, G, D] against the slots [B, H_kv, D, R] (and the memory's [B, H_kv, D, m]).
-        keys, values = cache_layer.window_keys.permute(0, 2, 3, 1), cache_layer.window_values.transpose(1, 2)
-        mask = mask.view(b, 1, 1, -1)
-        # Products as bmm on 3-D views (a 4-D matmul dispatches its broadcasting as several more ops).
-        linear = torch.bmm(_cast(q_feat, dtype).view(b * heads, 1, -1), state.view(b * heads, *state.shape[2:]))
-        if sparse:
-            keys = torch.cat([keys, cache_layer.memory_keys.transpose(-1, -2)], dim=-1)
-            values = torch.cat([values, cache_layer.memory_values], dim=-2)
-            mask = torch.cat([mask.expand(-1, kv_heads, -1, -1), cache_layer.memory_mask[:, :, None]], dim=-1)
-        query = _cast(q, dtype).view(b * kv_heads, heads // kv_heads, head_dim)
-        scores = torch.bmm(query, _cast(keys, dtype).reshape(b * kv_heads, head_dim, -1))
-        scores = scores.view(b, kv_heads, -1, keys.shape[-1])
-        scores = torch.where(mask, scores * self.head_dim**-0.5, -torch.inf)  # [B, H_kv, G, R (+ m)]
-        top = scores.amax(-1, keepdim=True)
-        if real is not None:
-            top = top.clamp(min=torch.finfo(dtype).min)  # a pad's empty window: no nan
-        gamma = torch.sigmoid(_cast(self.window_gate, dtype)).view(kv_heads, -1, 1)
-        weights = (scores - top).exp_().mul_(gamma)  # [B, H_kv, G, R (+ m)]
-        linear = linear.view(b * kv_heads, -1, value_dim + 1)  # [B·H_kv, G, V + 1]
-        numerator = torch.baddbmm(linear[..., :value_dim], weights.view(b * kv_heads, *weights.shape[2:]),
-                                  _cast(values, dtype).reshape(b * kv_heads, *values.shape[2:]))  # [B·H_kv, G, V]
-        denominator = linear[..., value_dim:] + weights.sum(-1).view(b * kv_heads, -1, 1)
-        o = (numerator / denominator).view(b, 1, heads, value_dim)
-        if real is not None:
-            o = o.masked_fill(~real.view(b, 1, 1, 1), 0.0)  # pad queries output 0
-        if sparse:
+            memory = cache_layer.memory()
+            o = window_attention_step(
+                q, q_feat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
+                cache_layer.current_window_mask(position), None, None, None, self.window_gate, real,
+                scale=self.head_dim**-0.5, memory_keys=memory.keys, memory_values=memory.values,
+                memory_mask=memory.mask)
             self.memory_block_end(cache_layer, position)
+        else:
+            leaving_k, leaving_v, leaving_real = cache_layer.push(k, v, real)
+            o = window_attention_step(
+                q, q_feat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
+                cache_layer.window_mask, self.key_features(leaving_k), leaving_v, leaving_real, self.window_gate,
+                real, scale=self.head_dim**-0.5)
         cache_layer.advance(1, q.device)
-        return _cast(o, v.dtype)
+        return o
 
     def memory_block_end(self, cache_layer: SparseWindowStateLayer, position: torch.Tensor) -> None:
         """After the query at `position` (0-d): if it ends a block, re-score the memory and the R ring tokens that
@@ -898,59 +717,9 @@ class WindowHybridAttention(LinearAttention):
         cache_layer.store_block(state, memory._replace(values=memory.values[..., :-1]), where=ends)
 
 
-def linear_decode_step(
-    q_feat: torch.Tensor,
-    k_feat: torch.Tensor,
-    v: torch.Tensor,
-    log_decay: torch.Tensor | None,
-    state: torch.Tensor,
-    *,
-    scale: float,
-    normalize: bool,
-) -> torch.Tensor:
-    """One token of (decayed) linear attention, updating `state` in place: o [B, 1, H, V].
-
-    q_feat, k_feat [B, 1, H, K], v [B, 1, H, V], log_decay None / [B, 1, H] / [B, 1, H, K], state
-    [B, H, K, V (+ 1)] as `linear_attention` defines it. S ← a ⊙ S + φ(k) [v, 1]ᵀ, then one read-out
-    o = s φ(q)ᵀ S (divided by its normaliser column): the recurrence of `recurrent_linear_attention` for one
-    step, its twin.
-    """
-    b, _, heads, _ = q_feat.shape
-    dtype = state.dtype
-    values = v[:, 0].to(dtype)
-    if normalize:
-        values = F.pad(values, (0, 1), value=1.0)  # [B, H, V + 1]: the normaliser is the last column
-    if log_decay is not None:
-        state.mul_(log_decay[:, 0].to(dtype).exp().view(b, heads, -1, 1))
-    state.add_(k_feat[:, 0].to(dtype)[..., None] * values[..., None, :])
-    o = (q_feat.view(b, heads, 1, -1).to(dtype) * scale) @ state  # [B, H, 1, V (+ 1)]
-    if normalize:
-        o = o[..., :-1] / (o[..., -1:] + NORM_EPS)
-    return o.view(b, 1, heads, -1).to(v.dtype)
-
-
-def window_softmax(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    window_size: int,
-    num_sink_tokens: int,
-    key_padding_mask: torch.Tensor | None,
-    backend: str,
-) -> torch.Tensor:
-    """Exact softmax of each query over its window and sinks alone, normalised by its own sum: [B, T_q, H, V].
-
-    q [B, T_q, H, D] (the last T_q of the T positions), k, v [B, T, H, D | V], key_padding_mask None or bool [B, T].
-    This is `window_attention` (every backend, padding, queries behind retained keys) with an empty linear part:
-    zero features of size 1 add nothing to its numerator and denominator, so its γ cancels. Pad queries output 0.
-    """
-    b, queries, heads = q.shape[:3]
-    no_features = q.new_zeros(b, k.shape[1], heads, 1)
-    o, _ = window_attention(q, k, v, no_features[:, k.shape[1] - queries :], no_features, q.new_zeros(heads),
-                            window_size=window_size, num_sink_tokens=num_sink_tokens, scale=q.shape[-1] ** -0.5,
-                            key_padding_mask=key_padding_mask, backend=backend)
-    return o
+def _all_real(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """`mask`, or an all-True bool [B, T] with the batch, length and device of `like` ([B, T, ...]) when it is None."""
+    return mask if mask is not None else torch.ones(like.shape[:2], dtype=torch.bool, device=like.device)
 
 
 def hybrid_decay_gate_bias(horizon: float) -> float:

@@ -6,12 +6,12 @@ each is its own launch; here the step is one kernel, one program per (batch row,
 writing its own [K, V (+ 1)] state exactly once, in float32, and reading q, k, v in their dtype. The kernels run
 on CUDA tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 before import).
 
-- `triton_linear_decode_step` is `modeling_linear_attention.linear_decode_step` (same arguments, same results):
+- `triton_linear_decode_step` is `ops_decode.linear_decode_step` (same arguments, same results):
 
       S ← a ⊙ S + φ(k) [v, 1]ᵀ,        o = s φ(q)ᵀ S   (divided by the normaliser column, the last, if normalize)
 
 - `triton_window_decode_step` is the additive window hybrid's step without a sparse memory
-  (`LinearAttention.window_decode_step` after its `push_window_token`), for query head h of KV head g:
+  (`ops_decode.window_decode_step`, run by the layer after its cache's `push`), for query head h of KV head g:
 
       S ← a ⊙ S + [leaving real] φ(k_leaving) [v_leaving, 1]ᵀ
       w_r = γ_h e^{s_r − c},  s_r = scale q·k_r over the held ring and sink slots r of KV head g, c = max_r s_r
@@ -44,7 +44,7 @@ from .ops_triton import (
     triton,
 )
 
-__all__ = ["HAS_TRITON", "triton_linear_decode_step", "triton_window_decode_step", "use_decode_kernels"]
+__all__ = ["HAS_TRITON", "triton_linear_decode_step", "triton_window_decode_step"]
 
 # Elements of the largest fp32 tile a program holds (state rows × value columns, slots × head dim): 32 registers a
 # thread with 4 warps.
@@ -214,16 +214,6 @@ def _window_decode_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def use_decode_kernels(*tensors: Tensor) -> bool:
-    """Whether backend "auto" runs a decode step on these kernels: CUDA tensors that triton takes (installed;
-    float16, bfloat16 or float32), in eager mode. Under `torch.compile` the torch step runs instead: inductor fuses
-    it itself, and the graph (fullgraph, CUDA graphs) then holds no hand-written launch. No host sync."""
-    return (
-        tensors[0].device.type == "cuda" and not torch.compiler.is_compiling()
-        and ops_triton.unsupported_inputs(dict(enumerate(tensors))) is None
-    )
 
 
 def _tile_rows(cols: int, dim: int) -> int:

@@ -10,7 +10,7 @@ import torch
 from helpers import VARIANTS, left_pad, prompts, tiny_model
 from transformers import CompileConfig
 
-from hf_linear_attn import LinearAttentionCache, cache_linear_attention, modeling_linear_attention
+from hf_linear_attn import LinearAttentionCache, cache_linear_attention, modeling_linear_attention, ops
 
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 # Linear, decayed linear, every kind of hybrid and the delta rule with its convolution (alone and with the window).
@@ -84,7 +84,7 @@ def test_generate_with_a_compiled_forward_gives_the_eager_tokens(name):
 def test_compiled_decode_with_a_sparse_memory_gives_the_eager_logits(monkeypatch):
     """Traced, the memory's block end runs at every step and is kept only where a block ends (no branch on a
     value): compiled steps through several block ends (blocks of 4 here) give the eager logits, in one graph."""
-    for module in (modeling_linear_attention, cache_linear_attention):
+    for module in (modeling_linear_attention, cache_linear_attention, ops):
         monkeypatch.setattr(module, "MEMORY_BLOCK_SIZE", 4)
     model = tiny_model(**VARIANTS["hedgehog-window-sinks-scalar-decay-sparse-memory"])
     ids, feed = torch.randint(3, 128, (2, 11)), torch.randint(3, 128, (2, 10))

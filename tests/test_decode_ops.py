@@ -1,18 +1,15 @@
 """The one-token step ops (`ops.linear_attention_step`, `ops.window_attention_step`, `ops.delta_window_attention_step`
-over `ops_decode`): bit for bit the model's decode steps when a layer calls them on its cache (the recipe a layer
-follows, written out below), equal to the general ops for one query behind the retained keys, and backend "auto"
-choosing torch or the fused kernel by `use_decode_kernels`' rule through `pick_backend`.
-"""
+over `ops_decode`): equal to the general ops for one query behind the retained keys, and backend "auto" choosing torch
+or the fused kernel (CUDA tensors it takes, in eager mode) through `pick_backend`. The model's decode steps call them
+(tests/test_cache.py holds the decode steps against the general path, tests/test_previous_revision.py against the
+revision whose model computed the steps itself)."""
 
-import copy
 
 import pytest
 import torch
-from helpers import VARIANTS, left_pad, prompts, tiny_model, triton_test_device
+from helpers import triton_test_device
 
-from hf_linear_attn import modeling_linear_attention as modeling
 from hf_linear_attn import ops
-from hf_linear_attn.modeling_linear_attention import linear_decode_step as model_linear_decode_step
 from hf_linear_attn.ops import (
     delta_window_attention_step,
     linear_attention,
@@ -20,132 +17,7 @@ from hf_linear_attn.ops import (
     window_attention,
     window_attention_step,
 )
-from hf_linear_attn.ops_sparse_memory import MEMORY_BLOCK_SIZE
 from hf_linear_attn.ops_triton import HAS_TRITON
-
-# ---------------------------------------------------------------------------------------------------------------
-# The steps as a layer calls them: the model's decode steps, bit for bit
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def prefilled(variant: str, prompt_lengths=(9, 6), **overrides):
-    """A tiny model of `variant`, its cache after a left-padded prefill, and the padding mask."""
-    model = tiny_model(**{**VARIANTS[variant], **overrides})
-    ids, mask = left_pad(prompts(list(prompt_lengths)))
-    with torch.no_grad():
-        out = model(ids, attention_mask=mask, use_cache=True)
-    return model, getattr(out, modeling.OUTPUT_CACHE_FIELD), mask.bool()
-
-
-def step_inputs(model, attn, cache_layer, seed: int, pad_row: bool):
-    """The new token's layer input x [B, 1, hidden], its q, k, v after RoPE and its mask column (None: all real)."""
-    gen = torch.Generator().manual_seed(seed)
-    b = cache_layer.window_mask.shape[0] if cache_layer.window_mask is not None else cache_layer.state.shape[0]
-    x = torch.randn(b, 1, model.config.hidden_size, generator=gen)
-    position = torch.full((b, 1), int(cache_layer.seen))
-    q, k, v = attn.project(x, model.model.rotary_emb.rotation(x, position))
-    real = None
-    if pad_row:
-        real = torch.ones(b, 1, dtype=torch.bool)
-        real[0] = False
-    return x, q, k, v, real
-
-
-def layer_window_step(attn, cache_layer, q, k, v, q_feat, log_decay, real):
-    """The additive window layer's decode step on the ops: the cache handling stays in the layer (ring push, the
-    sparse memory's decay clocks, current-ring mask and block end, advance), the math is `window_attention_step`."""
-    sinks, window = attn.num_sink_tokens, attn.window_size
-    ring = cache_layer.window_mask.shape[1] - sinks
-    sparse = ring > window
-    position = cache_layer.seen
-    leaving_k, leaving_v, leaving_real = cache_layer.push_window_token(
-        k, v, real, ring, sinks, log_decay if sparse else None)
-    mask, leaving, memory = cache_layer.window_mask, (attn.key_features(leaving_k), leaving_v, leaving_real), {}
-    if sparse:
-        b, heads = q.shape[0], q.shape[2]
-        if cache_layer.memory_log_decay is not None:
-            cache_layer.memory_log_decay.add_(log_decay[:, 0].float().view(b, heads, 1, -1))
-        slots = torch.arange(ring)
-        current = position - (position - slots) % ring >= position - position % MEMORY_BLOCK_SIZE - window
-        mask = torch.cat([mask[:, :sinks], mask[:, sinks:] & current], dim=1)
-        leaving = (None, None, None)  # nothing folds before the block end
-        memory = dict(memory_keys=cache_layer.memory_keys, memory_values=cache_layer.memory_values,
-                      memory_mask=cache_layer.memory_mask)
-    o = window_attention_step(q, q_feat, log_decay, cache_layer.state, cache_layer.window_keys,
-                              cache_layer.window_values, mask, *leaving, attn.window_gate, real,
-                              scale=attn.head_dim**-0.5, **memory)
-    if sparse:
-        attn.memory_block_end(cache_layer, position, ring)
-    cache_layer.advance(1, q.device)
-    return o
-
-
-def assert_same_cache(ours, theirs) -> None:
-    for name, value in vars(theirs).items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(getattr(ours, name), value), name
-
-
-@pytest.mark.parametrize("variant", ["hedgehog-window-sinks", "hedgehog-window-sinks-scalar-decay",
-                                     "hedgehog-window-sinks-scalar-decay-sparse-memory"])
-@pytest.mark.parametrize("pad_row", [False, True])
-def test_window_step_is_the_models_step_bit_for_bit(variant, pad_row):
-    """Over enough steps to cross a block end of the sparse memory: the same output and the same cache bytes."""
-    model, cache, _ = prefilled(variant, prompt_lengths=(60, 57))
-    attn = model.model.layers[1].self_attn
-    theirs, ours = cache.layers[1], copy.deepcopy(cache.layers[1])
-    with torch.no_grad():
-        for step in range(6):
-            x, q, k, v, real = step_inputs(model, attn, theirs, seed=step, pad_row=pad_row)
-            log_decay = attn.log_decay(x)
-            if real is not None and log_decay is not None:
-                log_decay = log_decay.masked_fill(~real.view(-1, 1, 1), 0.0)
-            q_feat = attn.feature_map_q(q)
-            expected = attn.window_decode_step(q, k, v, q_feat, log_decay, real, theirs)
-            o = layer_window_step(attn, ours, q, k, v, q_feat, log_decay, real)
-            assert torch.equal(o, expected)
-            assert_same_cache(ours, theirs)
-    assert int(theirs.seen) > MEMORY_BLOCK_SIZE  # (a block end was crossed)
-
-
-@pytest.mark.parametrize("pad_row", [False, True])
-def test_delta_window_step_is_the_models_step_bit_for_bit(pad_row):
-    model, cache, _ = prefilled("gated-delta-window-sinks")
-    attn = model.model.layers[1].self_attn
-    theirs, ours = cache.layers[1], copy.deepcopy(cache.layers[1])
-    with torch.no_grad():
-        for step in range(4):
-            x, q, k, v, real = step_inputs(model, attn, theirs, seed=step, pad_row=pad_row)
-            q_hat, beta, log_decay = attn.delta_rule_inputs(x, q, real)
-            expected = attn.delta_window_decode_step(x, q, k, v, q_hat, beta, log_decay, real, theirs)
-            leaving_k, leaving_v, leaving_real, leaving_beta = ours.push_window_token(
-                k, v, real, attn.window_size, attn.num_sink_tokens, beta=beta)
-            o = delta_window_attention_step(
-                q, q_hat, log_decay, ours.state, ours.window_keys, ours.window_values, ours.window_mask,
-                attn.delta_keys(leaving_k), leaving_v, leaving_beta, leaving_real, attn.window_gate, real,
-                scale=attn.head_dim**-0.5, state_output=lambda read, x=x: attn.normed_and_gated(read, x))
-            ours.advance(1, q.device)
-            assert torch.equal(o, expected)
-            assert_same_cache(ours, theirs)
-
-
-@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
-@pytest.mark.parametrize("normalize", [False, True])
-def test_linear_step_is_the_models_step_bit_for_bit(decay, normalize):
-    """With grouped-query values ([B, 1, H_kv, V], repeated inside) against the model's step on repeated ones."""
-    gen = torch.Generator().manual_seed(3)
-    b, heads, kv_heads, key_dim, value_dim = 3, 4, 2, 6, 5
-    q_feat, k_feat = (torch.rand(b, 1, heads, key_dim, generator=gen) for _ in range(2))
-    v = torch.randn(b, 1, kv_heads, value_dim, generator=gen)
-    log_decay = None if decay is None else -torch.rand(
-        (b, 1, heads) if decay == "scalar" else (b, 1, heads, key_dim), generator=gen)
-    state = torch.rand(b, heads, key_dim, value_dim + int(normalize), generator=gen)
-    theirs, ours = state.clone(), state.clone()
-    expected = model_linear_decode_step(q_feat, k_feat, v.repeat_interleave(2, dim=2), log_decay, theirs,
-                                        scale=0.4, normalize=normalize)
-    o = linear_attention_step(q_feat, k_feat, v, log_decay, ours, scale=0.4, normalize=normalize)
-    assert torch.equal(o, expected) and torch.equal(ours, theirs)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The steps against the general ops: one query behind the retained keys
@@ -289,7 +161,7 @@ def test_steps_with_backend_triton_run_the_kernels():
 
 
 def test_steps_pick_their_backend_through_pick_backend(monkeypatch):
-    """"auto" runs the fused kernel for CUDA tensors it takes in eager mode (the rule `use_decode_kernels` had), torch
+    """"auto" runs the fused kernel for CUDA tensors it takes in eager mode, torch
     on CPU, under torch.compile and with a sparse memory; the delta window step has no kernel; unknown names raise."""
     picked = []
     monkeypatch.setitem(ops.LINEAR_STEPS, "torch", lambda *a, **k: picked.append("torch"))

@@ -1,15 +1,12 @@
 """window_attention(update_rule="delta"): the delta rule behind a sliding window, against a literal token loop in
-float64 and against the model's delta-window layer (its construction from window_softmax and delta_rule_attention,
-bit for bit), with and without a cache's retained keys, packed documents and every backend."""
+float64, with and without a cache's retained keys, packed documents and every backend. (The model's delta-window layer
+calls it: tests/test_previous_revision.py holds the layer against the revision that built it in the model.)"""
 
-import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VARIANTS, left_pad, prompts, tiny_model
 
-from hf_linear_attn import modeling_linear_attention as modeling
 from hf_linear_attn.ops import window_attention
 
 B, H, H_KV, D, K, V = 2, 4, 2, 8, 6, 5
@@ -106,88 +103,14 @@ def test_decays_in_front_of_the_queries_decay_the_initial_state():
     torch.testing.assert_close(final, expected_state, rtol=1e-12, atol=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The model's delta-window layer, bit for bit
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def layer_and_inputs(length: int, seed: int = 0):
-    model = tiny_model(**VARIANTS["gated-delta-window-sinks"])
-    attn = model.model.layers[1].self_attn
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, length, model.config.hidden_size, generator=gen)
-    return model, attn, x
-
-
-def project(model, attn, x, positions):
-    return attn.project(x, model.model.rotary_emb.rotation(x, positions))
-
-
-def op_call(attn, x, q, k, v, mask, *, retained=None, state=None, cu_seqlens=None):
-    """What the layer computes, on the op: q̂, β, log a and k̂ from the layer, everything else in window_attention.
-    retained: the cache's retained keys, values, mask and β in front of the new tokens."""
-    q_hat, beta, log_decay = attn.delta_rule_inputs(x, q, mask)
-    key_mask = mask
-    if retained is not None:
-        retained_k, retained_v, retained_mask, retained_beta = retained
-        real = mask if mask is not None else torch.ones(x.shape[:2], dtype=torch.bool)
-        k, v, beta = torch.cat([retained_k, k], 1), torch.cat([retained_v, v], 1), torch.cat([retained_beta, beta], 1)
-        key_mask = torch.cat([retained_mask, real], 1)
-        if log_decay is not None:
-            log_decay = torch.cat([log_decay.new_zeros(x.shape[0], retained_k.shape[1], H), log_decay], 1)
-    return window_attention(
-        q, k, v, q_hat, attn.delta_keys(k), attn.window_gate, window_size=attn.window_size,
-        num_sink_tokens=attn.num_sink_tokens, log_decay=log_decay, key_padding_mask=key_mask, initial_state=state,
-        output_final_state=state is not None, cu_seqlens=cu_seqlens, update_rule="delta", beta=beta,
-        state_output=lambda read: attn.normed_and_gated(read, x), backend=attn.config.linear_attention_backend)
-
-
-@pytest.mark.parametrize("pads", [False, True])
-def test_delta_window_op_is_the_layers_construction(pads):
-    model, attn, x = layer_and_inputs(13)
-    mask = None
-    if pads:
-        mask = torch.ones(B, 13, dtype=torch.bool)
-        mask[1, :3] = False
-    positions = torch.arange(13).expand(B, -1) if mask is None else (mask.long().cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        q, k, v = project(model, attn, x, positions)
-        expected = attn.delta_window_forward(x, q, k, v, mask, None, None)
-        o, _ = op_call(attn, x, q, k, v, mask)
-    assert torch.equal(o, expected)
-
-
-@pytest.mark.parametrize("pads", [False, True])
-def test_delta_window_op_behind_a_cache_is_the_layers_construction(pads):
-    """A chunk behind a cache's retained sinks and window: the same output and final state as the layer's."""
-    model = tiny_model(**VARIANTS["gated-delta-window-sinks"])
-    ids, mask = left_pad(prompts([9, 6] if pads else [9, 9]))
-    with torch.no_grad():
-        cache = getattr(model(ids, attention_mask=mask, use_cache=True), modeling.OUTPUT_CACHE_FIELD)
-    attn, theirs = model.model.layers[1].self_attn, cache.layers[1]
-    ours = copy.deepcopy(theirs)
-    x = torch.randn(B, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
-    new_mask = None
-    if pads:
-        new_mask = torch.ones(B, 5, dtype=torch.bool)
-        new_mask[0, 2] = False
-    positions = torch.arange(9, 14).expand(B, -1)
-    with torch.no_grad():
-        q, k, v = project(model, attn, x, positions)
-        expected = attn.delta_window_forward(x, q, k, v, new_mask, theirs, None)
-        window = attn.window_size
-        retained = (*ours.retained_window(window), ours.retained_beta(window))
-        o, state = op_call(attn, x, q, k, v, new_mask, retained=retained, state=ours.state)
-    assert torch.equal(o, expected) and torch.equal(state, theirs.state)
-
-
-def test_packed_delta_window_is_the_layers_per_document_loop():
-    model, attn, x = layer_and_inputs(20)
-    x = x[:1]
-    cu_seqlens = torch.tensor([0, 6, 6, 20])
-    positions = torch.cat([torch.arange(6), torch.arange(14)])[None]
-    with torch.no_grad():
-        q, k, v = project(model, attn, x, positions)
-        expected = attn.delta_window_forward(x, q, k, v, None, None, cu_seqlens)
-        o, _ = op_call(attn, x, q, k, v, None, cu_seqlens=cu_seqlens)
-    assert torch.equal(o, expected)
+def test_packed_documents_equal_one_call_per_document():
+    """cu_seqlens (a batch of one, an empty document included): each document as if alone, the window and the state
+    restarting at every boundary."""
+    inputs = {name: x[:1] for name, x in delta_inputs(20, 20).items() if name != "window_gate"}
+    inputs["window_gate"] = delta_inputs(20, 20)["window_gate"]
+    kwargs = dict(window_size=4, num_sink_tokens=1, update_rule="delta", state_output=output_map)
+    o, _ = window_attention(**inputs, cu_seqlens=torch.tensor([0, 6, 6, 20]), **kwargs)
+    per_document = [window_attention(**{name: x if name == "window_gate" else x[:, i:j]
+                                        for name, x in inputs.items()}, **kwargs)[0]
+                    for i, j in ((0, 6), (6, 20))]
+    torch.testing.assert_close(o, torch.cat(per_document, dim=1), rtol=1e-12, atol=1e-12)

@@ -12,6 +12,7 @@ from hf_linear_attn import (
     LinearAttentionConfig,
     cache_linear_attention,
     modeling_linear_attention,
+    ops,
 )
 from hf_linear_attn.cache_linear_attention import SparseWindowStateLayer
 from hf_linear_attn.ops_sparse_memory import reference_sparse_window_attention, sparse_window_attention
@@ -139,7 +140,7 @@ def test_op_refuses_bad_memory_and_block_sizes():
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """The model runs with R = BLOCK: its tiny prompts then cross several block ends."""
-    for module in (modeling_linear_attention, cache_linear_attention):
+    for module in (modeling_linear_attention, cache_linear_attention, ops):
         monkeypatch.setattr(module, "MEMORY_BLOCK_SIZE", BLOCK)
 
 
@@ -183,7 +184,7 @@ def test_the_memory_changes_the_outputs_and_m_zero_never_reaches_it(monkeypatch)
         def unreachable(*args, **kwargs):
             raise AssertionError("the sparse memory ran with sparse_cache_size = 0")
 
-        monkeypatch.setattr(modeling_linear_attention, "sparse_window_attention", unreachable)
+        monkeypatch.setattr(ops, "sparse_window_attention", unreachable)
         monkeypatch.setattr(modeling_linear_attention, "block_end", unreachable)
         monkeypatch.setattr(SparseWindowStateLayer, "store_memory", unreachable)
         cache = LinearAttentionCache(model.config)

@@ -1,7 +1,7 @@
-"""The fused Triton decode steps (`ops_triton_decode`) against their torch twins: `linear_decode_step` and the additive
-window hybrid's `LinearAttention.window_decode_step` (no sparse memory), on the output and on every cache buffer the
-step updates, for each decay mode, normaliser on / off, GQA, odd head and feature dims, input dtypes, pad rows and
-masked ring slots; plus the in-place update and the input errors.
+"""The fused Triton decode steps (`ops_triton_decode`) against their torch twins: `ops_decode.linear_decode_step`
+and the additive window hybrid's decode step (`WindowHybridAttention.decode_step` on torch; no sparse memory), on
+the output and on every cache buffer the step updates, for each decay mode, normaliser on / off, GQA, odd head and
+feature dims, input dtypes, pad rows and masked ring slots; plus the in-place update and the input errors.
 
 Without a GPU the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): tiny shapes.
 Both sides compute in float32 from the same inputs, so they agree to float32 rounding; outputs in a 16-bit dtype
@@ -22,9 +22,11 @@ from helpers import (
 )
 
 from hf_linear_attn import modeling_linear_attention as modeling
+from hf_linear_attn import ops
 from hf_linear_attn.cache_linear_attention import WindowStateLayer
-from hf_linear_attn.modeling_linear_attention import LinearAttention, WindowHybridAttention, linear_decode_step
-from hf_linear_attn.ops_triton_decode import triton_linear_decode_step, triton_window_decode_step, use_decode_kernels
+from hf_linear_attn.modeling_linear_attention import LinearAttention, WindowHybridAttention
+from hf_linear_attn.ops_decode import linear_decode_step
+from hf_linear_attn.ops_triton_decode import triton_linear_decode_step, triton_window_decode_step
 
 DEVICE = triton_test_device()
 
@@ -222,7 +224,7 @@ def compare_window_step(batch: int, heads: int, kv_heads: int, head_dim: int, fe
             if log_decay is not None:
                 log_decay[0] = 0.0
         with torch.no_grad():
-            expected = layer.window_decode_step(q, k, v, q_feat, log_decay, real, twin)
+            expected = layer.decode_step(q, k, v, q_feat, log_decay, real, twin)
             o = kernel_window_step(layer, ours, q, k, v, q_feat, log_decay, real)
         assert o.dtype == expected.dtype == dtype and o.shape == (batch, 1, heads, head_dim)
         assert_close_in_float64([o], [expected], TOLERANCE[dtype])
@@ -271,7 +273,7 @@ def test_window_step_updates_state_in_place():
     q_feat = torch.rand(2, 1, 2, 6, generator=gen).to(DEVICE)
     log_decay = -torch.rand(2, 1, 2, generator=gen).to(DEVICE)
     with torch.no_grad():
-        layer.window_decode_step(q, k, v, q_feat, log_decay, None, twin)
+        layer.decode_step(q, k, v, q_feat, log_decay, None, twin)
         kernel_window_step(layer, cache, q, k, v, q_feat, log_decay, None)
     assert cache.state is state and not torch.equal(state, before)
     assert_close_in_float64([state], [twin.state], STATE_TOLERANCE)
@@ -313,28 +315,8 @@ def test_window_step_errors():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Backend selection
+# Without triton (the choice of a step's backend: tests/test_decode_ops.py)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def test_auto_uses_the_kernels_on_cuda_only():
-    """Backend "auto" runs a decode step on the kernels for CUDA tensors alone: on CPU it stays on torch."""
-    x = torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16)
-    assert not use_decode_kernels(x, torch.zeros(1, 2, 4, 5))
-    if torch.cuda.is_available():
-        assert use_decode_kernels(x.cuda(), torch.zeros(1, 2, 4, 5, device="cuda"))
-        assert not use_decode_kernels(x.double().cuda())
-
-
-def test_compiled_steps_stay_on_torch(monkeypatch):
-    """Under torch.compile the decode steps keep their torch form (inductor fuses it; no hand-written launch in a
-    captured graph), even on CUDA tensors."""
-    cuda_like = torch.zeros(1, 1, 2, 4)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors: None)
-    assert use_decode_kernels(cuda_like)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not use_decode_kernels(cuda_like)
 
 
 def test_module_imports_without_triton():
@@ -342,9 +324,9 @@ def test_module_imports_without_triton():
     why."""
     code = """
         import torch
-        from hf_linear_attn import ops_triton_decode
+        from hf_linear_attn import ops, ops_triton_decode
         q = torch.randn(1, 1, 2, 4)
-        assert not ops_triton_decode.use_decode_kernels(q)
+        ops.linear_attention_step(q, q, q, None, torch.zeros(1, 2, 4, 4), scale=1.0, normalize=False)  # torch
         """
     assert_runs_without_triton(code, "ops_triton_decode.triton_linear_decode_step(q, q, q, None, "
                                      "torch.zeros(1, 2, 4, 4), scale=1.0, normalize=False)")
@@ -360,17 +342,25 @@ def test_module_imports_without_triton():
                                      "hedgehog-window-sinks-scalar-decay",
                                      "hedgehog-window-sinks-scalar-decay-sparse-memory"])
 def test_generate_with_the_kernels_matches_torch(variant, monkeypatch):
-    """The model's decode steps call the kernels where `use_decode_kernels` says so (forced here, as on CUDA): a
+    """The model's decode steps on the kernels (forced here with backend "triton", as "auto" picks them on CUDA): a
     left-padded greedy `generate()` gives the torch steps' tokens and logits, and the kernels really ran (once per
-    linear layer and token; the sparse-memory hybrid keeps its torch step)."""
+    linear layer and token; the sparse-memory hybrid keeps its torch step, which "auto" picks for it)."""
     model = tiny_model(**VARIANTS[variant]).eval()
     ids = prompts([9, 6])
     ids, mask = left_pad(ids)
     calls, forced = [], []
-    for name in ("triton_linear_decode_step", "triton_window_decode_step"):
-        kernel = getattr(modeling, name)
-        monkeypatch.setattr(modeling, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
-    monkeypatch.setattr(modeling, "use_decode_kernels", lambda *tensors: bool(forced))
+    for steps in (ops.LINEAR_STEPS, ops.WINDOW_STEPS):
+        kernel = steps["triton"]
+        monkeypatch.setitem(steps, "triton", lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
+
+    def forcing(step):
+        def run(*args, **kwargs):
+            kernel_takes_it = kwargs.get("memory_keys") is None  # (no kernel for the sparse memory)
+            return step(*args, **kwargs, backend="triton" if forced and kernel_takes_it else "auto")
+        return run
+
+    monkeypatch.setattr(modeling, "linear_attention_step", forcing(ops.linear_attention_step))
+    monkeypatch.setattr(modeling, "window_attention_step", forcing(ops.window_attention_step))
     runs = []
     with torch.no_grad():
         for force in (False, True):
