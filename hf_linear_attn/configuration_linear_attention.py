@@ -20,19 +20,18 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .backends import BACKENDS, OP_BACKENDS, accepted_by
 from .feature_maps import FEATURE_MAP_CLASSES, LEARNED_FEATURE_MAPS, feature_output_dim
 
 FEATURE_MAPS = tuple(FEATURE_MAP_CLASSES)
 DECAYS = ("none", "fixed", "scalar", "vector")
-BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
 UPDATE_RULES = ("additive", "delta")
 # What the delta rule accepts. Its keys are L2-normalised after φ: the maps whose output is a direction worth
 # normalising qualify; taylor does not (its 1 + D + D² features approximate exp(q·k), which normalising breaks,
 # and its state would be (1 + D + D²) × D). Its decay is a per-head scalar (the op takes log a [B, T, H]).
-# Its backends are those of `delta_rule_attention`.
+# Its backends are those of the ops its layers call (`_layer_ops`).
 DELTA_FEATURE_MAPS = ("identity", "elu", "relu", "t2r", "hedgehog")
 DELTA_DECAYS = ("none", "fixed", "scalar")
-DELTA_BACKENDS = ("auto", "torch", "recurrent")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
@@ -136,7 +135,8 @@ class AttentionOptions:
     softmax_layers: list[int] = _option([], "Indices of the layers that keep full softmax attention.")
     linear_attention_backend: str = _option(
         "auto", "Backend of hf_linear_attn.linear_attention (or delta_rule_attention) used by the layers (auto "
-        "picks the fastest available).", choices=BACKENDS)
+        "picks the fastest available); update_rule='delta' takes those of delta_rule_attention: "
+        f"{'/'.join(OP_BACKENDS['delta_rule_attention'])}.", choices=BACKENDS)
     update_rule: str = _option(
         "additive", "How a token enters the state: additive (S += φ(k)vᵀ, the Linear Transformer) or delta "
         "(S = a(I - βkkᵀ)S + βkvᵀ, DeltaNet / Gated DeltaNet: q and k are L2-normalised after φ, a learned "
@@ -173,6 +173,7 @@ class AttentionOptions:
         _check_bool("output_gate", self.output_gate)
         if self.update_rule == "delta":  # before the window checks: their advice would not apply
             self._check_delta_rule()
+        self._check_layer_backend()
         check_sparse_cache_size(self)
         if self.num_sink_tokens > 0 and self.window_size == 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "sink tokens need the window hybrid (window_size > 0)")
@@ -199,9 +200,24 @@ class AttentionOptions:
         if self.decay not in DELTA_DECAYS:
             _fail("decay", self.decay, f"update_rule='delta' takes one decay per head and token; allowed: "
                   f"{', '.join(DELTA_DECAYS)}")
-        if self.linear_attention_backend not in DELTA_BACKENDS:
-            _fail("linear_attention_backend", self.linear_attention_backend, "update_rule='delta' runs on "
-                  f"delta_rule_attention, whose backends are {', '.join(DELTA_BACKENDS)}")
+
+    def _layer_ops(self) -> tuple[str, ...]:
+        """The ops that the linear layers of this config call with `linear_attention_backend` (with a sparse memory
+        the additive window hybrid runs `sparse_window_attention`, which takes none, but sparse_cache_size may be set
+        to 0 on a loaded model's config: window_attention's backends apply)."""
+        state_op = "delta_rule_attention" if self.update_rule == "delta" else "linear_attention"
+        if self.window_size == 0:
+            return (state_op,)
+        return ("window_attention",) if self.update_rule == "additive" else ("window_attention", state_op)
+
+    def _check_layer_backend(self) -> None:
+        """`linear_attention_backend` among the backends every op of the layers accepts."""
+        ops = self._layer_ops()
+        accepted = accepted_by(*ops)
+        if self.linear_attention_backend not in accepted:
+            kind = f"update_rule={self.update_rule!r}" + (" with window_size > 0" if self.window_size else "")
+            _fail("linear_attention_backend", self.linear_attention_backend, f"{kind} runs on {' and '.join(ops)}, "
+                  f"whose backends are {', '.join(accepted)}")
 
 
 def check_sparse_cache_size(options: Any) -> None:

@@ -11,7 +11,7 @@ data-dependent decay (Gated DeltaNet; a_t = 1 is DeltaNet). With unit keys, I âˆ
 
 `delta_rule_attention` validates every input before any work and dispatches to a backend:
 "recurrent" (`recurrent_delta_rule` below, the equation token by token), "torch"
-(`ops_delta_rule_chunked.chunk_delta_rule`, chunked) or "triton" (`ops_delta_rule_triton.triton_delta_rule`, the
+(`ops_delta_rule_chunked.chunk_delta_rule`, chunked) or "triton" (`ops_triton_delta_rule.triton_delta_rule`, the
 same chunked form in Triton kernels). States are [B, H, K, V] in float32 (float64 for float64
 inputs), the same layout as transformers' and flash-linear-attention's gated delta rule.
 """
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .backends import OP_BACKENDS
 from .ops_common import (
     accumulation_dtype,
     check_cu_seqlens,
@@ -31,7 +32,7 @@ from .ops_common import (
     pick_backend,
 )
 from .ops_delta_rule_chunked import chunk_delta_rule
-from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
+from .ops_triton_delta_rule import triton_delta_rule, unsupported_delta_rule_inputs
 
 __all__ = ["delta_rule_attention"]
 
@@ -174,7 +175,7 @@ def delta_rule_attention(
             )
     tensors = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay, "initial_state": initial_state}
     tensors = {arg: x for arg, x in tensors.items() if x is not None}
-    name = pick_backend(backend, q.device, single_query=length == 1, names=("auto", *DELTA_RULE_BACKENDS),
+    name = pick_backend(backend, q.device, single_query=length == 1, names=OP_BACKENDS["delta_rule_attention"],
                         triton_problem=lambda: unsupported_delta_rule_inputs(tensors))
     return DELTA_RULE_BACKENDS[name](
         q, k, v, beta, log_decay,

@@ -333,7 +333,7 @@ def test_compiled_steps_stay_on_torch(monkeypatch):
     captured graph), even on CUDA tensors."""
     cuda_like = torch.zeros(1, 1, 2, 4)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors: None)
+    monkeypatch.setattr("hf_linear_attn.ops_triton_common.unsupported_inputs", lambda tensors: None)
     assert use_decode_kernels(cuda_like)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not use_decode_kernels(cuda_like)
