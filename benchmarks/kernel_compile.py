@@ -2,15 +2,17 @@
 (sm_90) without one: the library behind tests/gpu_compile_check.py and benchmarks/kernel_report.py.
 
 Import it WITHOUT TRITON_INTERPRET (interpreted kernels cannot be compiled). `record_workload` replaces the kernels
-of ops_triton, ops_delta_rule_triton and ops_triton_decode by recorders for the rest of the process: the workload
-computes nothing.
+of every Triton module (`TRITON_MODULES`: hf_linear_attn's ops_triton_*) by recorders for the rest of the process:
+the workload computes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import itertools
+import pkgutil
 import re
 import tempfile
 from dataclasses import dataclass
@@ -20,11 +22,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_linear_attn import ops_delta_rule_triton, ops_triton, ops_triton_decode
+import hf_linear_attn
+from hf_linear_attn import ops_triton_common, ops_triton_decode, ops_triton_delta_rule
 from hf_linear_attn.ops import delta_rule_attention, linear_attention, window_attention
 
 SHARED_MEMORY_KIB = 227  # per thread block on sm_90
 HOPPER = GPUTarget("cuda", 90, 32)
+TRITON_MODULES = [importlib.import_module(f"hf_linear_attn.{module.name}")
+                  for module in pkgutil.iter_modules(hf_linear_attn.__path__) if module.name.startswith("ops_triton_")]
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
                  torch.bool: "*i1"}
 
@@ -78,11 +83,11 @@ def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], norm
     """Every specialization the triton backend launches for these dtypes, (K, V) head dims and normalize values,
     forward and backward, those of the window and delta-rule ops, and the decode steps: {key: Specialization}."""
     seen = {}
-    for module in (ops_triton, ops_delta_rule_triton, ops_triton_decode):
+    for module in TRITON_MODULES:
         for name in dir(module):
             if name.endswith("_kernel"):
                 setattr(module, name, Recorder(getattr(module, name), seen))
-        module.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
+    ops_triton_common.unsupported_inputs = lambda *_, **__: None  # CPU tensors stand in for CUDA ones
     batch, length, heads = 1, 100, 2
     for dtype, (key_dim, value_dim) in itertools.product(dtypes, dims):
         for decay, normalize in itertools.product((None, "scalar", "vector"), normalize_values):
@@ -99,7 +104,7 @@ def record_workload(dtypes: list[torch.dtype], dims: list[tuple[int, int]], norm
         gate = torch.zeros(heads, dtype=dtype, requires_grad=True)
         o, _ = window_attention(*tensors, gate, window_size=8, num_sink_tokens=2, backend="triton")
         o.float().sum().backward()
-        for decay in (False, True) if key_dim <= ops_delta_rule_triton.MAX_KEY_DIM else ():
+        for decay in (False, True) if key_dim <= ops_triton_delta_rule.MAX_KEY_DIM else ():
             q = torch.randn(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)
             k = torch.zeros(batch, length, heads, key_dim, dtype=dtype, requires_grad=True)  # unit norm not needed
             v = torch.randn(batch, length, heads, value_dim, dtype=dtype, requires_grad=True)

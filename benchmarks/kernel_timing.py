@@ -30,7 +30,7 @@ from common import KERNEL_SHAPES as SHAPES
 from common import machine, write_report
 
 from hf_linear_attn.ops import linear_attention
-from hf_linear_attn.ops_triton import HAS_TRITON
+from hf_linear_attn.ops_triton_common import HAS_TRITON
 
 CHUNK = 64  # chunk size of the FLOP count (ours and fla both use 64)
 FLA_OPS = {"none": "chunk_linear_attn", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}

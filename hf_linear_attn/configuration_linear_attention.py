@@ -20,22 +20,30 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .backends import BACKENDS, OP_BACKENDS, accepted_by
 from .feature_maps import FEATURE_MAP_CLASSES, LEARNED_FEATURE_MAPS, feature_output_dim
 
 FEATURE_MAPS = tuple(FEATURE_MAP_CLASSES)
 DECAYS = ("none", "fixed", "scalar", "vector")
-BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
 UPDATE_RULES = ("additive", "delta")
 # What a decoder layer's attention is (`LinearAttentionConfig.layer_kind`): the model builds one attention class per
 # kind and the cache one state class per kind (plus the sparse memory's variant of the window state).
 LAYER_KINDS = ("softmax", "linear", "delta", "window", "delta_window")
+# The ops each recurrent kind runs with `linear_attention_backend` (names of `backends.OP_BACKENDS`): the delta window
+# runs window_attention(update_rule="delta"), whose state part is delta_rule_attention. (With a sparse memory the
+# window hybrid takes no backend, but sparse_cache_size may be set to 0 on a loaded model's config.)
+KIND_OPS = {
+    "linear": ("linear_attention",),
+    "delta": ("delta_rule_attention",),
+    "window": ("window_attention",),
+    "delta_window": ("window_attention", "delta_rule_attention"),
+}
 # What the delta rule accepts. Its keys are L2-normalised after φ: the maps whose output is a direction worth
 # normalising qualify; taylor does not (its 1 + D + D² features approximate exp(q·k), which normalising breaks,
 # and its state would be (1 + D + D²) × D). Its decay is a per-head scalar (the op takes log a [B, T, H]).
-# Its backends are those of `delta_rule_attention`.
+# Its backends are those of the ops its layers call (`KIND_OPS`).
 DELTA_FEATURE_MAPS = ("identity", "elu", "relu", "t2r", "hedgehog")
 DELTA_DECAYS = ("none", "fixed", "scalar")
-DELTA_BACKENDS = ("auto", "torch", "recurrent")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
@@ -139,7 +147,8 @@ class AttentionOptions:
     softmax_layers: list[int] = _option([], "Indices of the layers that keep full softmax attention.")
     linear_attention_backend: str = _option(
         "auto", "Backend of hf_linear_attn.linear_attention (or delta_rule_attention) used by the layers (auto "
-        "picks the fastest available).", choices=BACKENDS)
+        "picks the fastest available); update_rule='delta' takes those of delta_rule_attention: "
+        f"{'/'.join(OP_BACKENDS['delta_rule_attention'])}.", choices=BACKENDS)
     update_rule: str = _option(
         "additive", "How a token enters the state: additive (S += φ(k)vᵀ, the Linear Transformer) or delta "
         "(S = a(I - βkkᵀ)S + βkvᵀ, DeltaNet / Gated DeltaNet: q and k are L2-normalised after φ, a learned "
@@ -176,6 +185,7 @@ class AttentionOptions:
         _check_bool("output_gate", self.output_gate)
         if self.update_rule == "delta":  # before the window checks: their advice would not apply
             self._check_delta_rule()
+        self._check_layer_backend()
         check_sparse_cache_size(self)
         if self.num_sink_tokens > 0 and self.window_size == 0:
             _fail("num_sink_tokens", self.num_sink_tokens, "sink tokens need the window hybrid (window_size > 0)")
@@ -202,9 +212,25 @@ class AttentionOptions:
         if self.decay not in DELTA_DECAYS:
             _fail("decay", self.decay, f"update_rule='delta' takes one decay per head and token; allowed: "
                   f"{', '.join(DELTA_DECAYS)}")
-        if self.linear_attention_backend not in DELTA_BACKENDS:
-            _fail("linear_attention_backend", self.linear_attention_backend, "update_rule='delta' runs on "
-                  f"delta_rule_attention, whose backends are {', '.join(DELTA_BACKENDS)}")
+
+    def _check_layer_backend(self) -> None:
+        """`linear_attention_backend` among the backends every op of the layers accepts."""
+        ops = KIND_OPS[recurrent_kind(self)]
+        accepted = accepted_by(*ops)
+        if self.linear_attention_backend not in accepted:
+            kind = f"update_rule={self.update_rule!r}" + (" with window_size > 0" if self.window_size else "")
+            _fail("linear_attention_backend", self.linear_attention_backend, f"{kind} runs on {' and '.join(ops)}, "
+                  f"whose backends are {', '.join(accepted)}")
+
+
+def recurrent_kind(options: Any) -> str:
+    """The kind of every layer of a config (or `AttentionOptions`) that is not a softmax layer, one of LAYER_KINDS:
+    by update_rule and window_size, "linear" (additive), "delta", "window" (the additive window hybrid, with or
+    without the sparse memory) or "delta_window" (the delta rule behind a window). The one place that decides it
+    (`LinearAttentionConfig.layer_kind` adds the softmax layers)."""
+    if options.window_size > 0:
+        return "delta_window" if options.update_rule == "delta" else "window"
+    return "delta" if options.update_rule == "delta" else "linear"
 
 
 def check_sparse_cache_size(options: Any) -> None:
@@ -388,15 +414,9 @@ class LinearAttentionConfig(PretrainedConfig):
             raise ValueError(f"invalid `rope_parameters`={rope!r}: {error.args[0]}.") from None
 
     def layer_kind(self, layer_idx: int) -> str:
-        """The kind of attention of layer `layer_idx`, one of LAYER_KINDS: "softmax" (listed in softmax_layers),
-        else by update_rule and window_size: "linear" (additive), "delta", "window" (the additive window hybrid, with
-        or without the sparse memory) or "delta_window" (the delta rule behind a window). The one place a layer's
-        kind is decided."""
-        if layer_idx in self.softmax_layers:
-            return "softmax"
-        if self.window_size > 0:
-            return "delta_window" if self.update_rule == "delta" else "window"
-        return "delta" if self.update_rule == "delta" else "linear"
+        """The kind of attention of layer `layer_idx`, one of LAYER_KINDS: "softmax" (listed in softmax_layers), else
+        the config's `recurrent_kind`. The model builds its attention class and the cache its state from it."""
+        return "softmax" if layer_idx in self.softmax_layers else recurrent_kind(self)
 
     @property
     def feature_output_dim(self) -> int:

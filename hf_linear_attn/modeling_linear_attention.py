@@ -31,6 +31,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
+from .backends import BACKENDS  # noqa: F401 (see below)
 from .cache_linear_attention import (
     DeltaWindowStateLayer,
     LinearAttentionCache,
@@ -57,11 +58,13 @@ from .ops_chunked import chunk_linear_attention  # noqa: F401
 from .ops_common import CHUNK_SIZE  # noqa: F401
 from .ops_decode import window_decode_step  # noqa: F401
 from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
-from .ops_delta_rule_triton import triton_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
 from .ops_sparse_memory import MEMORY_BLOCK_SIZE, block_end
-from .ops_triton import HAS_TRITON  # noqa: F401
+from .ops_triton_common import HAS_TRITON  # noqa: F401
 from .ops_triton_decode import triton_window_decode_step  # noqa: F401
+from .ops_triton_delta_rule import triton_delta_rule  # noqa: F401
+from .ops_triton_linear import triton_linear_attention  # noqa: F401
+from .ops_triton_window import triton_window_attention  # noqa: F401
 
 # GLA divides the log-sigmoid gate by 16 so that freshly initialised decays stay close to 1
 # (logsigmoid(0) / 16 ≈ -0.043, i.e. a ≈ 0.96 per token) and long-range memory survives init.

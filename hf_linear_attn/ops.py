@@ -15,8 +15,8 @@ Backends (the names `BACKENDS`, which the config's `linear_attention_backend` mi
   its quadratic form, runs under this name and under "parallel".
 - "parallel": the quadratic closed form (`ops_reference`), a second oracle.
 - "torch": chunked PyTorch (`ops_chunked`), any device.
-- "triton": chunked Triton kernels (`ops_triton`): CUDA tensors (or CPU ones under TRITON_INTERPRET=1), float16,
-  bfloat16 or float32, window head dims up to 256.
+- "triton": chunked Triton kernels (`ops_triton_linear`, `ops_triton_window`): CUDA tensors (or CPU ones under
+  TRITON_INTERPRET=1), float16, bfloat16 or float32, window head dims up to 256.
 - "auto": one query (a decode step) runs the direct form, "recurrent" for linear attention (one state update)
   and the quadratic form for the window (one row of scores over the retained tokens); otherwise "triton" for
   CUDA tensors it supports, else "torch".
@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops_triton
+from . import ops_triton_common
+from .backends import BACKENDS
 from .ops_chunked import chunk_linear_attention, chunk_window_attention
 from .ops_common import (
-    BACKENDS,
     check_4d_floating,
     check_cu_seqlens,
     check_log_decay,
@@ -57,8 +57,9 @@ from .ops_decode import delta_window_decode_step, linear_decode_step, window_dec
 from .ops_delta_rule import DELTA_RULE_BACKENDS, delta_rule_attention, window_delta_rule
 from .ops_reference import parallel_linear_attention, recurrent_linear_attention, reference_window_attention
 from .ops_sparse_memory import MEMORY_BLOCK_SIZE, KeyFeatureMap, SparseMemory, sparse_window_attention
-from .ops_triton import triton_linear_attention, triton_window_attention
 from .ops_triton_decode import triton_linear_decode_step, triton_window_decode_step
+from .ops_triton_linear import triton_linear_attention
+from .ops_triton_window import triton_window_attention
 
 __all__ = [
     "BACKENDS",
@@ -156,7 +157,9 @@ def linear_attention(
     tensors = {"q": q, "k": k, "v": v, "log_decay": log_decay, "initial_state": initial_state}
     name = pick_backend(
         backend, q.device, single_query=length == 1,
-        triton_problem=lambda: ops_triton.unsupported_inputs({n: x for n, x in tensors.items() if x is not None}),
+        triton_problem=lambda: ops_triton_common.unsupported_inputs(
+            {n: x for n, x in tensors.items() if x is not None}
+        ),
     )
     return LINEAR_FORMS[name](
         q, k, v, log_decay,
@@ -171,7 +174,7 @@ def linear_attention(
 def _check_contiguous_padding(key_padding_mask: Tensor) -> None:
     """The triton window kernels take each row's real tokens as one run [lo, hi) (left or right padding)."""
     batch, length = key_padding_mask.shape
-    lo, hi = ops_triton.real_token_bounds(key_padding_mask, batch, length, key_padding_mask.device).unbind(-1)
+    lo, hi = ops_triton_common.real_token_bounds(key_padding_mask, batch, length, key_padding_mask.device).unbind(-1)
     pos = torch.arange(length, device=key_padding_mask.device)
     if not torch.equal((pos >= lo[:, None]) & (pos < hi[:, None]), key_padding_mask):
         raise ValueError("key_padding_mask: backend 'triton' needs the real tokens of each row contiguous (left or "
@@ -469,7 +472,7 @@ def _hybrid(
             # The Triton kernels take each row's real tokens as one run; only a host sync could tell whether a
             # mask has holes, so "auto" runs masked inputs on "torch", which takes any mask.
             return "key_padding_mask given"
-        return ops_triton.unsupported_inputs(
+        return ops_triton_common.unsupported_inputs(
             {n: x for n, x in tensors.items() if x is not None}, window_head_dims=(head_dim, v.shape[-1])
         )
 
@@ -542,7 +545,7 @@ def _decode_kernel_problem(backend: str, tensors: dict[str, Tensor]) -> str | No
     launch: fullgraph and CUDA graphs stay possible)."""
     if backend == "auto" and torch.compiler.is_compiling():
         return "torch.compile traces the step: the torch step runs (inductor fuses it)"
-    return ops_triton.unsupported_inputs(tensors)
+    return ops_triton_common.unsupported_inputs(tensors)
 
 
 def linear_attention_step(

@@ -1,5 +1,5 @@
 """Helpers shared by the attention ops (`ops`, `ops_delta_rule`) and their backends (`ops_reference`,
-`ops_chunked`, `ops_triton`, `ops_delta_rule_chunked`).
+`ops_chunked`, `ops_triton_*`, `ops_delta_rule_chunked`).
 
 What lives here is plumbing every backend needs the same way: the accumulation dtype, the per-sequence runner
 for packed inputs (cu_seqlens), the token masks and the delayed keys of the window hybrid, the divisions that
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backends import BACKENDS
+
 NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
 CHUNK_SIZE = 64  # tokens per chunk of the chunked backends (torch and Triton)
-# Backend names of the ops (what the config's `linear_attention_backend` mirrors); see `pick_backend`.
-BACKENDS = ("auto", "torch", "recurrent", "parallel", "triton")
 # Set to "1" to run the input checks that read tensor values (one host sync each) on every device, not just CPU.
 CHECK_VALUES_ENV = "HF_LINEAR_ATTN_CHECK_VALUES"
 

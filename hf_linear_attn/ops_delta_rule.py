@@ -11,7 +11,7 @@ data-dependent decay (Gated DeltaNet; a_t = 1 is DeltaNet). With unit keys, I âˆ
 
 `delta_rule_attention` validates every input before any work and dispatches to a backend:
 "recurrent" (`recurrent_delta_rule` below, the equation token by token), "torch"
-(`ops_delta_rule_chunked.chunk_delta_rule`, chunked) or "triton" (`ops_delta_rule_triton.triton_delta_rule`, the
+(`ops_delta_rule_chunked.chunk_delta_rule`, chunked) or "triton" (`ops_triton_delta_rule.triton_delta_rule`, the
 same chunked form in Triton kernels). States are [B, H, K, V] in float32 (float64 for float64
 inputs), the same layout as transformers' and flash-linear-attention's gated delta rule.
 """
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backends import OP_BACKENDS
 from .ops_common import (
     accumulation_dtype,
     check_cu_seqlens,
@@ -34,7 +35,7 @@ from .ops_common import (
     window_token_masks,
 )
 from .ops_delta_rule_chunked import chunk_delta_rule
-from .ops_delta_rule_triton import triton_delta_rule, unsupported_delta_rule_inputs
+from .ops_triton_delta_rule import triton_delta_rule, unsupported_delta_rule_inputs
 
 __all__ = ["delta_rule_attention", "window_delta_rule"]
 
@@ -179,7 +180,7 @@ def delta_rule_attention(
             )
     tensors = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay, "initial_state": initial_state}
     tensors = {arg: x for arg, x in tensors.items() if x is not None}
-    name = pick_backend(backend, q.device, single_query=length == 1, names=("auto", *DELTA_RULE_BACKENDS),
+    name = pick_backend(backend, q.device, single_query=length == 1, names=OP_BACKENDS["delta_rule_attention"],
                         triton_problem=lambda: unsupported_delta_rule_inputs(tensors))
     return DELTA_RULE_BACKENDS[name](
         q, k, v, beta, log_decay,

@@ -20,26 +20,26 @@ on CUDA tensors, or on CPU under the Triton interpreter (TRITON_INTERPRET=1 befo
   and 0 at a pad row. The ring write of the new token (which hands back the leaving one) stays in torch: several
   query heads read the slots of one KV head, so a program writing a slot would race with its neighbours reading it.
 
-Layout: the programs address the contiguous buffers with the pointer arithmetic of `ops_triton` (its tile helpers;
-every load masked and zero-filled, so block sizes are powers of two whatever the dims). On a GPU no tensor value is
-read on the host (the input checks that read values run on CPU only, see `ops_common.checks_values`): a step can be
-captured in a CUDA graph.
+Layout: the programs address the contiguous buffers with the pointer arithmetic of `ops_triton_common` (its tile
+helpers; every load masked and zero-filled, so block sizes are powers of two whatever the dims). On a GPU no tensor
+value is read on the host (the input checks that read values run on CPU only, see `ops_common.checks_values`): a
+step can be captured in a CUDA graph.
 """
 
 import torch
 from torch import Tensor
 
-from . import ops_triton
+from . import ops_triton_common
 from .ops_common import NORM_EPS, check_4d_floating, check_log_decay, checked_scale
-from .ops_triton import (
+from .ops_triton_common import (
     DECAY_NONE,
     DECAY_SCALAR,
     DECAY_VECTOR,
     HAS_TRITON,
     MAX_WINDOW_HEAD_DIM,
-    _block,
-    _load_tile,
-    _store_tile,
+    block_size,
+    load_tile,
+    store_tile,
     tl,
     triton,
 )
@@ -60,13 +60,13 @@ NORMALIZER_EPS = tl.constexpr(NORM_EPS)  # the kernels may read only constexpr g
 @triton.jit
 def _column(x, rows, num_rows):
     """x[rows] of a vector as a fp32 [len(rows), 1] column, 0 where rows ≥ num_rows."""
-    return _load_tile(x, rows, num_rows, 1, tl.arange(0, 1), 1).to(tl.float32)
+    return load_tile(x, rows, num_rows, 1, tl.arange(0, 1), 1).to(tl.float32)
 
 
 @triton.jit
 def _row(x, cols, num_cols):
     """x[cols] of a vector as a fp32 [1, len(cols)] row, 0 where cols ≥ num_cols."""
-    return _load_tile(x, tl.arange(0, 1), 1, 0, cols, num_cols).to(tl.float32)
+    return load_tile(x, tl.arange(0, 1), 1, 0, cols, num_cols).to(tl.float32)
 
 
 @triton.jit
@@ -112,9 +112,9 @@ def _linear_decode_kernel(
         normalizer = tl.zeros([1, 1], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rows = k0 + tl.arange(0, BLOCK_K)
-            column = _load_tile(head_state + V, rows, K, V + 1, tl.arange(0, 1), 1)
+            column = load_tile(head_state + V, rows, K, V + 1, tl.arange(0, 1), 1)
             column = column * _decay_column(log_decay, row_head, rows, K, DECAY) + _column(key_base, rows, K)
-            _store_tile(head_state + V, column, rows, K, V + 1, tl.arange(0, 1), 1)
+            store_tile(head_state + V, column, rows, K, V + 1, tl.arange(0, 1), 1)
             normalizer += tl.sum(_column(query_base, rows, K) * scale * column, axis=0)[None, :]
         denominator = normalizer + NORMALIZER_EPS
     for v0 in range(0, V, BLOCK_V):
@@ -123,11 +123,11 @@ def _linear_decode_kernel(
         numerator = tl.zeros([1, BLOCK_V], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rows = k0 + tl.arange(0, BLOCK_K)
-            tile = _load_tile(head_state, rows, K, V + NORMALIZE, cols, V)
+            tile = load_tile(head_state, rows, K, V + NORMALIZE, cols, V)
             tile = tile * _decay_column(log_decay, row_head, rows, K, DECAY) + _column(key_base, rows, K) * value_row
-            _store_tile(head_state, tile, rows, K, V + NORMALIZE, cols, V)
+            store_tile(head_state, tile, rows, K, V + NORMALIZE, cols, V)
             numerator += tl.sum(_column(query_base, rows, K) * scale * tile, axis=0)[None, :]
-        _store_tile(out + row_head.to(tl.int64) * V, numerator / denominator, tl.arange(0, 1), 1, V, cols, V)
+        store_tile(out + row_head.to(tl.int64) * V, numerator / denominator, tl.arange(0, 1), 1, V, cols, V)
 
 
 @triton.jit
@@ -173,11 +173,11 @@ def _window_decode_kernel(
         decay = _decay_column(log_decay, row_head, rows, F, DECAY)
         leaving_key = _column(leaving_feat + feature_base, rows, F) * folds
         query = _column(q_feat + feature_base, rows, F)
-        tile = _load_tile(head_state, rows, F, V + 1, cols, V) * decay + leaving_key * leaving_value
-        _store_tile(head_state, tile, rows, F, V + 1, cols, V)
+        tile = load_tile(head_state, rows, F, V + 1, cols, V) * decay + leaving_key * leaving_value
+        store_tile(head_state, tile, rows, F, V + 1, cols, V)
         linear_numerator += tl.sum(query * tile, axis=0)[None, :]
-        column = _load_tile(head_state + V, rows, F, V + 1, tl.arange(0, 1), 1) * decay + leaving_key
-        _store_tile(head_state + V, column, rows, F, V + 1, tl.arange(0, 1), 1)
+        column = load_tile(head_state + V, rows, F, V + 1, tl.arange(0, 1), 1) * decay + leaving_key
+        store_tile(head_state + V, column, rows, F, V + 1, tl.arange(0, 1), 1)
         linear_denominator += tl.sum(query * column, axis=0)[None, :]
 
     # Softmax part: one row of scores against the slots of KV head g.
@@ -192,14 +192,14 @@ def _window_decode_kernel(
     for s0 in range(0, num_slots, BLOCK_SLOTS):
         slots = s0 + tl.arange(0, BLOCK_SLOTS)
         held = tl.load(window_mask + slot0 + slots, mask=slots < num_slots, other=0) != 0
-        keys = _load_tile(key_base, slots, num_slots, H_KV * D, dims, D).to(tl.float32)
+        keys = load_tile(key_base, slots, num_slots, H_KV * D, dims, D).to(tl.float32)
         scores = tl.sum(keys * query_row, axis=1)[:, None] * scale  # [BLOCK_SLOTS, 1]
         scores = tl.where(held[:, None], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0)[None, :])
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing held yet: every weight stays 0, not nan
         weights = tl.exp(scores - shift)
         rescale = tl.exp(running_max - shift)
-        values_tile = _load_tile(value_base, slots, num_slots, H_KV * V, cols, V).to(tl.float32)
+        values_tile = load_tile(value_base, slots, num_slots, H_KV * V, cols, V).to(tl.float32)
         running_sum = running_sum * rescale + tl.sum(weights, axis=0)[None, :]
         softmax_numerator = softmax_numerator * rescale + tl.sum(weights * values_tile, axis=0)[None, :]
         running_max = new_max
@@ -208,7 +208,7 @@ def _window_decode_kernel(
     o = (gamma * softmax_numerator + linear_numerator) / (gamma * running_sum + linear_denominator)
     if HAS_PADS:
         o = tl.where(tl.load(real + n) != 0, o, 0.0)  # a pad query outputs 0
-    _store_tile(out + row_head.to(tl.int64) * V, o, tl.arange(0, 1), 1, V, cols, V)
+    store_tile(out + row_head.to(tl.int64) * V, o, tl.arange(0, 1), 1, V, cols, V)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def _window_decode_kernel(
 def _tile_rows(cols: int, dim: int) -> int:
     """Rows of a fp32 tile of `cols` columns over a dim of size `dim`: a power of two in [16, TILE_ELEMENTS / cols],
     no more than `dim` needs."""
-    return min(_block(dim, 128), max(16, TILE_ELEMENTS // cols))
+    return min(block_size(dim, 128), max(16, TILE_ELEMENTS // cols))
 
 
 def _token_decay_mode(log_decay: Tensor | None) -> int:
@@ -233,7 +233,8 @@ def _check_decode_inputs(tensors: dict[str, Tensor | None], state: Tensor, state
                          window_head_dims: tuple[int, int] | None = None) -> None:
     """The device and dtype checks of the triton backend, then the state: a contiguous fp32 tensor of state_shape
     (the kernel updates it in place, so it cannot work on a copy)."""
-    problem = ops_triton.unsupported_inputs({n: x for n, x in tensors.items() if x is not None}, window_head_dims)
+    present = {n: x for n, x in tensors.items() if x is not None}
+    problem = ops_triton_common.unsupported_inputs(present, window_head_dims)
     if problem is not None:
         raise ValueError(problem)
     if not isinstance(state, Tensor) or tuple(state.shape) != state_shape or state.dtype != torch.float32:
@@ -291,7 +292,7 @@ def triton_linear_decode_step(
     _linear_decode_kernel[(batch * heads,)](
         q_feat, k_feat, v, state if log_decay is None else log_decay.contiguous(), state, out, scale,
         H=heads, K=key_dim, V=value_dim, DECAY=_token_decay_mode(log_decay), NORMALIZE=int(bool(normalize)),
-        BLOCK_K=_block(key_dim), BLOCK_V=_block(value_dim),
+        BLOCK_K=block_size(key_dim), BLOCK_V=block_size(value_dim),
     )
     return out
 
@@ -353,7 +354,7 @@ def triton_window_decode_step(
               "window_gate": window_gate}
     _check_decode_inputs(inputs, state, (batch, heads, feature_dim, value_dim + 1), (head_dim, value_dim))
     out = window_values.new_empty(batch, 1, heads, value_dim)
-    block_v, block_d = _block(value_dim, MAX_WINDOW_HEAD_DIM), _block(head_dim, MAX_WINDOW_HEAD_DIM)
+    block_v, block_d = block_size(value_dim, MAX_WINDOW_HEAD_DIM), block_size(head_dim, MAX_WINDOW_HEAD_DIM)
     _window_decode_kernel[(batch * heads,)](
         *(x.contiguous() for x in (q, q_feat)), state if log_decay is None else log_decay.contiguous(), state,
         *(x.contiguous() for x in (window_keys, window_values, window_mask, leaving_feat, leaving_values,

@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter. triton reads this when @triton.jit decorates the
-# kernels, i.e. when hf_linear_attn.ops_triton is imported: it must be set before the package is (test modules
-# import it after this file has run).
+# kernels, i.e. when hf_linear_attn's Triton modules (ops_triton_*) are imported: it must be set before the package
+# is (test modules import it after this file has run).
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 

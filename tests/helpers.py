@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pkgutil
 import random
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -31,7 +33,7 @@ from transformers import (
 )
 
 import hf_linear_attn
-from hf_linear_attn import ops_triton
+from hf_linear_attn import ops_triton_common
 from hf_linear_attn.modeling_linear_attention import LinearAttention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,10 +248,16 @@ def triton_test_device() -> str:
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         return "cuda"
-    if not ops_triton.INTERPRET:
+    if not ops_triton_common.INTERPRET:
         pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before importing hf_linear_attn",
                     allow_module_level=True)
     return "cpu"
+
+
+def triton_modules() -> list[ModuleType]:
+    """Every Triton module of the package (`ops_triton_*.py`), imported."""
+    names = [module.name for module in pkgutil.iter_modules(hf_linear_attn.__path__)]
+    return [importlib.import_module(f"hf_linear_attn.{name}") for name in names if name.startswith("ops_triton_")]
 
 
 def make_delta_rule_inputs(

@@ -6,7 +6,7 @@ import textwrap
 
 from helpers import benchmark_module
 
-from hf_linear_attn.ops_triton import HAS_TRITON
+from hf_linear_attn.ops_triton_common import HAS_TRITON
 
 # flash-linear-attention needs a GPU; this stand-in has its ops' signatures and runs our torch backend.
 FAKE_FLA_OPS = textwrap.dedent(

@@ -1,5 +1,7 @@
+import ast
 import json
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +9,8 @@ from helpers import tiny_config, tiny_model
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from hf_linear_attn import LinearAttentionConfig
+from hf_linear_attn import LinearAttentionConfig, backends, configuration_linear_attention, ops
+from hf_linear_attn.backends import BACKENDS, OP_BACKENDS
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, FEATURE_MAPS, AttentionOptions
 from hf_linear_attn.feature_maps import build_feature_map
 from hf_linear_attn.modeling_linear_attention import LinearAttentionRotaryEmbedding
@@ -240,7 +243,6 @@ DELTA = {"update_rule": "delta", "feature_map": "identity", "normalize": False}
         ({**DELTA, "feature_map": "taylor"}, "feature_map", "taylor"),
         ({**DELTA, "decay": "vector"}, "decay", "one decay per head"),
         ({**DELTA, "linear_attention_backend": "parallel"}, "linear_attention_backend", "delta_rule_attention"),
-        ({**DELTA, "linear_attention_backend": "triton"}, "linear_attention_backend", "delta_rule_attention"),
         ({"update_rule": "gated"}, "update_rule", "allowed: additive, delta"),
         ({"conv_size": -1}, "conv_size", ">= 0"),
         ({"conv_size": 1}, "conv_size", "width >= 2"),
@@ -251,6 +253,63 @@ def test_delta_rule_combinations_it_does_not_support_raise(overrides, field, rea
         tiny_config(**overrides)
     with pytest.raises(ValueError, match=f"`{field}`"):  # the scripts' flags: the same checks
         AttentionOptions(**overrides)
+
+
+def op_accepts(op: str, backend: str) -> bool:
+    """Whether `op` takes backend `backend`, asked with tiny valid inputs: False when it refuses the name; a name it
+    takes runs (backend "triton" may instead say why it cannot take CPU tensors)."""
+    q, v = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 5)
+    k = torch.nn.functional.normalize(torch.randn(1, 3, 2, 4), dim=-1)
+    calls = {
+        "linear_attention": lambda: ops.linear_attention(q, k, v, backend=backend),
+        "window_attention": lambda: ops.window_attention(q, k, v, q.exp(), k.exp(), torch.zeros(2), window_size=2,
+                                                         backend=backend),
+        "delta_rule_attention": lambda: ops.delta_rule_attention(q, k, v, torch.rand(1, 3, 2), backend=backend),
+    }
+    try:
+        calls[op]()
+    except ValueError as error:
+        if "backend must be one of" in str(error):
+            return False
+        if backend != "triton":
+            raise
+    return True
+
+
+# The ops that each kind of linear layer calls with the config's backend: (config overrides, ops).
+LAYER_KINDS = {
+    "additive": ({}, ("linear_attention",)),
+    "additive window hybrid": ({"window_size": 4}, ("window_attention",)),
+    "delta rule": (DELTA, ("delta_rule_attention",)),
+    "delta rule behind a window": ({**DELTA, "window_size": 4}, ("window_attention", "delta_rule_attention")),
+}
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_config_accepts_exactly_the_backends_of_its_layers_ops(kind):
+    """Every backend the ops of a layer kind all take, the config takes for that kind, and it refuses the others
+    (which an op would refuse), naming the op. The ops' names are those declared in `backends`."""
+    overrides, layer_ops = LAYER_KINDS[kind]
+    for op in layer_ops:
+        assert tuple(name for name in BACKENDS if op_accepts(op, name)) == OP_BACKENDS[op], op
+    for name in BACKENDS:
+        if all(op_accepts(op, name) for op in layer_ops):
+            assert tiny_config(**overrides, linear_attention_backend=name).linear_attention_backend == name
+            AttentionOptions(**overrides, linear_attention_backend=name)
+        else:
+            with pytest.raises(ValueError, match=f"`linear_attention_backend`.*runs on .*{layer_ops[-1]}"):
+                tiny_config(**overrides, linear_attention_backend=name)
+            with pytest.raises(ValueError, match="`linear_attention_backend`"):
+                AttentionOptions(**overrides, linear_attention_backend=name)
+
+
+def test_config_and_ops_share_the_backend_names():
+    """The config names the backends of the ops, declared once in `backends` (a module without torch, which remote
+    code imports beside the config)."""
+    assert configuration_linear_attention.BACKENDS == ops.BACKENDS == BACKENDS
+    assert all(set(names) <= set(BACKENDS) and "auto" in names for names in OP_BACKENDS.values())
+    tree = ast.parse(Path(backends.__file__).read_text())
+    assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 @pytest.mark.parametrize("field, value", [("conv_size", 4.0), ("output_gate", 1), ("update_rule", None)])

@@ -17,7 +17,7 @@ from hf_linear_attn.ops import (
     window_attention,
     window_attention_step,
 )
-from hf_linear_attn.ops_triton import HAS_TRITON
+from hf_linear_attn.ops_triton_common import HAS_TRITON
 
 # ---------------------------------------------------------------------------------------------------------------
 # The steps against the general ops: one query behind the retained keys
@@ -174,9 +174,9 @@ def test_steps_pick_their_backend_through_pick_backend(monkeypatch):
 
     assert step() == "torch"
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors, *dims: "float64")
+    monkeypatch.setattr("hf_linear_attn.ops_triton_common.unsupported_inputs", lambda tensors, *dims: "float64")
     assert step() == "torch"  # inputs the kernel does not take (a dtype, no triton installed)
-    monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors, *dims: None)
+    monkeypatch.setattr("hf_linear_attn.ops_triton_common.unsupported_inputs", lambda tensors, *dims: None)
     assert step() == "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert step() == "torch"
@@ -191,7 +191,7 @@ def test_window_steps_without_a_kernel_stay_on_torch(monkeypatch):
     monkeypatch.setitem(ops.WINDOW_STEPS, "triton", lambda *a, **k: calls.append(("triton", k)))
     monkeypatch.setitem(ops.DELTA_WINDOW_STEPS, "torch", lambda *a, **k: calls.append(("torch", k)))
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr("hf_linear_attn.ops_triton.unsupported_inputs", lambda tensors, *dims: None)
+    monkeypatch.setattr("hf_linear_attn.ops_triton_common.unsupported_inputs", lambda tensors, *dims: None)
     x = torch.zeros(1, 1, 2, 4)
     window_attention_step(x, x, None, x, x, x, x, x, x, x, x, None, scale=1.0)
     assert calls.pop()[0] == "triton"

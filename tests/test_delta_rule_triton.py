@@ -18,7 +18,7 @@ from helpers import (
     triton_test_device,
 )
 
-from hf_linear_attn import ops_delta_rule_triton
+from hf_linear_attn import ops_triton_delta_rule
 from hf_linear_attn.ops_common import CHUNK_SIZE
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
 
@@ -67,7 +67,7 @@ def test_matches_torch_chunked_backend():
 
 def test_key_dims_over_several_key_blocks_match_torch_chunked_backend():
     """dq and dk in K blocks of DQK_KEY_WIDTH, the last one partial; dβ and db summed over the blocks' parts."""
-    key_dim = ops_delta_rule_triton.DQK_KEY_WIDTH + 17
+    key_dim = ops_triton_delta_rule.DQK_KEY_WIDTH + 17
     inputs = make_delta_rule_inputs(C + 5, with_state=True, batch=1, heads=1, key_dim=key_dim, value_dim=7)
     compare(inputs, reference="torch")
 
@@ -111,7 +111,7 @@ def test_backend_selection_and_errors():
         assert torch.equal(o_auto, o_triton)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32 tensors, got q in torch.float64"):
         delta_rule_attention(**inputs, backend="triton")
-    wide = ops_delta_rule_triton.MAX_KEY_DIM + 1
+    wide = ops_triton_delta_rule.MAX_KEY_DIM + 1
     too_wide = make_delta_rule_inputs(3, batch=1, heads=1, key_dim=wide, value_dim=2)
     with pytest.raises(ValueError, match=f"key dims K ≤ {wide - 1}, got K = {wide}"):
         delta_rule_attention(**{n: None if x is None else x.float() for n, x in too_wide.items()}, backend="triton")
@@ -121,8 +121,8 @@ def test_without_triton_the_backend_explains_itself():
     code = """
         import torch
         import torch.nn.functional as F
-        from hf_linear_attn import delta_rule_attention, ops_delta_rule_triton
-        assert not ops_delta_rule_triton.HAS_TRITON
+        from hf_linear_attn import delta_rule_attention, ops_triton_delta_rule
+        assert not ops_triton_delta_rule.HAS_TRITON
         q, k = torch.randn(1, 5, 2, 4), F.normalize(torch.randn(1, 5, 2, 4), dim=-1)
         delta_rule_attention(q, k, q, torch.rand(1, 5, 2))
         """

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import benchmark_module, run_script
 
-from hf_linear_attn.ops_triton import HAS_TRITON
+from hf_linear_attn.ops_triton_common import HAS_TRITON
 
 # fla's chunk ops run on a GPU (or in the interpreter with fla installed); this stand-in has their signatures and
 # runs our torch backend, so the report's fla columns and ratios are exercised without fla.

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import assert_all_close, make_inputs, with_resets
 
-from hf_linear_attn import configuration_linear_attention, ops, ops_chunked, ops_common
+from hf_linear_attn import ops, ops_chunked, ops_common
 from hf_linear_attn.ops import linear_attention
 from hf_linear_attn.ops_common import CHUNK_SIZE
 
@@ -246,11 +246,6 @@ def test_value_checks_read_no_values_off_the_cpu(monkeypatch):
     monkeypatch.setenv(ops_common.CHECK_VALUES_ENV, "1")
     with pytest.raises(RuntimeError, match="meta"):  # the checks now try to read the values
         linear_attention(**meta, backend="recurrent")
-
-
-def test_config_accepts_exactly_the_ops_backends():
-    """The config checks its own tuple (it may not import ops: remote-code import rules): the same names."""
-    assert configuration_linear_attention.BACKENDS == ops.BACKENDS
 
 
 def test_auto_picks_by_device_query_count_and_what_triton_takes():

@@ -9,10 +9,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import tiny_model, triton_modules
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM, LinearAttentionModel
@@ -51,8 +52,9 @@ def test_checkpoint_files_and_auto_map(saved):
     files = set(os.listdir(saved))
     assert "model.safetensors" in files
     assert not any(f.endswith(".bin") for f in files)
+    triton_files = [Path(module.__file__).name for module in triton_modules()]
     for module in ("configuration_linear_attention.py", "modeling_linear_attention.py", "feature_maps.py",
-                   "ops.py"):
+                   "ops.py", "backends.py", *triton_files):
         assert module in files, module
     auto_map = json.loads((saved / "config.json").read_text())["auto_map"]
     assert auto_map == {

@@ -7,6 +7,7 @@ TF32 (hence the looser float32 tolerance there). The oracles run in float64 on t
 """
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -18,12 +19,13 @@ from helpers import (
     make_inputs,
     make_window_inputs,
     run_python,
+    triton_modules,
     triton_test_device,
     window_initial_state,
     with_resets,
 )
 
-from hf_linear_attn import ops, ops_common, ops_delta_rule_triton, ops_triton, ops_triton_decode
+from hf_linear_attn import ops, ops_common, ops_triton_common, ops_triton_window
 from hf_linear_attn.ops import linear_attention, window_attention
 from hf_linear_attn.ops_common import CHUNK_SIZE
 
@@ -118,7 +120,7 @@ def test_linear_packed_sequences(decay, normalize):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Records every launch of the linear-attention kernels: (kernel name, {argument name: value}), then runs it."""
+    """Records every launch of a Triton kernel: (kernel name, {argument name: value}), then runs it."""
     seen = []
 
     class Spy:
@@ -135,9 +137,10 @@ def launches(monkeypatch):
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    for name in dir(ops_triton):
-        if name.endswith("_kernel"):
-            monkeypatch.setattr(ops_triton, name, Spy(name, getattr(ops_triton, name)))
+    for module in triton_modules():
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                monkeypatch.setattr(module, name, Spy(name, getattr(module, name)))
     return seen
 
 
@@ -255,7 +258,7 @@ def test_packed_calls_read_no_values_on_the_host(monkeypatch):
     assert_all_close([x.detach().double().cpu() for x in second], [x.detach().double().cpu() for x in first], 0.0)
 
     cu_seqlens[1:] = torch.tensor([C + 6, C + 6, C + 11, sum(lengths)])  # other bounds, same tensor
-    moved = ops_triton._packed_chunks(cu_seqlens, DEVICE)
+    moved = ops_triton_common.packed_chunks(cu_seqlens, DEVICE)
     assert moved.seq_info[:, :2].tolist() == [[0, C + 6], [C + 6, C + 6], [C + 6, C + 11], [C + 11, sum(lengths)]]
 
 
@@ -299,7 +302,7 @@ def test_auto_picks_triton_for_cuda_tensors_it_takes():
     """What triton takes decides "auto" on a GPU: float64 goes to torch, as do window head dims over 256."""
     def problem(dtype, head_dim=64):
         tensor = torch.empty(1, dtype=dtype, device=DEVICE)
-        return ops_triton.unsupported_inputs({"q": tensor}, window_head_dims=(head_dim, head_dim))
+        return ops_triton_common.unsupported_inputs({"q": tensor}, window_head_dims=(head_dim, head_dim))
 
     def pick(found):
         return ops.pick_backend("auto", torch.device("cuda", 0), single_query=False, triton_problem=lambda: found)
@@ -409,9 +412,9 @@ class SinkSliceLaunches:
 def sink_slices(monkeypatch):
     """Slices of as many query blocks as a dk/dv program visits (no minimum), so short rows have several; the
     recorder of the sink kernel's launches."""
-    monkeypatch.setattr(ops_triton, "SINK_SLICE_MIN_BLOCKS", 1)
-    launches = SinkSliceLaunches(ops_triton._window_sink_dkdv_kernel)
-    monkeypatch.setattr(ops_triton, "_window_sink_dkdv_kernel", launches)
+    monkeypatch.setattr(ops_triton_window, "SINK_SLICE_MIN_BLOCKS", 1)
+    launches = SinkSliceLaunches(ops_triton_window._window_sink_dkdv_kernel)
+    monkeypatch.setattr(ops_triton_window, "_window_sink_dkdv_kernel", launches)
     return launches
 
 
@@ -481,9 +484,10 @@ def no_launch(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("a kernel was launched before the inputs were rejected")
 
-    for name in dir(ops_triton):
-        if name.endswith("_kernel"):
-            monkeypatch.setattr(ops_triton, name, Forbidden())
+    for module in triton_modules():
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                monkeypatch.setattr(module, name, Forbidden())
 
 
 def linear_args(**changes) -> dict:
@@ -533,19 +537,24 @@ def test_invalid_inputs_raise_before_any_launch(no_launch, monkeypatch, attentio
 
 @pytest.mark.parametrize("attention, kwargs", [(linear_attention, linear_args()), (window_attention, window_args())])
 def test_cpu_tensors_without_the_interpreter_raise(no_launch, monkeypatch, attention, kwargs):
-    monkeypatch.setattr(ops_triton, "INTERPRET", False)
+    monkeypatch.setattr(ops_triton_common, "INTERPRET", False)
     cpu = {name: x.cpu() if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
     with pytest.raises(ValueError, match="CUDA tensors"):
         attention(**cpu)
 
 
 def test_module_imports_without_triton():
-    """Remote code must load where triton is missing: no triton backend then, and 'auto' stays on torch."""
-    code = """
+    """Remote code must load where triton is missing: every Triton module imports, there is no triton backend, and
+    'auto' stays on torch."""
+    modules = [module.__name__ for module in triton_modules()]
+    code = f"""
+        import importlib
         import torch
-        from hf_linear_attn import ops, ops_triton
-        assert not ops_triton.HAS_TRITON
-        problem = ops_triton.unsupported_inputs({"q": torch.empty(1, device="meta")})
+        from hf_linear_attn import ops, ops_triton_common
+        for name in {modules!r}:
+            importlib.import_module(name)
+        assert not ops_triton_common.HAS_TRITON
+        problem = ops_triton_common.unsupported_inputs({{"q": torch.empty(1, device="meta")}})
         assert "needs the triton package" in problem
         picked = ops.pick_backend("auto", torch.device("cuda"), single_query=False, triton_problem=lambda: problem)
         assert picked == "torch"
@@ -563,6 +572,9 @@ def test_kernels_compile_for_a_hopper_gpu():
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "0 failed" in result.stdout
     compiled = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    kernels = {name for module in (ops_triton, ops_delta_rule_triton, ops_triton_decode) for name in dir(module)
-               if name.endswith("_kernel")}
+    # Every kernel defined in a Triton module, read from the sources: a kernel or module the compile check misses
+    # is found here.
+    sources = sorted((ROOT / "hf_linear_attn").glob("ops_triton_*.py"))
+    kernels = {name for path in sources for name in re.findall(r"^def (\w+_kernel)\(", path.read_text(), re.M)}
+    assert len(sources) >= 5 and kernels, (sources, kernels)
     assert kernels <= compiled, kernels - compiled

@@ -4,7 +4,7 @@ Same arguments, results and state layout as the torch chunked backend (`ops_delt
 docstring derives the chunked form; the kernels run on CUDA tensors, or on CPU under the Triton interpreter
 (TRITON_INTERPRET=1 set before import: slow, for tests). Inputs may be float16, bfloat16 or float32, key dim
 K ≤ MAX_KEY_DIM; states and every sum are float32. Without triton this module still imports (`HAS_TRITON` False).
-Memory layout, chunk tables, tile helpers and the interpreter guards are those of `ops_triton`, imported from there.
+Memory layout, chunk tables, tile helpers and the interpreter guard are those of `ops_triton_common`.
 
 Forward, per chunk of C tokens (q̃ = scale·q, b_t the log decay summed from the chunk start to t, Γ_t = e^{b_t},
 M[t, i] = e^{b_t − b_i} for i ≤ t, else 0; S_0 the state entering the chunk, S_C the one leaving it):
@@ -13,7 +13,7 @@ M[t, i] = e^{b_t − b_i} for i ≤ t, else 0; S_0 the state entering the chunk,
     W_k = T (βΓ ⊙ K)        W_v = T (β ⊙ V)                   (`_ut_transform_kernel`, every chunk at once)
     U   = W_v − W_k S_0                                        (pseudo-values, `_delta_state_pass_kernel`:
     S_C = Γ_last S_0 + K̄ᵀ U,    K̄_i = e^{b_last − b_i} k_i      the only sequential part)
-    O   = (Γ ⊙ Q̃) S_0 + P U,    P = M ⊙ Q̃ Kᵀ                   (`ops_triton._chunk_output_kernel`)
+    O   = (Γ ⊙ Q̃) S_0 + P U,    P = M ⊙ Q̃ Kᵀ                   (`ops_triton_linear.chunk_output`)
 
 Backward, with dO and dS_C (the gradient of the state leaving the chunk; the final state's for the last chunk):
 
@@ -40,38 +40,38 @@ chunk. Exponents are differences b_t − b_i ≤ 0 (i ≤ t): nothing overflows 
 decay (a reset) is raised to `log_decay_floor` first so that no difference is −inf − (−inf).
 
 T is found by forward substitution over the C rows (row t of T is e_t − Σ_{m<t} A_tm T_m), stored per chunk
-(fp32 [tokens, H, C], as the scores of `ops_triton`) with W_k, W_v and U (fp32 [tokens, H, K | V]) and the states
+(fp32 [tokens, H, C], as the scores of `ops_triton_linear`) with W_k, W_v and U (fp32 [tokens, H, K | V]) and the states
 at the chunk boundaries; backward recomputes them from the inputs instead of keeping them alive.
 """
 
 import torch
 from torch import Tensor
 
+from . import ops_triton_common
 from .ops_common import CHUNK_SIZE, log_decay_floor
-from .ops_triton import (
+from .ops_triton_common import (
     DECAY_NONE,
     HAS_TRITON,
     INTERPRET,
-    _batch_chunks,
-    _block,
-    _causal_decay,
-    _chunk_bounds,
-    _chunk_cumsum,
-    _chunk_output,
-    _Chunks,
-    _configs,
-    _decay_mode,
-    _dot,
-    _load_decay,
-    _load_tile,
-    _spill_free,
-    _start_state_pass,
-    _state_base,
-    _store_tile,
+    Chunks,
+    autotune_configs,
+    batch_chunks,
+    block_size,
+    causal_decay,
+    chunk_bounds,
+    chunk_cumsum,
+    decay_mode,
+    dot,
+    load_decay,
+    load_tile,
+    spill_free,
+    start_state_pass,
+    state_base,
+    store_tile,
     tl,
     triton,
-    unsupported_inputs,
 )
+from .ops_triton_linear import chunk_output
 
 __all__ = ["HAS_TRITON", "triton_delta_rule", "unsupported_delta_rule_inputs"]
 
@@ -90,7 +90,7 @@ DQK_KEY_WIDTH = 64
 @triton.jit
 def _load_rows(x, h, rows, row_end, H: tl.constexpr):
     """x[rows, h] of a [tokens, H] buffer as a fp32 [len(rows), 1] tile, 0 where rows ≥ row_end."""
-    return _load_tile(x + h, rows, row_end, H, tl.arange(0, 1), 1).to(tl.float32)
+    return load_tile(x + h, rows, row_end, H, tl.arange(0, 1), 1).to(tl.float32)
 
 
 @triton.jit
@@ -100,7 +100,8 @@ def _strictly_lower(CHUNK: tl.constexpr):
     return local[:, None] > local[None, :]
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
+                 prune_configs_by={"early_config_prune": spill_free})
 @triton.jit
 def _ut_transform_kernel(
     k, v, beta, b, inverse, w_k, w_v, chunk_info,
@@ -115,16 +116,16 @@ def _ut_transform_kernel(
     Grid: (chunks, H).
     """
     chunk, h = tl.program_id(0), tl.program_id(1)
-    start, end, _ = _chunk_bounds(chunk_info, chunk)
+    start, end, _ = chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     local = tl.arange(0, CHUNK)
     beta_rows = _load_rows(beta, h, rows, end, H)  # [CHUNK, 1]
-    b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)  # [CHUNK, 1]
+    b_rows = load_decay(b, h, rows, end, 0, H, K, DECAY)  # [CHUNK, 1]
     gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_tile = _load_tile(k + h * K, rows, end, H * K, k0 + tl.arange(0, BLOCK_K), K)
-        gram += _dot(k_tile, tl.trans(k_tile), BF16_DOT)
-    system = tl.where(_strictly_lower(CHUNK), beta_rows * gram * _causal_decay(b_rows, False, CHUNK), 0.0)  # A
+        k_tile = load_tile(k + h * K, rows, end, H * K, k0 + tl.arange(0, BLOCK_K), K)
+        gram += dot(k_tile, tl.trans(k_tile), BF16_DOT)
+    system = tl.where(_strictly_lower(CHUNK), beta_rows * gram * causal_decay(b_rows, False, CHUNK), 0.0)  # A
 
     # Forward substitution: rows m < t of T are final when row t (still e_t) is solved; A[t, m ≥ t] = 0.
     solved = tl.where(local[:, None] == local[None, :], 1.0, 0.0)
@@ -132,20 +133,21 @@ def _ut_transform_kernel(
         system_row = tl.sum(tl.where(local[:, None] == t, system, 0.0), axis=0)  # A[t, :]
         row = tl.sum(system_row[:, None] * solved, axis=0)  # Σ_m A[t, m] T[m, :]
         solved = tl.where(local[:, None] == t, solved - row[None, :], solved)
-    _store_tile(inverse + h * CHUNK, solved, rows, end, H * CHUNK, local, CHUNK)
+    store_tile(inverse + h * CHUNK, solved, rows, end, H * CHUNK, local, CHUNK)
 
     beta_gamma = beta_rows * tl.exp(b_rows)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-        _store_tile(w_k + h * K, _dot(solved, k_tile * beta_gamma, False), rows, end, H * K, kk, K)
+        k_tile = load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
+        store_tile(w_k + h * K, dot(solved, k_tile * beta_gamma, False), rows, end, H * K, kk, K)
     for v0 in range(0, V, BLOCK_V):
         vv = v0 + tl.arange(0, BLOCK_V)
-        v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
-        _store_tile(w_v + h * V, _dot(solved, v_tile * beta_rows, False), rows, end, H * V, vv, V)
+        v_tile = load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
+        store_tile(w_v + h * V, dot(solved, v_tile * beta_rows, False), rows, end, H * V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
+                 prune_configs_by={"early_config_prune": spill_free})
 @triton.jit
 def _delta_state_pass_kernel(
     k, w_k, w_v, b, init, states, pseudo_values, seq_info,
@@ -161,25 +163,26 @@ def _delta_state_pass_kernel(
     Grid: (V / BLOCK_V, sequences · H); a program owns all K rows of one [K, BLOCK_V] column block of a state.
     """
     tl.static_assert(BLOCK_K >= K)
-    h, kk, vv, first_token, end_token, first_slot, num_chunks, state = _start_state_pass(
+    h, kk, vv, first_token, end_token, first_slot, num_chunks, state = start_state_pass(
         seq_info, init, 0, tl.program_id(0), tl.program_id(1), H, K, V, HAS_INIT, CHUNK, BLOCK_K, BLOCK_V
     )
     for j in range(num_chunks):
-        _store_tile(_state_base(states, first_slot + j, h, H, K, V), state, kk, K, V, vv, V)
+        store_tile(state_base(states, first_slot + j, h, H, K, V), state, kk, K, V, vv, V)
         start = first_token + j * CHUNK
         end = tl.minimum(start + CHUNK, end_token)
         rows = start + tl.arange(0, CHUNK)
-        w_k_tile = _load_tile(w_k + h * K, rows, end, H * K, kk, K)
-        pseudo = _load_tile(w_v + h * V, rows, end, H * V, vv, V) - _dot(w_k_tile, state, False)
-        _store_tile(pseudo_values + h * V, pseudo, rows, end, H * V, vv, V)
-        b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)
-        b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)  # [1, 1]
-        k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32) * tl.exp(b_last - b_rows)
-        state = state * tl.exp(b_last) + _dot(tl.trans(k_tile), pseudo, False)
-    _store_tile(_state_base(states, first_slot + num_chunks, h, H, K, V), state, kk, K, V, vv, V)
+        w_k_tile = load_tile(w_k + h * K, rows, end, H * K, kk, K)
+        pseudo = load_tile(w_v + h * V, rows, end, H * V, vv, V) - dot(w_k_tile, state, False)
+        store_tile(pseudo_values + h * V, pseudo, rows, end, H * V, vv, V)
+        b_rows = load_decay(b, h, rows, end, 0, H, K, DECAY)
+        b_last = load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)  # [1, 1]
+        k_tile = load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32) * tl.exp(b_last - b_rows)
+        state = state * tl.exp(b_last) + dot(tl.trans(k_tile), pseudo, False)
+    store_tile(state_base(states, first_slot + num_chunks, h, H, K, V), state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
+                 prune_configs_by={"early_config_prune": spill_free})
 @triton.jit
 def _delta_reverse_state_pass_kernel(
     q, k, do, w_k, b, d_final, dstates, d_pseudo_values, seq_info, scale,
@@ -189,38 +192,39 @@ def _delta_reverse_state_pass_kernel(
     """The state gradients, last chunk first: dU = Pᵀ dO + K̄ dS_C, dS_0 = Γ_last dS_C + (Γ ⊙ Q̃)ᵀ dO − W_kᵀ dU.
 
     Slot first + j + 1 of `dstates` receives the gradient of the state leaving chunk j (the last one: d_final),
-    slot first that of the initial state; d_pseudo_values holds Pᵀ dO (`ops_triton._chunk_output` without states,
+    slot first that of the initial state; d_pseudo_values holds Pᵀ dO (`ops_triton_linear.chunk_output` without states,
     every chunk at once) and receives dU. q, k: [tokens, H, K]; do: [tokens, H, V]; w_k: fp32 [tokens, H, K]; b:
     fp32 [tokens, H, 1] or unused; d_final: fp32 [sequences, H, K, V]; dstates: fp32 [slots, H, K, V];
     d_pseudo_values: fp32 [tokens, H, V]; seq_info as in `_delta_state_pass_kernel`.
     Grid: (V / BLOCK_V, sequences · H).
     """
     tl.static_assert(BLOCK_K >= K)
-    h, kk, vv, first_token, end_token, first_slot, num_chunks, d_state = _start_state_pass(
+    h, kk, vv, first_token, end_token, first_slot, num_chunks, d_state = start_state_pass(
         seq_info, d_final, 0, tl.program_id(0), tl.program_id(1), H, K, V, True, CHUNK, BLOCK_K, BLOCK_V
     )
     for i in range(num_chunks):
         j = num_chunks - 1 - i
-        _store_tile(_state_base(dstates, first_slot + j + 1, h, H, K, V), d_state, kk, K, V, vv, V)
+        store_tile(state_base(dstates, first_slot + j + 1, h, H, K, V), d_state, kk, K, V, vv, V)
         start = first_token + j * CHUNK
         end = tl.minimum(start + CHUNK, end_token)
         rows = start + tl.arange(0, CHUNK)
-        q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K)
-        k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-        b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)
-        b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
+        q_tile = load_tile(q + h * K, rows, end, H * K, kk, K)
+        k_tile = load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
+        b_rows = load_decay(b, h, rows, end, 0, H, K, DECAY)
+        b_last = load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
         # Γ ⊙ Q̃ is a row scaling: it goes onto the [CHUNK, BLOCK_V] tile of dO instead of the [CHUNK, K] one of q.
-        do_tile = _load_tile(do + h * V, rows, end, H * V, vv, V).to(tl.float32) * (scale * tl.exp(b_rows))
-        d_pseudo = (_load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V)
-                    + _dot(k_tile * tl.exp(b_last - b_rows), d_state, False))  # Pᵀ dO + K̄ dS_C
-        _store_tile(d_pseudo_values + h * V, d_pseudo, rows, end, H * V, vv, V)
-        w_k_tile = _load_tile(w_k + h * K, rows, end, H * K, kk, K)
-        d_state = (d_state * tl.exp(b_last) + _dot(tl.trans(q_tile), do_tile, BF16_DOT)
-                   - _dot(tl.trans(w_k_tile), d_pseudo, False))
-    _store_tile(_state_base(dstates, first_slot, h, H, K, V), d_state, kk, K, V, vv, V)
+        do_tile = load_tile(do + h * V, rows, end, H * V, vv, V).to(tl.float32) * (scale * tl.exp(b_rows))
+        d_pseudo = (load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V)
+                    + dot(k_tile * tl.exp(b_last - b_rows), d_state, False))  # Pᵀ dO + K̄ dS_C
+        store_tile(d_pseudo_values + h * V, d_pseudo, rows, end, H * V, vv, V)
+        w_k_tile = load_tile(w_k + h * K, rows, end, H * K, kk, K)
+        d_state = (d_state * tl.exp(b_last) + dot(tl.trans(q_tile), do_tile, BF16_DOT)
+                   - dot(tl.trans(w_k_tile), d_pseudo, False))
+    store_tile(state_base(dstates, first_slot, h, H, K, V), d_state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
+                 prune_configs_by={"early_config_prune": spill_free})
 @triton.jit
 def _delta_score_grads_kernel(
     k, v, beta, b, do, pseudo_values, d_pseudo_values, inverse, dv, score_grads, dbeta_parts, db_parts, chunk_info,
@@ -239,43 +243,44 @@ def _delta_score_grads_kernel(
     CHUNK]; dbeta_parts, db_parts: fp32 [tokens, H, PARTS] (db_parts unused for DECAY_NONE). Grid: (chunks, H).
     """
     chunk, h = tl.program_id(0), tl.program_id(1)
-    start, end, _ = _chunk_bounds(chunk_info, chunk)
+    start, end, _ = chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     local = tl.arange(0, CHUNK)
     beta_rows = _load_rows(beta, h, rows, end, H)
-    solved = _load_tile(inverse + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # T
+    solved = load_tile(inverse + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)  # T
     d_scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ
     d_system = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # −dR Uᵀ, the gradient w.r.t. A (where i < t)
     dbeta_acc = tl.zeros([CHUNK, 1], dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
         vv = v0 + tl.arange(0, BLOCK_V)
-        pseudo = _load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
-        d_rhs = _dot(tl.trans(solved), _load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V), False)  # dR
-        _store_tile(d_pseudo_values + h * V, d_rhs, rows, end, H * V, vv, V)
-        _store_tile(dv + h * V, d_rhs * beta_rows, rows, end, H * V, vv, V)
-        v_tile = _load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
+        pseudo = load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
+        d_rhs = dot(tl.trans(solved), load_tile(d_pseudo_values + h * V, rows, end, H * V, vv, V), False)  # dR
+        store_tile(d_pseudo_values + h * V, d_rhs, rows, end, H * V, vv, V)
+        store_tile(dv + h * V, d_rhs * beta_rows, rows, end, H * V, vv, V)
+        v_tile = load_tile(v + h * V, rows, end, H * V, vv, V).to(tl.float32)
         dbeta_acc += tl.sum(v_tile * d_rhs, axis=1, keep_dims=True)
-        d_scores += _dot(_load_tile(do + h * V, rows, end, H * V, vv, V), tl.trans(pseudo), BF16_DOT)
-        d_system -= _dot(d_rhs, tl.trans(pseudo), False)
+        d_scores += dot(load_tile(do + h * V, rows, end, H * V, vv, V), tl.trans(pseudo), BF16_DOT)
+        d_system -= dot(d_rhs, tl.trans(pseudo), False)
     gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_tile = _load_tile(k + h * K, rows, end, H * K, k0 + tl.arange(0, BLOCK_K), K)
-        gram += _dot(k_tile, tl.trans(k_tile), BF16_DOT)
+        k_tile = load_tile(k + h * K, rows, end, H * K, k0 + tl.arange(0, BLOCK_K), K)
+        gram += dot(k_tile, tl.trans(k_tile), BF16_DOT)
 
     # Through A = β_t M_ti k_t·k_i (i < t).
-    decay = _causal_decay(_load_decay(b, h, rows, end, 0, H, K, DECAY), False, CHUNK)  # M
+    decay = causal_decay(load_decay(b, h, rows, end, 0, H, K, DECAY), False, CHUNK)  # M
     d_system = d_system * tl.where(_strictly_lower(CHUNK), decay, 0.0)  # dA ⊙ M
     dbeta_acc += tl.sum(d_system * gram, axis=1, keep_dims=True)
     d_gram = d_system * beta_rows
-    _store_tile(score_grads + h * CHUNK, d_scores * decay + tl.trans(d_gram), rows, end, H * CHUNK, local, CHUNK)
-    _store_tile(dbeta_parts + h * PARTS, dbeta_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
+    store_tile(score_grads + h * CHUNK, d_scores * decay + tl.trans(d_gram), rows, end, H * CHUNK, local, CHUNK)
+    store_tile(dbeta_parts + h * PARTS, dbeta_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
     if DECAY != DECAY_NONE:
         d_exponent = d_gram * gram  # dA ⊙ A: row t gains it, row i loses it
         db_acc = tl.sum(d_exponent, axis=1, keep_dims=True) - tl.trans(tl.sum(d_exponent, axis=0, keep_dims=True))
-        _store_tile(db_parts + h * PARTS, db_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
+        store_tile(db_parts + h * PARTS, db_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "DECAY"], prune_configs_by={"early_config_prune": _spill_free})
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
+                 prune_configs_by={"early_config_prune": spill_free})
 @triton.jit
 def _delta_chunk_dqk_kernel(
     q, k, beta, b, do, pseudo_values, d_rhs_values, score_grads, states, dstates, dq, dk, dbeta_parts, db_parts,
@@ -296,15 +301,15 @@ def _delta_chunk_dqk_kernel(
     """
     tl.static_assert(PARTS == 1 + (K + BLOCK_K - 1) // BLOCK_K)
     chunk, h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, slot = _chunk_bounds(chunk_info, chunk)
+    start, end, slot = chunk_bounds(chunk_info, chunk)
     rows = start + tl.arange(0, CHUNK)
     local = tl.arange(0, CHUNK)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    b_rows = _load_decay(b, h, rows, end, 0, H, K, DECAY)
-    b_last = _load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
-    entering = _state_base(states, slot, h, H, K, V)
-    leaving = _state_base(states, slot + 1, h, H, K, V)
-    d_leaving = _state_base(dstates, slot + 1, h, H, K, V)
+    b_rows = load_decay(b, h, rows, end, 0, H, K, DECAY)
+    b_last = load_decay(b, h, end - 1 + tl.arange(0, 1), end, 0, H, K, DECAY)
+    entering = state_base(states, slot, h, H, K, V)
+    leaving = state_base(states, slot + 1, h, H, K, V)
+    d_leaving = state_base(dstates, slot + 1, h, H, K, V)
 
     dq_state = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # dO S_0ᵀ
     dk_acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # e^{b_last − b} ⊙ U dS_Cᵀ
@@ -312,39 +317,39 @@ def _delta_chunk_dqk_kernel(
     state_term = tl.zeros([BLOCK_K, 1], dtype=tl.float32)  # Σ_v S_C ⊙ dS_C
     for v0 in range(0, V, BLOCK_V):
         vv = v0 + tl.arange(0, BLOCK_V)
-        s_entering = _load_tile(entering, kk, K, V, vv, V)
-        ds_leaving = _load_tile(d_leaving, kk, K, V, vv, V)
-        pseudo = _load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
-        dq_state += _dot(_load_tile(do + h * V, rows, end, H * V, vv, V), tl.trans(s_entering), BF16_DOT)
-        dk_acc += _dot(pseudo * tl.exp(b_last - b_rows), tl.trans(ds_leaving), False)
-        rhs_state += _dot(_load_tile(d_rhs_values + h * V, rows, end, H * V, vv, V), tl.trans(s_entering), False)
+        s_entering = load_tile(entering, kk, K, V, vv, V)
+        ds_leaving = load_tile(d_leaving, kk, K, V, vv, V)
+        pseudo = load_tile(pseudo_values + h * V, rows, end, H * V, vv, V)
+        dq_state += dot(load_tile(do + h * V, rows, end, H * V, vv, V), tl.trans(s_entering), BF16_DOT)
+        dk_acc += dot(pseudo * tl.exp(b_last - b_rows), tl.trans(ds_leaving), False)
+        rhs_state += dot(load_tile(d_rhs_values + h * V, rows, end, H * V, vv, V), tl.trans(s_entering), False)
         if DECAY != DECAY_NONE:
-            state_term += tl.sum(_load_tile(leaving, kk, K, V, vv, V) * ds_leaving, axis=1, keep_dims=True)
+            state_term += tl.sum(load_tile(leaving, kk, K, V, vv, V) * ds_leaving, axis=1, keep_dims=True)
 
     # Through O = (Γ ⊙ Q̃) S_0 + P U and A = β_t M_ti k_t·k_i (i < t); packed as `_delta_score_grads_kernel` says.
-    packed = _load_tile(score_grads + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)
+    packed = load_tile(score_grads + h * CHUNK, rows, end, H * CHUNK, local, CHUNK)
     d_scores = tl.where(local[:, None] >= local[None, :], packed, 0.0)  # M ⊙ dO Uᵀ
     d_gram = tl.trans(tl.where(local[:, None] < local[None, :], packed, 0.0))  # β ⊙ M ⊙ dA
-    k_tile = _load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
-    q_tile = _load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
+    k_tile = load_tile(k + h * K, rows, end, H * K, kk, K).to(tl.float32)
+    q_tile = load_tile(q + h * K, rows, end, H * K, kk, K).to(tl.float32) * scale
     gamma = tl.exp(b_rows)
     beta_gamma = _load_rows(beta, h, rows, end, H) * gamma
-    dq_acc = gamma * dq_state + _dot(d_scores, k_tile, False)
-    dk_acc += _dot(tl.trans(d_scores), q_tile, False)  # dk^{(P, S_C)}
+    dq_acc = gamma * dq_state + dot(d_scores, k_tile, False)
+    dk_acc += dot(tl.trans(d_scores), q_tile, False)  # dk^{(P, S_C)}
     k_rhs_state = tl.sum(k_tile * rhs_state, axis=1, keep_dims=True)  # (S_0ᵀ k)·dR over this K block
     # Each factor e^{b_t} gives its term's x·dx to row t's db, each e^{−b_i} takes it from row i: queries gain,
     # the keys of P and of S_C lose, the keys of R (the term −βΓ ⊙ (K S_0)) gain.
     db_acc = (tl.sum(q_tile * dq_acc, axis=1, keep_dims=True) - tl.sum(k_tile * dk_acc, axis=1, keep_dims=True)
               - beta_gamma * k_rhs_state)
     db_acc += tl.where(rows[:, None] == end - 1, tl.sum(state_term, axis=0, keep_dims=True), 0.0)
-    dk_acc += _dot(d_gram, k_tile, False) + _dot(tl.trans(d_gram), k_tile, False) - beta_gamma * rhs_state
+    dk_acc += dot(d_gram, k_tile, False) + dot(tl.trans(d_gram), k_tile, False) - beta_gamma * rhs_state
 
-    _store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
-    _store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
+    store_tile(dq + h * K, dq_acc * scale, rows, end, H * K, kk, K)
+    store_tile(dk + h * K, dk_acc, rows, end, H * K, kk, K)
     part = h * PARTS + 1 + pid_k
-    _store_tile(dbeta_parts + part, -gamma * k_rhs_state, rows, end, H * PARTS, tl.arange(0, 1), 1)
+    store_tile(dbeta_parts + part, -gamma * k_rhs_state, rows, end, H * PARTS, tl.arange(0, 1), 1)
     if DECAY != DECAY_NONE:
-        _store_tile(db_parts + part, db_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
+        store_tile(db_parts + part, db_acc, rows, end, H * PARTS, tl.arange(0, 1), 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,28 +358,28 @@ def _delta_chunk_dqk_kernel(
 
 
 def _forward_pass(
-    k: Tensor, v: Tensor, beta: Tensor, b: Tensor | None, initial_state: Tensor | None, chunks: _Chunks,
+    k: Tensor, v: Tensor, beta: Tensor, b: Tensor | None, initial_state: Tensor | None, chunks: Chunks,
     bf16_dot: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """T [.., H, C], W_k [.., H, K], the states at every chunk boundary [slots, H, K, V] and U [.., H, V], fp32."""
     heads, key_dim, value_dim = k.shape[-2], k.shape[-1], v.shape[-1]
-    decay = _decay_mode(b)
+    decay = decay_mode(b)
     inverse = k.new_empty(*k.shape[:-1], CHUNK_SIZE, dtype=torch.float32)
     w_k = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     w_v = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     _ut_transform_kernel[(chunks.num_chunks, heads)](  # 32-wide K blocks: 64-wide ones spill registers on sm_90
         k, v, beta, inverse if b is None else b, inverse, w_k, w_v, chunks.chunk_info,
-        H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim, 32),
-        BLOCK_V=_block(value_dim), BF16_DOT=bf16_dot,
+        H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=block_size(key_dim, 32),
+        BLOCK_V=block_size(value_dim), BF16_DOT=bf16_dot,
     )
     states = k.new_empty(chunks.num_slots, heads, key_dim, value_dim, dtype=torch.float32)
     pseudo_values = torch.empty_like(w_v)
-    block_v = _block(value_dim, 32)
+    block_v = block_size(value_dim, 32)
     _delta_state_pass_kernel[(triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)](
         k, w_k, w_v, states if b is None else b, states if initial_state is None else initial_state, states,
         pseudo_values, chunks.seq_info,
         H=heads, K=key_dim, V=value_dim, DECAY=decay, HAS_INIT=initial_state is not None, CHUNK=CHUNK_SIZE,
-        BLOCK_K=_block(key_dim, MAX_KEY_DIM), BLOCK_V=block_v,
+        BLOCK_K=block_size(key_dim, MAX_KEY_DIM), BLOCK_V=block_v,
     )
     return inverse, w_k, states, pseudo_values
 
@@ -385,9 +390,9 @@ class _ChunkedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, log_decay, initial_state, scale, chunks):
         bf16_dot = q.dtype == torch.bfloat16 and not INTERPRET
-        b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
+        b = None if log_decay is None else chunk_cumsum(log_decay, chunks, reverse=False)
         _, _, states, pseudo_values = _forward_pass(k, v, beta, b, initial_state, chunks, bf16_dot)
-        o, _ = _chunk_output(
+        o, _ = chunk_output(
             q, k, pseudo_values, b, None, states, chunks, transpose=False, row_scale=scale, col_scale=1.0,
             out_dtype=v.dtype, bf16_dot=bf16_dot,
         )
@@ -401,16 +406,16 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         scale, chunks, bf16_dot = ctx.scale, ctx.chunks, ctx.bf16_dot
         heads, key_dim, value_dim = k.shape[-2], k.shape[-1], v.shape[-1]
         do, d_final_state = do.contiguous(), d_final_state.float().contiguous()
-        b = None if log_decay is None else _chunk_cumsum(log_decay, chunks, reverse=False)
-        decay = _decay_mode(b)
+        b = None if log_decay is None else chunk_cumsum(log_decay, chunks, reverse=False)
+        decay = decay_mode(b)
         inverse, w_k, states, pseudo_values = _forward_pass(k, v, beta, b, initial_state, chunks, bf16_dot)
 
         dstates = torch.empty_like(states)
-        d_pseudo_values, _ = _chunk_output(  # Pᵀ dO, to which the reverse pass adds K̄ dS_C
+        d_pseudo_values, _ = chunk_output(  # Pᵀ dO, to which the reverse pass adds K̄ dS_C
             k, q, do, b, None, None, chunks, transpose=True, row_scale=1.0, col_scale=scale, out_dtype=torch.float32,
             bf16_dot=bf16_dot,
         )
-        block_k, block_v = _block(key_dim, MAX_KEY_DIM), _block(value_dim, 32)
+        block_k, block_v = block_size(key_dim, MAX_KEY_DIM), block_size(value_dim, 32)
         _delta_reverse_state_pass_kernel[(triton.cdiv(value_dim, block_v), chunks.num_seqs * heads)](
             q, k, do, w_k, states if b is None else b, d_final_state, dstates, d_pseudo_values, chunks.seq_info,
             scale, H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=block_k,
@@ -418,7 +423,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         )
 
         dv, score_grads = torch.empty_like(v), torch.empty_like(inverse)
-        dq_block_k = _block(key_dim, DQK_KEY_WIDTH)
+        dq_block_k = block_size(key_dim, DQK_KEY_WIDTH)
         parts = 1 + triton.cdiv(key_dim, dq_block_k)  # dβ and db: one part that does not split over K, one per K block
         dbeta_parts = beta.new_empty(*beta.shape, parts, dtype=torch.float32)
         db_parts = None if b is None else b.new_empty(*b.shape[:-1], parts)
@@ -426,7 +431,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         _delta_score_grads_kernel[(chunks.num_chunks, heads)](  # 32-wide K, 16-wide V blocks: wider ones spill at 128
             k, v, beta, unused if b is None else b, do, pseudo_values, d_pseudo_values, inverse, dv, score_grads,
             dbeta_parts, unused if db_parts is None else db_parts, chunks.chunk_info,
-            H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=_block(key_dim, 32),
+            H=heads, K=key_dim, V=value_dim, DECAY=decay, CHUNK=CHUNK_SIZE, BLOCK_K=block_size(key_dim, 32),
             BLOCK_V=16, BF16_DOT=bf16_dot, PARTS=parts,
         )
         d_rhs_values = d_pseudo_values  # overwritten with dR
@@ -440,15 +445,15 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         dbeta = dbeta_parts.sum(-1).to(beta.dtype)
         d_log_decay = None
         if db_parts is not None:
-            d_log_decay = _chunk_cumsum(db_parts.sum(-1, keepdim=True), chunks, reverse=True).to(log_decay.dtype)
+            d_log_decay = chunk_cumsum(db_parts.sum(-1, keepdim=True), chunks, reverse=True).to(log_decay.dtype)
         d_initial = None if initial_state is None else dstates[chunks.first_slots].to(initial_state.dtype)
         return dq, dk, dv, dbeta, d_log_decay, d_initial, None, None
 
 
 def unsupported_delta_rule_inputs(tensors: dict[str, Tensor]) -> str | None:
-    """Why the triton backend cannot take these delta-rule tensors (those of `ops_triton.unsupported_inputs`,
+    """Why the triton backend cannot take these delta-rule tensors (those of `ops_triton_common.unsupported_inputs`,
     and the key dim), or None. `delta_rule_attention` asks before picking the backend for "auto"."""
-    problem = unsupported_inputs(tensors)
+    problem = ops_triton_common.unsupported_inputs(tensors)
     if problem is None and tensors["k"].shape[-1] > MAX_KEY_DIM:
         problem = (f"backend 'triton' of delta_rule_attention supports key dims K ≤ {MAX_KEY_DIM}, got "
                    f"K = {tensors['k'].shape[-1]}; backend 'torch' takes any")
@@ -474,7 +479,7 @@ def triton_delta_rule(
     state (None unless output_final_state).
     """
     batch, length = q.shape[:2]
-    chunks = _batch_chunks(batch, length, q.device) if cu_seqlens is None else _Chunks(cu_seqlens.tolist(), q.device)
+    chunks = batch_chunks(batch, length, q.device) if cu_seqlens is None else Chunks(cu_seqlens.tolist(), q.device)
     q, k, v, beta = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
     if log_decay is not None:  # [B, T, H, 1], raised to the floor: see the module docstring
         log_decay = log_decay.clamp(min=log_decay_floor(torch.float32)).unsqueeze(-1).contiguous()
