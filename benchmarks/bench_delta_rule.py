@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from common import machine, measure, return_freed_memory_to_the_os, write_report
 from transformers import HfArgumentParser
 
+from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
 
 
@@ -86,7 +86,7 @@ def speed_times_with_default_allocator(args: DeltaRuleBenchmarkArguments, argv: 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     (args,) = HfArgumentParser(DeltaRuleBenchmarkArguments).parse_args_into_dataclasses(argv)
     if args.timing_child:
         print(json.dumps(speed_times(args)))
@@ -146,4 +146,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -12,14 +12,13 @@ For each sequence length T and decay mode, times the forward and forward+backwar
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from common import machine, measure, return_freed_memory_to_the_os, write_report
 from transformers import HfArgumentParser
 
+from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn import linear_attention
 
 
@@ -61,7 +60,7 @@ def run(method: str, x: dict, backward: bool) -> None:
         o.sum().backward()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     (args,) = HfArgumentParser(OpBenchmarkArguments).parse_args_into_dataclasses(argv)
     return_freed_memory_to_the_os()
     print(f"{machine()}; B={args.batch}, H={args.heads}, D={args.head_dim}, fp32")
@@ -122,4 +121,4 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

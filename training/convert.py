@@ -25,7 +25,6 @@ layers are what stage 1 of the hybrid itself would have trained.
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,8 +49,9 @@ from hf_linear_attn.layer_selection import (
     select_softmax_layers,
     write_ranking,
 )
+from training.command_line import exit_on_bad_input
 from training.data import DataArguments, build_datasets, check_data_arguments
-from training.recipes import attention_arguments, attention_options, exit_on_bad_input, parse_recipe_args
+from training.recipes import attention_arguments, attention_options, parse_recipe_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANKING_FILE = "softmax_layer_ranking.json"
@@ -219,4 +219,4 @@ def convert(args: ConversionArguments, data_args: DataArguments | None = None) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

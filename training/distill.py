@@ -21,7 +21,6 @@ recovery with next-token loss) is `training/finetune.py` on the result, e.g.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 from accelerate.utils import set_seed
@@ -31,10 +30,11 @@ import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 from training.attention_transfer import AttentionTransfer, attention_transfer_loss, transfer_layers
 from training.checkpoints import export_model
+from training.command_line import exit_on_bad_input
 from training.data import DataArguments, build_datasets, check_data_arguments
 from training.loop import TrainArguments, TrainResult, check_train_arguments, make_accelerator, train
 from training.model_card import write_model_card, write_training_summary
-from training.recipes import exit_on_bad_input, parse_recipe_args, recipe_dict
+from training.recipes import parse_recipe_args, recipe_dict
 
 
 @dataclass
@@ -92,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

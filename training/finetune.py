@@ -29,7 +29,6 @@ replaces is deleted only once the new run has its first checkpoint (`training.ch
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +46,7 @@ from transformers import (
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 from training.checkpoints import export_model
+from training.command_line import exit_on_bad_input
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, check_data_arguments
 from training.hub import HubArguments, push_to_hub
 from training.loop import (
@@ -59,7 +59,7 @@ from training.loop import (
 )
 from training.losses import causal_lm_loss, logit_distillation_loss
 from training.model_card import write_model_card, write_training_summary
-from training.recipes import exit_on_bad_input, parse_recipe_args, recipe_dict
+from training.recipes import parse_recipe_args, recipe_dict
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
@@ -308,4 +308,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

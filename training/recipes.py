@@ -10,18 +10,15 @@ The attention options of a script's command line are the fields of `hf_linear_at
 makes that dataclass for the script's arguments to subclass, and `attention_options(args)` reads them back
 as the keyword arguments of `convert_to_linear_attention`.
 
-Errors: the library modules raise exceptions naming the argument (ValueError, FileNotFoundError); a
-script runs its work inside `exit_on_bad_input()`, which turns them into argparse's style: one line
-`error: ...` on stderr and exit status 2, no traceback.
+Errors: a recipe that does not parse exits as a bad flag does (argparse's `error: ...`, status 2); the scripts
+report the library's bad-input errors the same way (`training.command_line`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import typing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +84,3 @@ def attention_arguments(name: str, **defaults: Any) -> type:
 def attention_options(args: Any) -> dict[str, Any]:
     """The attention options of parsed arguments (a subclass of an `attention_arguments` dataclass)."""
     return {name: getattr(args, name) for name in ATTENTION_OPTIONS}
-
-
-@contextlib.contextmanager
-def exit_on_bad_input() -> Iterator[None]:
-    """Run a script's work; a ValueError or FileNotFoundError (the library's bad-input errors, which name
-    the argument) becomes one `error: ...` line on stderr and exit status 2, as argparse reports a bad flag."""
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as error:
-        message = str(error).strip()
-        cause = str(error.__cause__ or "").strip()
-        if cause and cause not in message:  # e.g. the server's reason behind a rejected upload
-            message += f"\n  caused by {type(error.__cause__).__name__}: {cause}"
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
