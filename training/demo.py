@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from training import long_context as lc
+from training.command_line import exit_on_bad_input
 from training.convert import restore_ranked_layers
 from training.data import DataArguments
 from training.distill import DistillArguments, distill
@@ -45,8 +44,9 @@ from training.evaluation import EvaluateArguments, evaluate_models, memory_label
 from training.finetune import ModelArguments
 from training.finetune import run as finetune
 from training.hub import HubArguments
+from training.long_context_data import DEFAULT_DATA_DIR, check_texts
 from training.loop import TrainArguments
-from training.recipes import attention_arguments, attention_options, exit_on_bad_input, parse_recipe_args
+from training.recipes import attention_arguments, attention_options, parse_recipe_args
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
         if args.long_contexts or (args.passkey_trials and "natural" in args.passkey_haystacks):
-            lc.check_texts(lc.DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
+            check_texts(DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
         folder = smollm2_folder()
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
@@ -213,4 +213,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
