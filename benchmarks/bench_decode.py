@@ -56,7 +56,7 @@ import hf_linear_attn
 from benchmarks.common import added_peak_mib, reset_peak_rss
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from hf_linear_attn.conversion import GATED_DELTANET_WINDOW_OPTIONS
-from training.command_line import exit_on_bad_input
+from training.command_line import exit_on_bad_input, parse_dataclasses
 from training.measure import cache_bytes, decode_times, new_cache, prefill
 from training.report import log_log_plot, machine, write_report
 
@@ -426,7 +426,7 @@ def scaling_row(kind: str, model: torch.nn.Module, length: int, args: DecodeBenc
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(DecodeBenchmarkArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_dataclasses(HfArgumentParser(DecodeBenchmarkArguments), argv)
     with exit_on_bad_input():
         check_args(args)
     if args.child:

@@ -29,6 +29,7 @@ from transformers import HfArgumentParser
 
 from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
+from training.command_line import parse_dataclasses
 
 
 @dataclass
@@ -87,7 +88,7 @@ def speed_times_with_default_allocator(args: DeltaRuleBenchmarkArguments, argv: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(DeltaRuleBenchmarkArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_dataclasses(HfArgumentParser(DeltaRuleBenchmarkArguments), argv)
     if args.timing_child:
         print(json.dumps(speed_times(args)))
         return 0

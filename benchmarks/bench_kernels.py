@@ -21,10 +21,11 @@ if "--dry-run" in sys.argv:  # the Triton interpreter must be chosen before the 
 from transformers import HfArgumentParser  # noqa: E402
 
 from benchmarks.kernel_timing import KernelBenchmarkArguments, benchmark, report  # noqa: E402
+from training.command_line import parse_dataclasses  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(KernelBenchmarkArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_dataclasses(HfArgumentParser(KernelBenchmarkArguments), argv)
     report(benchmark(args), args)
     return 0
 

@@ -20,6 +20,7 @@ from transformers import HfArgumentParser
 
 from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn import linear_attention
+from training.command_line import parse_dataclasses
 
 
 @dataclass
@@ -61,7 +62,7 @@ def run(method: str, x: dict, backward: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(OpBenchmarkArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_dataclasses(HfArgumentParser(OpBenchmarkArguments), argv)
     return_freed_memory_to_the_os()
     print(f"{machine()}; B={args.batch}, H={args.heads}, D={args.head_dim}, fp32")
     rows = []

@@ -16,6 +16,7 @@ from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
 from benchmarks.common import measure, return_freed_memory_to_the_os
+from training.command_line import parse_dataclasses
 from training.report import log_log_plot, machine, write_report
 
 
@@ -46,7 +47,7 @@ def build(name: str, args: TrainBenchmarkArguments, max_len: int) -> torch.nn.Mo
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(TrainBenchmarkArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_dataclasses(HfArgumentParser(TrainBenchmarkArguments), argv)
     return_freed_memory_to_the_os()
     print(f"{machine()}; {args.num_hidden_layers} layers, hidden {args.hidden_size}, batch {args.batch}")
     rows = []

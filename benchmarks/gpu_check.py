@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from training.command_line import exit_on_bad_input
+from training.command_line import exit_on_bad_input, parse_dataclasses
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = ["tests/test_triton_ops.py", "tests/test_window_ops.py", "tests/test_delta_rule_triton.py"]
@@ -421,7 +421,7 @@ def check_arguments(args: GpuCheckArguments) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(GpuCheckArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_dataclasses(HfArgumentParser(GpuCheckArguments), argv)
     with exit_on_bad_input():
         check_arguments(args)
     if args.stage_result:

@@ -43,7 +43,7 @@ from transformers import HfArgumentParser
 from benchmarks.common import KERNEL_DECAYS as DECAYS
 from benchmarks.common import KERNEL_SHAPES as SHAPES
 from benchmarks.common import write_report
-from training.command_line import exit_on_bad_input
+from training.command_line import exit_on_bad_input, parse_dataclasses
 
 FLA_OPS = {"none": "chunk_simple_gla", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}
 
@@ -282,7 +282,7 @@ def check_arguments(args: KernelReportArguments) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(KernelReportArguments).parse_args_into_dataclasses(argv)
+    (args,) = parse_dataclasses(HfArgumentParser(KernelReportArguments), argv)
     if args.dry:
         args.shapes, args.fit_lengths, args.compile_dims = ["2x256x3x16"], [64, 128, 192], [16]
     with exit_on_bad_input():

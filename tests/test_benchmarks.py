@@ -99,6 +99,13 @@ def test_decode_benchmark_refuses_bad_arguments_before_running(bench_decode, tmp
     assert not list(tmp_path.iterdir())
 
 
+def test_a_benchmark_refuses_an_unknown_flag_as_argparse_does(benchmark_main, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_main("bench_ops.py", "--lengths", "70", "--lenghts", "130", "--output_dir", str(tmp_path))
+    assert exit_.value.code == 2 and "error: unrecognized arguments: --lenghts 130" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_op_benchmark_runs_and_computes_speedups(benchmark_main, tmp_path):
     assert benchmark_main("bench_ops.py", "--lengths", "70", "130", "--decays", "none", "vector", "--heads", "2",
                       "--head_dim", "8", "--repeats", "1", "--output_dir", str(tmp_path)) == 0

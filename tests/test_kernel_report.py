@@ -113,7 +113,7 @@ def test_kernel_report_delta_rule_backward_does_not_spill(tmp_path, monkeypatch)
 
 
 def test_gpu_check_dry_stages(tmp_path, monkeypatch):
-    """Each stage runs in its own spawned process; the kernels stage writes the benchmark's report, a failing op's
+    """Each stage runs in its own process; the kernels stage writes the benchmark's report, a failing op's
     row included; the compiled decode steps (dry: captured whole by dynamo, run without codegen) give the eager
     tokens; deepspeed is skipped with a line when not installed; every stage's output lands in gpu_check.log."""
     monkeypatch.setenv("PYTHONPATH", str(write_fake_fla(tmp_path / "fla_packages", FAKE_FLA_WITH_A_FAILING_OP)))

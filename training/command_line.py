@@ -1,10 +1,11 @@
 """What every command shares (the training scripts and the benchmarks): one exit style.
 
 A command is `main(argv: list[str] | None = None) -> int` (argv: the command line's arguments when None), run by
-`if __name__ == "__main__": raise SystemExit(main())`. Bad input the user can fix is raised as a ValueError or
-FileNotFoundError naming the argument, and `exit_on_bad_input()` reports it as argparse reports a bad flag: one line
-`error: ...` on stderr and exit status 2, no traceback. Importing this module needs nothing outside the standard
-library (the GPU check runs where only torch, triton and transformers are installed).
+`if __name__ == "__main__": raise SystemExit(main())`. Its dataclass arguments are parsed by `parse_dataclasses`,
+which refuses an unknown flag as argparse does (usage, one line `error: ...` on stderr, exit status 2) where
+`HfArgumentParser` alone raises. Bad input found later is raised as a ValueError or FileNotFoundError naming the
+argument, and `exit_on_bad_input()` reports it the same way: one `error: ...` line, status 2, no traceback.
+Importing this module needs nothing outside the standard library (yaml, for one, is not on the GPU check's machine).
 """
 
 from __future__ import annotations
@@ -12,6 +13,19 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import HfArgumentParser
+
+
+def parse_dataclasses(parser: HfArgumentParser, argv: list[str] | None = None) -> tuple[Any, ...]:
+    """One instance of each of `parser`'s dataclasses from `argv` (default: the command line); an argument no
+    dataclass has ends the command as argparse ends a bad flag."""
+    *parsed, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return tuple(parsed)
 
 
 @contextlib.contextmanager

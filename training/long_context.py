@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer, HfArgumentParser
 
-from training.command_line import exit_on_bad_input
+from training.command_line import exit_on_bad_input, parse_dataclasses
 from training.long_context_data import (
     DEFAULT_DATA_DIR,
     DEFAULT_NEEDLES_DIR,
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"the commands are {' and '.join(COMMANDS)}, got {command!r} (evaluate with `python "
                              "training/evaluate.py --teacher SRC --models label=DIR ...`)")
         if command == "prepare":
-            (args,) = HfArgumentParser(PrepareArguments).parse_args_into_dataclasses(argv)
+            (args,) = parse_dataclasses(HfArgumentParser(PrepareArguments), argv)
             for path in prepare(args.data_dir):
                 print(f"wrote {path}")
             return 0
-        (args,) = HfArgumentParser(NeedleArguments).parse_args_into_dataclasses(argv)
+        (args,) = parse_dataclasses(HfArgumentParser(NeedleArguments), argv)
         texts = load_texts(args.data_dir)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
         documents = long_documents(tokenizer, texts, args.document_tokens, args.documents_per_source)

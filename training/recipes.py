@@ -26,6 +26,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
+from training.command_line import parse_dataclasses
 
 
 def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] | None = None,
@@ -53,7 +54,7 @@ def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] 
         if unknown:
             parser.error(f"{recipe_path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
         parser.set_defaults(**recipe)
-    parsed = parser.parse_args_into_dataclasses(argv)
+    parsed = parse_dataclasses(parser, argv)
     return parsed if isinstance(dataclass_types, tuple) else parsed[0]
 
 
