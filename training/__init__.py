@@ -14,7 +14,7 @@ arguments and calls library functions, none imports another, all exit alike (`co
 - `demo.py`, `tour.py`  the `make demo` and `make tour` scripts
 
 Library modules:
-- `command_line.py`  what every command shares: `main(argv) -> int` and bad input as one `error: ...` line
+- `command_line.py`  what every command shares: unknown flags and bad input end it with one `error: ...` line
 - `recipes.py`       command lines over YAML recipes
 - `checkpoint_conversion.py`  a converted checkpoint written as a folder, softmax layers restored by rank
 - `stages.py`        `distill` (stage 1) and `finetune` (stage 2), over their argument dataclasses
