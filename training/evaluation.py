@@ -1,7 +1,7 @@
 """Evaluate linear-attention models against their softmax teacher (library of `training/evaluate.py`).
 
 `evaluate_models(args, data_args)` measures, for the teacher, the training-free baseline "teacher restricted to
-a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_context.WindowBaseline`, labelled
+a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_context_metrics.WindowBaseline`, labelled
 `SWA(64)+4 sinks`), and every `label=path` model of `args.models`:
 - short held-out perplexity on the validation rows of the data pipeline (`training.data`; documents kept
   apart, the same rows for every model);
