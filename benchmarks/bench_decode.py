@@ -48,14 +48,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from common import added_peak_mib, reset_peak_rss
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import hf_linear_attn
+from benchmarks.common import added_peak_mib, reset_peak_rss
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from hf_linear_attn.conversion import GATED_DELTANET_WINDOW_OPTIONS
+from training.command_line import exit_on_bad_input, parse_dataclasses
 from training.measure import cache_bytes, decode_times, new_cache, prefill
 from training.report import log_log_plot, machine, write_report
 
@@ -424,9 +425,10 @@ def scaling_row(kind: str, model: torch.nn.Module, length: int, args: DecodeBenc
     return row
 
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(DecodeBenchmarkArguments).parse_args_into_dataclasses(argv)
-    check_args(args)
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_dataclasses(HfArgumentParser(DecodeBenchmarkArguments), argv)
+    with exit_on_bad_input():
+        check_args(args)
     if args.child:
         run_child(args)
         return 0
@@ -517,4 +519,4 @@ def report_generate(rows: list[dict], args: DecodeBenchmarkArguments, name: str)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

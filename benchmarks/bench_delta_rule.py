@@ -25,10 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from common import machine, measure, return_freed_memory_to_the_os, write_report
 from transformers import HfArgumentParser
 
+from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
+from training.command_line import parse_dataclasses
 
 
 @dataclass
@@ -86,8 +87,8 @@ def speed_times_with_default_allocator(args: DeltaRuleBenchmarkArguments, argv: 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(DeltaRuleBenchmarkArguments).parse_args_into_dataclasses(argv)
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_dataclasses(HfArgumentParser(DeltaRuleBenchmarkArguments), argv)
     if args.timing_child:
         print(json.dumps(speed_times(args)))
         return 0
@@ -146,4 +147,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -18,15 +18,17 @@ import sys
 if "--dry-run" in sys.argv:  # the Triton interpreter must be chosen before the kernels are defined (on import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernel_timing import KernelBenchmarkArguments, benchmark, report  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
+from benchmarks.kernel_timing import KernelBenchmarkArguments, benchmark, report  # noqa: E402
+from training.command_line import parse_dataclasses  # noqa: E402
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(KernelBenchmarkArguments).parse_args_into_dataclasses(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_dataclasses(HfArgumentParser(KernelBenchmarkArguments), argv)
     report(benchmark(args), args)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -12,15 +12,15 @@ For each sequence length T and decay mode, times the forward and forward+backwar
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from common import machine, measure, return_freed_memory_to_the_os, write_report
 from transformers import HfArgumentParser
 
+from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn import linear_attention
+from training.command_line import parse_dataclasses
 
 
 @dataclass
@@ -61,8 +61,8 @@ def run(method: str, x: dict, backward: bool) -> None:
         o.sum().backward()
 
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(OpBenchmarkArguments).parse_args_into_dataclasses(argv)
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_dataclasses(HfArgumentParser(OpBenchmarkArguments), argv)
     return_freed_memory_to_the_os()
     print(f"{machine()}; B={args.batch}, H={args.heads}, D={args.head_dim}, fp32")
     rows = []
@@ -122,4 +122,4 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -9,14 +9,14 @@ of `--steps` timed steps (after one warm-up step) gives tokens/s. Both models ru
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
-from common import measure, return_freed_memory_to_the_os
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
+from benchmarks.common import measure, return_freed_memory_to_the_os
+from training.command_line import parse_dataclasses
 from training.report import log_log_plot, machine, write_report
 
 
@@ -46,8 +46,8 @@ def build(name: str, args: TrainBenchmarkArguments, max_len: int) -> torch.nn.Mo
     return hf_linear_attn.LinearAttentionForCausalLM(config).train()
 
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(TrainBenchmarkArguments).parse_args_into_dataclasses(argv)
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_dataclasses(HfArgumentParser(TrainBenchmarkArguments), argv)
     return_freed_memory_to_the_os()
     print(f"{machine()}; {args.num_hidden_layers} layers, hidden {args.hidden_size}, batch {args.batch}")
     rows = []
@@ -81,4 +81,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

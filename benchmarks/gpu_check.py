@@ -1,6 +1,6 @@
 """One-shot GPU check (≤ 8 minutes on an H200): every measurement the project wants from its first GPU, in one
-output folder. Each stage runs in its own process (multiprocessing, spawned), time-boxed: a stage that fails or runs
-over is recorded, with its output, and the next one runs.
+output folder. Each stage runs in its own process (`python -m benchmarks.gpu_check --stage_result FILE`), time-boxed:
+a stage that fails or runs over is recorded, with its output, and the next one runs.
 
 Stages:
   triton_tests  the Triton test modules, their kernels compiled on the GPU (pytest)
@@ -17,7 +17,7 @@ Stages:
     PYTHONPATH=. python benchmarks/gpu_check.py --dry                     # every stage on CPU at toy sizes (CI)
 
 It runs from a checkout with the repository on PYTHONPATH (nothing installed); --wheels: a folder of wheels
-installed (pip --no-index --no-deps --target) into a temporary folder put on the stages' path, for a GPU machine
+installed (pip --no-index --no-deps --target) into a temporary folder on the stages' PYTHONPATH, for a GPU machine
 without network (`make fla-wheels` downloads fla's). The versions of the packages the stages use are recorded
 first. Writes, to --output_dir: gpu_check.json (versions; every stage's status, seconds and rows),
 gpu_check.log (every stage's output), gpu_check.png (decode and train) and the kernel benchmark's
@@ -30,7 +30,6 @@ import functools
 import importlib.metadata
 import inspect
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -43,6 +42,8 @@ from pathlib import Path
 
 import torch
 from transformers import HfArgumentParser
+
+from training.command_line import exit_on_bad_input, parse_dataclasses
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = ["tests/test_triton_ops.py", "tests/test_window_ops.py", "tests/test_delta_rule_triton.py"]
@@ -64,6 +65,9 @@ class GpuCheckArguments:
     budget_s: float = field(default=440.0, metadata={
         "help": "Seconds for all the stages: each gets its own time box or what is left of this, the smaller."})
     output_dir: str = "outputs/gpu_check"
+    stage_result: str = field(default="", metadata={
+        "help": "Internal: run the one stage of --stages in this process and write its result (JSON) to this file, "
+                "as each stage's own process does."})
 
 
 @dataclass
@@ -318,7 +322,7 @@ def stage_kernels(dry: bool, out: Path, save: Callable[[dict], None]) -> dict:
     """The kernel benchmark, its kernels.{md,json,png} in `out`; `save` keeps the rows measured so far."""
     if dry:  # the interpreter, chosen before the kernels are defined (kernel_timing imports them)
         os.environ["TRITON_INTERPRET"] = "1"
-    from kernel_timing import KernelBenchmarkArguments, benchmark, report
+    from benchmarks.kernel_timing import KernelBenchmarkArguments, benchmark, report
 
     args = KernelBenchmarkArguments(dry_run=dry, output_dir=str(out))
     rows = benchmark(args, on_row=lambda rows: save({"rows": rows}))
@@ -326,13 +330,9 @@ def stage_kernels(dry: bool, out: Path, save: Callable[[dict], None]) -> dict:
     return {"rows": rows}
 
 
-def stage_process(name: str, dry: bool, out: str, log_path: str, result_path: str) -> None:
-    """The body of a stage's process: its output (Python's and the libraries') into `log_path`, its result as JSON
-    into `result_path`, rewritten whenever the stage saves a partial one."""
-    log = open(log_path, "a", buffering=1)  # this process's stdout and stderr until it ends
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    sys.stdout = sys.stderr = log
+def stage_process(name: str, dry: bool, out: str, result_path: str) -> None:
+    """The body of a stage's process: its result as JSON into `result_path`, rewritten whenever the stage saves a
+    partial one."""
 
     def save(result: dict) -> None:
         partial = Path(result_path + ".partial")
@@ -353,25 +353,31 @@ def stage_process(name: str, dry: bool, out: str, log_path: str, result_path: st
 
 
 def run_stage(name: str, dry: bool, out: Path, time_box: float, logs: Path) -> tuple[dict, str]:
-    """Run stage `name` in a spawned process for at most `time_box` seconds: its record (status "ok", "failed" or
-    "timed out", seconds, the stage's result, and the end of its output when not ok) and its whole output."""
+    """Run stage `name` in its own process for at most `time_box` seconds: its record (status "ok", "failed" or
+    "timed out", seconds, the stage's result, and the end of its output when not ok) and its whole output (Python's
+    and the libraries')."""
     log_path, result_path = logs / f"{name}.log", logs / f"{name}.json"
-    process = multiprocessing.get_context("spawn").Process(
-        target=stage_process, args=(name, dry, str(out), str(log_path), str(result_path)), name=f"stage-{name}")
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--stages", name, "--output_dir", str(out),
+               "--stage_result", str(result_path), *(["--dry"] if dry else [])]
     start = time.perf_counter()
-    process.start()
-    process.join(time_box)
+    with open(log_path, "ab") as log:
+        # Unbuffered, as a terminal would show it: a stage stopped at its time box keeps its output to that point.
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
     record = {"time_box_s": time_box}
-    if process.is_alive():
+    try:
+        process.wait(time_box)
+    except subprocess.TimeoutExpired:
         process.terminate()
-        process.join(10)
-        if process.is_alive():
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
             process.kill()
-            process.join()
+            process.wait()
         record["status"] = "timed out"
     else:
-        record["status"] = "ok" if process.exitcode == 0 else "failed"
-        record["exit_code"] = process.exitcode
+        record["status"] = "ok" if process.returncode == 0 else "failed"
+        record["exit_code"] = process.returncode
     record["seconds"] = time.perf_counter() - start
     if result_path.exists():  # the result, or what a stage stopped part-way saved
         record.update(json.loads(result_path.read_text()))
@@ -393,26 +399,36 @@ def install_wheels(folder: str, site: Path) -> None:
                     "--target", str(site), *wheels], check=True)
 
 
-def versions() -> dict:
-    """{distribution: version, or "not installed"} for the packages the stages use."""
+def versions(paths: list[str]) -> dict:
+    """{distribution: version, or "not installed"} for the packages the stages use, found in `paths` (the stages'
+    PYTHONPATH) or where this process finds them."""
     found = {}
     for name in PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = "not installed"
+        distribution = next(importlib.metadata.distributions(name=name, path=[*paths, *sys.path]), None)
+        found[name] = distribution.version if distribution else "not installed"
     return found
 
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(GpuCheckArguments).parse_args_into_dataclasses(argv)
+def check_arguments(args: GpuCheckArguments) -> None:
+    """Raise ValueError naming the argument for a check that cannot run, before anything is written."""
     unknown = sorted(set(args.stages) - set(STAGES))
     if unknown:
-        raise SystemExit(f"unknown stages {unknown}; the stages are {list(STAGES)}")
+        raise ValueError(f"unknown stages {unknown}; the stages are {list(STAGES)}")
     if args.wheels and not list(Path(args.wheels).glob("*.whl")):
-        raise SystemExit(f"--wheels {args.wheels}: no .whl files there (make fla-wheels writes build/wheels)")
+        raise ValueError(f"--wheels {args.wheels}: no .whl files there (make fla-wheels writes build/wheels)")
     if not args.dry and not torch.cuda.is_available():
-        raise SystemExit("gpu_check.py needs a CUDA GPU (or --dry on CPU)")
+        raise ValueError("gpu_check.py needs a CUDA GPU (or --dry on CPU)")
+    if args.stage_result and len(args.stages) != 1:
+        raise ValueError(f"--stage_result runs one stage, not {args.stages}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_dataclasses(HfArgumentParser(GpuCheckArguments), argv)
+    with exit_on_bad_input():
+        check_arguments(args)
+    if args.stage_result:
+        stage_process(args.stages[0], args.dry, args.output_dir, args.stage_result)
+        return 0
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
@@ -420,13 +436,12 @@ def main(argv: list[str]) -> int:
         logs.mkdir()
         if args.wheels:
             install_wheels(args.wheels, site)
-        # What the spawned stages inherit: the wheels and the checkout on their path, kernels compiled.
+        # What the stages' processes inherit: the wheels and the checkout on their path, kernels compiled.
         paths = [str(site), str(ROOT)] if args.wheels else [str(ROOT)]
-        sys.path[:0] = paths
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
         os.environ.pop("TRITON_INTERPRET", None)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        summary = {"device": "cpu (dry)" if args.dry else torch.cuda.get_device_name(), "versions": versions(),
+        summary = {"device": "cpu (dry)" if args.dry else torch.cuda.get_device_name(), "versions": versions(paths),
                    "stages": {}}
         print(f"{summary['device']}; " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), flush=True)
         deadline = time.perf_counter() + args.budget_s
@@ -487,4 +502,4 @@ def plot(summary: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -25,6 +25,8 @@ kernel_compile.{md,json} and kernel_traffic.{md,json} to --output_dir.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import multiprocessing
 import os
 import sys
@@ -36,10 +38,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import KERNEL_DECAYS as DECAYS
-from common import KERNEL_SHAPES as SHAPES
-from common import write_report
 from transformers import HfArgumentParser
+
+from benchmarks.common import KERNEL_DECAYS as DECAYS
+from benchmarks.common import KERNEL_SHAPES as SHAPES
+from benchmarks.common import write_report
+from training.command_line import exit_on_bad_input, parse_dataclasses
 
 FLA_OPS = {"none": "chunk_simple_gla", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}
 
@@ -70,7 +74,7 @@ class KernelReportArguments:
 
 def compile_rows(args: KernelReportArguments) -> list[dict]:
     """One row per (kernel specialization, autotune config) at each head dim of `args.compile_dims`."""
-    from kernel_compile import compile_for_hopper, modes, record_workload
+    from benchmarks.kernel_compile import compile_for_hopper, modes, record_workload
 
     dims = [(d, d) for d in args.compile_dims]
     seen = record_workload([torch.bfloat16], dims, [False] if args.dry else [False, True])
@@ -122,7 +126,7 @@ def traffic_ops(fla) -> dict:
 
 def count_all(args: KernelReportArguments) -> dict:
     """{"fla_error": why fla is absent or None, "runs": [{method, decay, D, T, fwd, bwd, rows}]}."""
-    from kernel_traffic import forward_backward_traffic
+    from benchmarks.kernel_traffic import forward_backward_traffic
 
     try:
         import fla.ops as fla
@@ -144,12 +148,29 @@ def count_all(args: KernelReportArguments) -> dict:
     return {"fla_error": fla_error, "runs": runs}
 
 
+class PackagesFromFolder(importlib.abc.MetaPathFinder):
+    """Imports the top-level packages and modules of `folder` (fla's unpacked wheels: fla, einops) from there, ahead
+    of any installed copy, without putting `folder` on sys.path: their submodules then import from the packages'
+    own folders."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.names = {entry.stem for entry in Path(folder).iterdir()
+                      if (entry / "__init__.py").is_file() or entry.suffix == ".py"}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.names:
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [self.folder])
+
+
 def count_in_this_process(args: KernelReportArguments, fla_path: str) -> dict:
-    """count_all in a fresh process: the interpreter chosen before any kernel is defined, fla's packages first on
-    the path, and no input value checks (`ops_common.checks_values`), which a GPU run skips."""
+    """count_all in a fresh process: the interpreter chosen before any kernel is defined, fla's packages from
+    `fla_path` (when given) ahead of installed ones, and no input value checks (`ops_common.checks_values`), which a
+    GPU run skips."""
     os.environ["TRITON_INTERPRET"] = "1"
     if fla_path:
-        sys.path.insert(0, fla_path)
+        sys.meta_path.insert(0, PackagesFromFolder(fla_path))
     from hf_linear_attn import ops_common
 
     ops_common.checks_values = lambda x: False  # as on a GPU: the value checks run on CPU tensors only
@@ -158,7 +179,7 @@ def count_in_this_process(args: KernelReportArguments, fla_path: str) -> dict:
 
 def count_in_child(args: KernelReportArguments) -> dict:
     """count_all in a spawned process (this one compiles real kernels), with fla's packages from --fla_dir (its
-    wheels unpacked into a temporary folder, or the folder itself) on its path."""
+    wheels unpacked into a temporary folder, or the folder itself)."""
     with tempfile.TemporaryDirectory() as unpacked:
         fla_path = ""
         if args.fla_dir:
@@ -249,18 +270,23 @@ def compile_report(args: KernelReportArguments) -> None:
           f"{len(spilling)} spill (target 0, listed above), {len(failed)} failed")
 
 
-def main(argv: list[str]) -> int:
-    (args,) = HfArgumentParser(KernelReportArguments).parse_args_into_dataclasses(argv)
-    if args.dry:
-        args.shapes, args.fit_lengths, args.compile_dims = ["2x256x3x16"], [64, 128, 192], [16]
+def check_arguments(args: KernelReportArguments) -> None:
+    """Raise ValueError naming the argument for a report that cannot run, before any work."""
     if len(args.fit_lengths) != 3 or any(t % 64 for t in args.fit_lengths):
-        raise SystemExit(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
+        raise ValueError(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
-
+        raise ValueError("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
     unknown = sorted(set(args.parts) - {"traffic", "compile"})
     if unknown:
-        raise SystemExit(f"unknown --parts {unknown}: choose from traffic, compile")
+        raise ValueError(f"unknown --parts {unknown}: choose from traffic, compile")
+
+
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_dataclasses(HfArgumentParser(KernelReportArguments), argv)
+    if args.dry:
+        args.shapes, args.fit_lengths, args.compile_dims = ["2x256x3x16"], [64, 128, 192], [16]
+    with exit_on_bad_input():
+        check_arguments(args)
     if "traffic" in args.parts:
         traffic_report(args)
     if "compile" in args.parts:
@@ -269,4 +295,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

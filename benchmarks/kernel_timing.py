@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from common import KERNEL_DECAYS as DECAYS
-from common import KERNEL_SHAPES as SHAPES
-from common import machine, write_report
 
+from benchmarks.common import KERNEL_DECAYS as DECAYS
+from benchmarks.common import KERNEL_SHAPES as SHAPES
+from benchmarks.common import machine, write_report
 from hf_linear_attn.ops import linear_attention
 from hf_linear_attn.ops_triton_common import HAS_TRITON
 

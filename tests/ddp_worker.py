@@ -8,18 +8,18 @@ from pathlib import Path
 
 import torch
 
-from training import distill, finetune
+from training import finetune, stages
 from training.data import DataArguments
 from training.loop import TrainArguments
 from training.recipes import parse_recipe_args
 
 stage, argv = sys.argv[1], sys.argv[2:]
 if stage == "distill":
-    args = parse_recipe_args((distill.DistillArguments, DataArguments, TrainArguments), argv)
-    result = distill.distill(*args)
+    args = parse_recipe_args((stages.DistillArguments, DataArguments, TrainArguments), argv)
+    result = stages.distill(*args)
 else:
     args = finetune.parse_args(argv)
-    result = finetune.run(args)
+    result = stages.finetune(args)
 model = getattr(result.model, "module", result.model)  # unwrap DistributedDataParallel
 parameters = {name: p.detach().cpu() for name, p in model.named_parameters()}
 torch.save(parameters, Path(args[2].output_dir) / f"rank{os.environ['RANK']}.pt")

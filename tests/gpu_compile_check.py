@@ -13,13 +13,10 @@ than a Hopper GPU has (227 KiB) included: such a kernel compiles, but fails at l
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the recording library lives there
-from kernel_compile import compile_for_hopper, modes, record_workload  # noqa: E402
+from benchmarks.kernel_compile import compile_for_hopper, modes, record_workload
 
 
 def covering(builds: list) -> list:
@@ -43,14 +40,14 @@ def covering(builds: list) -> list:
     return chosen
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="all input dtypes and three head-dim sets")
     parser.add_argument("--cover", action="store_true", help="the fewest compiles in which every kernel and each "
                         "value of its constexprs, block sizes and argument types compiles at least once")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+        parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     if args.all:
         seen = record_workload([torch.bfloat16, torch.float16, torch.float32], [(128, 128), (80, 47), (256, 256)],
                                [False, True])
@@ -80,4 +77,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -359,13 +359,10 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def benchmark_module(script: str):
-    """`benchmarks/SCRIPT` imported into this process (its folder on sys.path, as when run as a script), so a test
-    calls its `main(argv)`: a subprocess spends most of a tiny run importing torch and transformers (~9 s each on
-    the suite's slow machine)."""
-    folder = str(ROOT / "benchmarks")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(Path(script).stem)
+    """The module `benchmarks.NAME` of `benchmarks/NAME.py`, imported into this process, so a test calls its
+    `main(argv)`: a subprocess spends most of a tiny run importing torch and transformers (~9 s each on the suite's
+    slow machine)."""
+    return importlib.import_module(f"benchmarks.{Path(script).stem}")
 
 
 def tiny_args(output_dir: Path, cache_dir: Path, *extra: str) -> list[str]:

@@ -1,7 +1,6 @@
 """The benchmark scripts run end to end on tiny settings, so they cannot rot between real runs."""
 
 import json
-import re
 
 import pytest
 import torch
@@ -90,12 +89,20 @@ def test_decode_loop_benchmark_times_every_variant_in_turn(bench_decode, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == ["decode_loop.json"]
 
 
-def test_decode_benchmark_refuses_bad_arguments_before_running(bench_decode, tmp_path):
+def test_decode_benchmark_refuses_bad_arguments_before_running(bench_decode, tmp_path, capsys):
     for args, match in [(["--batch_size", "0"], "--batch_size must be positive"),
                         (["--timings", "loop", "prefill"], "--timings must be some of"),
                         (["--attention", "delta"], "--attention must be one of ['delta_window']")]:
-        with pytest.raises(ValueError, match=re.escape(match)):
+        with pytest.raises(SystemExit) as exit_:  # one `error: ...` line and status 2, as a bad flag
             bench_decode(*args, "--output_dir", str(tmp_path))
+        assert exit_.value.code == 2 and capsys.readouterr().err.startswith(f"error: {match}")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_benchmark_refuses_an_unknown_flag_as_argparse_does(benchmark_main, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_main("bench_ops.py", "--lengths", "70", "--lenghts", "130", "--output_dir", str(tmp_path))
+    assert exit_.value.code == 2 and "error: unrecognized arguments: --lenghts 130" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

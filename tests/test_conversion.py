@@ -328,8 +328,8 @@ def test_attention_transfer_of_a_delta_conversion_lowers_its_loss(options, new):
     with Gated DeltaNet layers (with the window: λ too, from 0): the transfer loss falls, and only the new attention
     parameters move."""
     from training.attention_transfer import AttentionTransfer, attention_transfer_loss
-    from training.distill import DistillArguments
     from training.loop import select_trainable
+    from training.stages import DistillArguments
 
     torch.manual_seed(0)
     student = convert_to_linear_attention(teacher("llama"), **options).train()

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from hf_linear_attn import convert_to_linear_attention
 from training.attention_transfer import AttentionTransfer
 from training.data import DataArguments
-from training.distill import DistillArguments, distill
 from training.loop import TrainArguments
+from training.stages import DistillArguments, distill
 
 
 def transfer_loss(model, ids: torch.Tensor) -> float:

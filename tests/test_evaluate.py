@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
 from training import evaluate
-from training import long_context as lc
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
+from training.long_context_data import SOURCES, load_texts, long_documents, passkey_trials
+from training.long_context_metrics import passkey_accuracy, perplexity_windows
 from training.model_card import EVALUATION_FILE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -35,7 +36,7 @@ def byte_llama(seed: int = 0) -> LlamaForCausalLM:
 def write_long_texts(folder) -> None:
     """Tiny stand-ins for the prepared long texts: two sources of two records each, made of WORDS."""
     folder.mkdir(parents=True, exist_ok=True)
-    for s, source in enumerate(lc.SOURCES):
+    for s, source in enumerate(SOURCES):
         records = [{"title": f"{source} {r}",
                     "text": " ".join(WORDS[(5 * i + 3 * r + s) % len(WORDS)] for i in range(150))} for r in range(2)]
         (folder / f"{source}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
@@ -107,7 +108,7 @@ def evaluated(tmp_path_factory, dataset_cache):
     torch.set_num_threads(threads)
     data = DataArguments(block_size=BLOCK, cache_dir=str(dataset_cache))
     rows = collate_rows(list(build_datasets(data, tokenizer)["validation"])[:6])
-    documents = lc.long_documents(tokenizer, lc.load_texts(root / "texts"), 512, 2)
+    documents = long_documents(tokenizer, load_texts(root / "texts"), 512, 2)
     return root, teacher, rows, documents
 
 
@@ -132,7 +133,7 @@ def test_long_context_perplexity_and_cache_bytes_equal_direct_computations(evalu
     got = {(r["model"], r["context"]): r for r in long_rows}
     narrow = AutoModelForCausalLM.from_pretrained(root / "narrow").eval()
     for context in CONTEXTS:
-        windows = lc.perplexity_windows(documents, context, SCORED)
+        windows = perplexity_windows(documents, context, SCORED)
         assert got["teacher", context]["scored_tokens"] == len(windows) * (context - context // 2) >= SCORED
         assert got["teacher", context]["perplexity"] == pytest.approx(second_half_perplexity(teacher, windows),
                                                                       rel=1e-5)
@@ -160,8 +161,8 @@ def test_passkey_runs_each_setting_for_the_chosen_models_with_the_seeded_trials(
     assert all(r["trials"] == 2 for r in passkey)
     tokenizer = byte_level_tokenizer()
     for r in passkey[:4]:  # the teacher's, against trials built here with the same seed
-        trials = lc.passkey_trials(tokenizer, documents, 400, 2, r["haystack"], r["variant"], seed=0, keys=2)
-        assert r["accuracy"] == lc.passkey_accuracy(teacher, tokenizer, trials)
+        trials = passkey_trials(tokenizer, documents, 400, 2, r["haystack"], r["variant"], seed=0, keys=2)
+        assert r["accuracy"] == passkey_accuracy(teacher, tokenizer, trials)
 
 
 def test_decode_profile_cache_is_constant_for_linear_attention_and_grows_for_the_teacher(evaluated):
@@ -226,7 +227,7 @@ def test_a_sparse_memory_variant_is_measured_as_the_model_with_sparse_cache_size
     assert evaluate.main(argv) == 0
     long_rows = {r["model"]: r for r in json.loads((tmp_path / "out" / "evaluation.json").read_text())["long_context"]}
     assert sorted(long_rows) == ["narrow", "narrow + memory 3", "wide"]
-    windows = lc.perplexity_windows(documents, 64, SCORED)
+    windows = perplexity_windows(documents, 64, SCORED)
     with_memory = AutoModelForCausalLM.from_pretrained(root / "narrow", sparse_cache_size=3).eval()
     assert long_rows["narrow + memory 3"]["perplexity"] == pytest.approx(
         second_half_perplexity(with_memory, windows), rel=1e-5)

@@ -1,4 +1,5 @@
-"""training/finetune.py and its building blocks: recipe parsing, data packing, the loop, checkpoints, LoRA."""
+"""training/finetune.py (`training.stages.finetune`) and its building blocks: recipe parsing, data packing, the loop,
+checkpoints, LoRA."""
 
 import json
 import math
@@ -30,7 +31,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionForCausalLM
-from training import checkpoints, finetune, loop
+from training import checkpoints, finetune, loop, stages
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows, pack_documents
 from training.loop import EpochShuffleSampler, TrainArguments, make_accelerator, train
 from training.losses import causal_lm_loss, logit_distillation_loss, packed_forward
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def run(*args: str):
-    return finetune.run(finetune.parse_args(list(args)))
+    return stages.finetune(finetune.parse_args(list(args)))
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -78,7 +79,7 @@ def trained(tmp_path_factory, dataset_cache):
 # Recipes and flags ---------------------------------------------------------------------------------
 
 
-def test_recipe_fields_and_command_line_overrides(tmp_path):
+def test_recipe_fields_and_command_line_overrides(tmp_path, capsys):
     model_args, data_args, train_args, hub_args = finetune.parse_args(
         ["--config", str(TINY_RECIPE), "--learning_rate", "0.5", "--use_lora", "--lora_target_modules", "q_proj"]
     )
@@ -91,8 +92,9 @@ def test_recipe_fields_and_command_line_overrides(tmp_path):
     # Without a recipe: the dataclass defaults (run_clm names).
     model_args, data_args, train_args, _ = finetune.parse_args(["--model_name_or_path", "x", "--block_size", "32"])
     assert model_args.model_name_or_path == "x" and data_args.block_size == 32 and train_args.max_steps == -1
-    with pytest.raises(ValueError, match="no_such_flag"):
+    with pytest.raises(SystemExit) as exit_:  # as argparse refuses a bad flag: usage, one `error: ...` line, status 2
         finetune.parse_args(["--no_such_flag", "1"])
+    assert exit_.value.code == 2 and "error: unrecognized arguments: --no_such_flag 1" in capsys.readouterr().err
 
 
 # Bad input: every case fails with a clear error before training starts -----------------------------
@@ -154,7 +156,7 @@ def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypa
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(finetune, "train", no_training)
+    monkeypatch.setattr(stages, "train", no_training)
     error, message, args = _bad_input_cases(tmp_path, dataset_cache)[case]
     with pytest.raises(error) as caught:
         run(*args)
@@ -404,7 +406,7 @@ def test_kl_to_the_teacher_trains_towards_it_and_evaluation_stays_perplexity(tra
             loss_sum, tokens = kl_only(model.eval(), rows)
         return loss_sum.sum().item() / tokens.sum().item()
 
-    result = finetune.run(args)
+    result = stages.finetune(args)
     before, after = AutoModelForCausalLM.from_pretrained(base), AutoModelForCausalLM.from_pretrained(out)
     assert mean_kl(after) < 0.9 * mean_kl(before)
     # Held-out metrics are next-token cross-entropy of the trained model, not the KL objective.

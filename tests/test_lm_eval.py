@@ -11,8 +11,16 @@ import torch.nn.functional as F
 from helpers import ROOT, tiny_config
 
 import hf_linear_attn
-from training import long_context as lc
 from training.data import byte_level_tokenizer
+from training.long_context_data import (
+    DEFAULT_NEEDLES_DIR,
+    LongDocument,
+    PasskeyTrial,
+    long_documents,
+    passkey_trials,
+    write_needles,
+)
+from training.long_context_metrics import greedy_generate, passkey_accuracy
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra: pip install -e '.[dev]'")
 TASKS = ROOT / "configs" / "lm_eval"
@@ -118,23 +126,23 @@ NEEDLE_TASKS = [f"needle_{variant}_{haystack}_1k" for variant in ("single", "mul
                 for haystack in ("natural", "filler")]
 
 
-def needle_documents(tokenizer) -> list[lc.LongDocument]:
+def needle_documents(tokenizer) -> list[LongDocument]:
     """Long documents for the natural haystack: the held-out Jargon File entries, one stream."""
     texts = {"jargon": list(jargon_tasks.held_out_documents()["test"])}
-    return lc.long_documents(tokenizer, texts, document_tokens=1536, documents_per_source=2)
+    return long_documents(tokenizer, texts, document_tokens=1536, documents_per_source=2)
 
 
-def needle_trials(tokenizer, task: str) -> list[lc.PasskeyTrial]:
+def needle_trials(tokenizer, task: str) -> list[PasskeyTrial]:
     """The passkey trials a needle task's data holds (`write_needles`' defaults but NEEDLE_TRIALS)."""
     _, variant, haystack, _ = task.split("_")
-    return lc.passkey_trials(tokenizer, needle_documents(tokenizer), 1024, NEEDLE_TRIALS, haystack, variant)
+    return passkey_trials(tokenizer, needle_documents(tokenizer), 1024, NEEDLE_TRIALS, haystack, variant)
 
 
 def evaluate_needles(model, tmp_path, task_manager, **kwargs) -> dict:
     """lm-eval's `simple_evaluate` on the group `needle_1k`, run in `tmp_path`, where the tasks' data is written
     (they read outputs/lm_eval_needles relative to the directory lm_eval runs in)."""
     tokenizer = byte_level_tokenizer()
-    lc.write_needles(tokenizer, needle_documents(tokenizer), tmp_path / lc.DEFAULT_NEEDLES_DIR, lengths=[1024],
+    write_needles(tokenizer, needle_documents(tokenizer), tmp_path / DEFAULT_NEEDLES_DIR, lengths=[1024],
                      trials=NEEDLE_TRIALS)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp_path)
@@ -160,9 +168,9 @@ def test_needle_accuracy_is_the_models_own_greedy_passkey_accuracy(checkpoint, t
             assert tokenizer(context, add_special_tokens=False).input_ids == trial.input_ids[0].tolist()
             assert generation_kwargs["max_gen_toks"] == len(trial.answer) + 3
             with torch.no_grad():
-                continuation = lc.greedy_generate(model, trial.input_ids, len(trial.answer) + 3, tokenizer)
+                continuation = greedy_generate(model, trial.input_ids, len(trial.answer) + 3, tokenizer)
             assert sample["filtered_resps"][0] == tokenizer.decode(continuation, skip_special_tokens=True)
-        assert output["results"][task]["acc,none"] == pytest.approx(lc.passkey_accuracy(model, tokenizer, trials))
+        assert output["results"][task]["acc,none"] == pytest.approx(passkey_accuracy(model, tokenizer, trials))
     torch.set_num_threads(threads)
 
 

@@ -13,8 +13,27 @@ import torch.nn.functional as F
 from helpers import WORDS, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from training import long_context as lc
+from training import long_context
 from training.data import byte_level_tokenizer
+from training.long_context_data import (
+    PREAMBLE,
+    austen_novels,
+    load_texts,
+    long_documents,
+    passkey_prompt,
+    passkey_trials,
+    read_r_strings,
+    write_needles,
+)
+from training.long_context_metrics import (
+    WindowBaseline,
+    answer_matches,
+    cache_bytes_at,
+    greedy_generate,
+    passkey_accuracy,
+    perplexity_by_context,
+    perplexity_windows,
+)
 from training.measure import cache_bytes, cache_bytes_by_context, cache_memory, new_cache, prefill
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -38,7 +57,7 @@ def synthetic_texts(words: int = 400) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def documents(tokenizer):
-    return lc.long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
+    return long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
 
 
 def byte_llama() -> LlamaForCausalLM:
@@ -73,13 +92,13 @@ def r_serialization(strings: list[str | None], version: int = 3) -> bytes:
 
 def test_read_r_strings_reads_a_character_vector_and_refuses_anything_else():
     strings = ["EMMA", "", None, "Mr. Knightley’s"]
-    assert lc.read_r_strings(r_serialization(strings)) == strings
-    assert lc.read_r_strings(r_serialization(strings, version=2)) == strings
+    assert read_r_strings(r_serialization(strings)) == strings
+    assert read_r_strings(r_serialization(strings, version=2)) == strings
     with pytest.raises(ValueError, match="XDR"):
-        lc.read_r_strings(b"A\n" + r_serialization(strings)[2:])
+        read_r_strings(b"A\n" + r_serialization(strings)[2:])
     integers = r_serialization([])[:-8] + struct.pack(">ii", 13, 0)
     with pytest.raises(ValueError, match="STRSXP"):
-        lc.read_r_strings(integers)
+        read_r_strings(integers)
 
 
 def test_austen_novels_are_read_block_by_block_with_paragraphs_rejoined(tmp_path):
@@ -90,25 +109,26 @@ def test_austen_novels_are_read_block_by_block_with_paragraphs_rejoined(tmp_path
     data.mkdir(parents=True)
     blocks = [r_serialization(lines) for lines in novels]
     (data / "Rdata.rdb").write_bytes(b"".join(struct.pack(">i", len(b)) + zlib.compress(b) for b in blocks))
-    assert lc._austen_novels(tmp_path) == [
+    assert austen_novels(tmp_path) == [
         {"title": "Emma", "text": "EMMA\n\nBy Jane Austen\n\nEmma Woodhouse, handsome, clever, and rich."},
         {"title": "Persuasion", "text": "PERSUASION\n\nSir Walter Elliot"}]
 
 
 def test_missing_data_is_a_clear_error_naming_the_prepare_command(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match=r"python -m training.long_context prepare --data_dir"):
-        lc.load_texts(tmp_path / "nowhere")
+        load_texts(tmp_path / "nowhere")
     (tmp_path / "kjv.jsonl").write_text('{"title": "Ge", "text": "In the beginning"}\n')
     with pytest.raises(FileNotFoundError, match=r"\['austen'\]"):
-        lc.load_texts(tmp_path)
+        load_texts(tmp_path)
     # The command line prepares and writes the needle data; evaluation is training/evaluate.py's.
-    assert lc.main(["evaluate", "--data_dir", str(tmp_path)]) == 2
-    assert "training/evaluate.py" in capsys.readouterr().err
-    assert lc.main([]) == 2
+    for argv in (["evaluate", "--data_dir", str(tmp_path)], []):  # one `error: ...` line, status 2
+        with pytest.raises(SystemExit) as exit_:
+            long_context.main(argv)
+        assert exit_.value.code == 2 and "training/evaluate.py" in capsys.readouterr().err
 
 
 def test_documents_are_deterministic_evenly_spaced_and_alternate_sources(tokenizer, documents):
-    again = lc.long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
+    again = long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
     assert [(d.source, d.index) for d in documents] == [(d.source, d.index) for d in again]
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(documents, again, strict=True))
     assert [d.source for d in documents] == ["kjv", "austen", "kjv", "austen"]
@@ -121,7 +141,7 @@ def test_documents_are_deterministic_evenly_spaced_and_alternate_sources(tokeniz
     available = len(tokenizer("\n\n".join(r["text"] for r in synthetic_texts()["kjv"])).input_ids) // 512
     assert [d.index for d in documents if d.source == "kjv"] == [available // 4, 3 * available // 4]
     with pytest.raises(ValueError, match="documents_per_source"):
-        lc.long_documents(tokenizer, synthetic_texts(words=20), document_tokens=512, documents_per_source=2)
+        long_documents(tokenizer, synthetic_texts(words=20), document_tokens=512, documents_per_source=2)
 
 
 # ------------------------------------------------------------------------------------------ perplexity
@@ -141,7 +161,7 @@ class Uniform(torch.nn.Module):
 
 def test_every_model_scores_the_same_rows_and_the_second_half_of_each(documents):
     first, second = Uniform(), Uniform()
-    rows = lc.perplexity_by_context({"a": first, "b": second}, documents, [32, 64], scored_tokens=100, log=str)
+    rows = perplexity_by_context({"a": first, "b": second}, documents, [32, 64], scored_tokens=100, log=str)
     assert len(first.seen) == len(second.seen) == math.ceil(100 / 16) + math.ceil(100 / 32)
     assert all(torch.equal(x, y) for x, y in zip(first.seen, second.seen, strict=True))
     by_context = {(r["model"], r["context"]): r for r in rows}
@@ -151,9 +171,9 @@ def test_every_model_scores_the_same_rows_and_the_second_half_of_each(documents)
     # Row r: window r // 4 of document r % 4.
     expected = [documents[r % 4].input_ids[32 * (r // 4):32 * (r // 4 + 1)] for r in range(7)]
     assert all(torch.equal(seen[0], row) for seen, row in zip(first.seen[:7], expected, strict=True))
-    assert lc.perplexity_windows(documents, 32, 100, max_rows=3)[2].shape == (1, 32)
+    assert perplexity_windows(documents, 32, 100, max_rows=3)[2].shape == (1, 32)
     with pytest.raises(ValueError, match="context 256 needs 129 rows"):
-        lc.perplexity_windows(documents, 256, 128 * 129)
+        perplexity_windows(documents, 256, 128 * 129)
 
 
 def direct_perplexity(model, windows, mask_of=None) -> float:
@@ -171,11 +191,11 @@ def direct_perplexity(model, windows, mask_of=None) -> float:
 def test_perplexity_equals_a_direct_per_row_computation(documents):
     teacher = byte_llama()
     linear = tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8, num_sink_tokens=2)
-    models = {"teacher": teacher, "window": lc.WindowBaseline(teacher, window=8, sinks=2), "linear": linear}
-    rows = lc.perplexity_by_context(models, documents, [24, 64], scored_tokens=80, log=str)
+    models = {"teacher": teacher, "window": WindowBaseline(teacher, window=8, sinks=2), "linear": linear}
+    rows = perplexity_by_context(models, documents, [24, 64], scored_tokens=80, log=str)
     got = {(r["model"], r["context"]): r["perplexity"] for r in rows}
     for context in (24, 64):
-        windows = lc.perplexity_windows(documents, context, 80)
+        windows = perplexity_windows(documents, context, 80)
         assert got["teacher", context] == pytest.approx(direct_perplexity(teacher, windows), rel=1e-5)
         assert got["window", context] == pytest.approx(
             direct_perplexity(teacher, windows, lambda n: window_mask(n, 8, 2)), rel=1e-5)
@@ -188,9 +208,9 @@ def test_perplexity_equals_a_direct_per_row_computation(documents):
 def test_passkey_prompt_puts_each_needle_at_its_depth_and_has_the_exact_length(tokenizer):
     haystack = tokenizer("abcdefghij" * 40, add_special_tokens=False).input_ids
     needles = [(0.75, " KEY-B "), (0.25, " KEY-A ")]
-    ids, starts = lc.passkey_prompt(tokenizer, haystack, 300, needles, " Q?")
+    ids, starts = passkey_prompt(tokenizer, haystack, 300, needles, " Q?")
     ids = ids[0].tolist()
-    head = len(tokenizer(lc.PREAMBLE).input_ids)
+    head = len(tokenizer(PREAMBLE).input_ids)
     budget = 300 - head - len(" Q?") - len(" KEY-B ") - len(" KEY-A ")
     assert len(ids) == 300
     assert tokenizer.decode(ids[starts[1]:starts[1] + 7]) == " KEY-A "
@@ -200,21 +220,21 @@ def test_passkey_prompt_puts_each_needle_at_its_depth_and_has_the_exact_length(t
     assert ids[head:starts[1]] == haystack[:round(0.25 * budget)]
     assert tokenizer.decode(ids[-3:]) == " Q?"
     with pytest.raises(ValueError, match="leaves"):
-        lc.passkey_prompt(tokenizer, haystack, 120, needles, " Q?")
+        passkey_prompt(tokenizer, haystack, 120, needles, " Q?")
     with pytest.raises(ValueError, match="depth"):
-        lc.passkey_prompt(tokenizer, haystack, 300, [(1.5, "x")], " Q?")
+        passkey_prompt(tokenizer, haystack, 300, [(1.5, "x")], " Q?")
 
 
 @pytest.mark.parametrize("haystack", ["natural", "filler"])
 @pytest.mark.parametrize("variant", ["single", "multi"])
 def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents, haystack, variant):
-    trials = lc.passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
-    again = lc.passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
+    trials = passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
+    again = passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
     assert [t.answer for t in trials] == [t.answer for t in again]
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(trials, again, strict=True))
     assert [t.depth for t in trials] == [0.1, 0.3, 0.5, 0.7, 0.9]
     if variant == "single":  # haystack tokens before the needle: depth × all of them
-        head, tail = len(tokenizer(lc.PREAMBLE).input_ids), len(" What is the pass key? The pass key is")
+        head, tail = len(tokenizer(PREAMBLE).input_ids), len(" What is the pass key? The pass key is")
         budget = 400 - head - tail - len(" The pass key is 12345. Remember it. 12345 is the pass key. ")
         assert [t.needle_start - head for t in trials] == [round(t.depth * budget) for t in trials]
     for trial in trials:
@@ -229,19 +249,19 @@ def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents,
             assert len(re.findall(r"The pass key of the \w+ door is \d{5}", text)) == 3
         sentences = ("grass is green", "sky is blue", "sun is yellow", "Here we go", "back again")
         assert any(sentence in text for sentence in sentences) == (haystack == "filler")
-    other_seed = lc.passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=4, keys=3)
+    other_seed = passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=4, keys=3)
     assert [t.answer for t in other_seed] != [t.answer for t in trials]
     with pytest.raises(ValueError, match="haystack"):
-        lc.passkey_trials(tokenizer, documents, 400, 5, "noise", variant)
+        passkey_trials(tokenizer, documents, 400, 5, "noise", variant)
 
 
 def test_answer_check_is_exact():
-    assert lc.answer_matches(" 12345.", "12345")
-    assert lc.answer_matches("12345 is it", "12345")
-    assert not lc.answer_matches(" 123456", "12345")
-    assert not lc.answer_matches(" 1234", "12345")
-    assert not lc.answer_matches(" 54321 12345", "12345")
-    assert not lc.answer_matches(" the key", "12345")
+    assert answer_matches(" 12345.", "12345")
+    assert answer_matches("12345 is it", "12345")
+    assert not answer_matches(" 123456", "12345")
+    assert not answer_matches(" 1234", "12345")
+    assert not answer_matches(" 54321 12345", "12345")
+    assert not answer_matches(" the key", "12345")
 
 
 class Reader(torch.nn.Module):
@@ -264,9 +284,9 @@ class Reader(torch.nn.Module):
 @pytest.mark.parametrize("variant", ["single", "multi"])
 def test_a_model_that_copies_the_key_scores_100_percent_and_one_that_does_not_0(tokenizer, documents, haystack,
                                                                                 variant):
-    trials = lc.passkey_trials(tokenizer, documents, 400, 4, haystack, variant)
-    assert lc.passkey_accuracy(Reader(tokenizer), tokenizer, trials) == 1.0
-    assert lc.passkey_accuracy(Reader(tokenizer, offset=1), tokenizer, trials) == 0.0
+    trials = passkey_trials(tokenizer, documents, 400, 4, haystack, variant)
+    assert passkey_accuracy(Reader(tokenizer), tokenizer, trials) == 1.0
+    assert passkey_accuracy(Reader(tokenizer, offset=1), tokenizer, trials) == 0.0
 
 
 # ------------------------------------------------------------------------------------------ lm-eval needle data
@@ -276,11 +296,11 @@ NEEDLE_FILES = [f"{variant}_{haystack}_{length}.jsonl" for length in (400, 500) 
 
 
 def test_needle_data_is_the_passkey_trials_as_text_that_tokenizes_back_to_them(tokenizer, documents, tmp_path):
-    paths = lc.write_needles(tokenizer, documents, tmp_path / "needles", lengths=[400, 500], trials=3, seed=2, keys=3)
+    paths = write_needles(tokenizer, documents, tmp_path / "needles", lengths=[400, 500], trials=3, seed=2, keys=3)
     assert [path.name for path in paths] == NEEDLE_FILES
     for path in paths:
         variant, haystack, length = path.stem.split("_")
-        trials = lc.passkey_trials(tokenizer, documents, int(length), 3, haystack, variant, seed=2, keys=3)
+        trials = passkey_trials(tokenizer, documents, int(length), 3, haystack, variant, seed=2, keys=3)
         records = [json.loads(line) for line in path.read_text().splitlines()]
         assert [record["answer"] for record in records] == [trial.answer for trial in trials]
         assert [record["depth"] for record in records] == [trial.depth for trial in trials] == [1 / 6, 0.5, 5 / 6]
@@ -291,11 +311,11 @@ def test_needle_data_is_the_passkey_trials_as_text_that_tokenizes_back_to_them(t
 
 def test_needle_data_refuses_bad_arguments_before_writing_anything(tokenizer, documents, tmp_path):
     with pytest.raises(ValueError, match="at least one length"):
-        lc.write_needles(tokenizer, documents, tmp_path, lengths=[])
+        write_needles(tokenizer, documents, tmp_path, lengths=[])
     with pytest.raises(ValueError, match="trials ≥ 1"):
-        lc.write_needles(tokenizer, documents, tmp_path, trials=0)
+        write_needles(tokenizer, documents, tmp_path, trials=0)
     with pytest.raises(ValueError, match="leaves"):  # the 400-token prompts are fine, the 60-token ones are not
-        lc.write_needles(tokenizer, documents, tmp_path / "needles", lengths=[400, 60])
+        write_needles(tokenizer, documents, tmp_path / "needles", lengths=[400, 60])
     assert not (tmp_path / "needles").exists()
 
 
@@ -305,16 +325,18 @@ def test_needles_command_writes_the_data_for_the_given_tokenizer(tokenizer, tmp_
     for source, records in synthetic_texts().items():
         (data / f"{source}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     tokenizer.save_pretrained(tmp_path / "model")
-    assert lc.main(["needles", "--tokenizer_name", str(tmp_path / "model"), "--data_dir", str(data),
+    assert long_context.main(["needles", "--tokenizer_name", str(tmp_path / "model"), "--data_dir", str(data),
                     "--output_dir", str(tmp_path / "out"), "--lengths", "400", "500", "--trials", "3", "--seed", "2",
                     "--keys", "3", "--document_tokens", "512", "--documents_per_source", "2"]) == 0
     assert capsys.readouterr().out.count(": 3 prompts\n") == len(NEEDLE_FILES)
-    documents = lc.long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
-    lc.write_needles(tokenizer, documents, tmp_path / "direct", lengths=[400, 500], trials=3, seed=2, keys=3)
+    documents = long_documents(tokenizer, synthetic_texts(), document_tokens=512, documents_per_source=2)
+    write_needles(tokenizer, documents, tmp_path / "direct", lengths=[400, 500], trials=3, seed=2, keys=3)
     for name in NEEDLE_FILES:
         assert (tmp_path / "out" / name).read_text() == (tmp_path / "direct" / name).read_text()
-    with pytest.raises(FileNotFoundError, match="prepare"):
-        lc.main(["needles", "--tokenizer_name", str(tmp_path / "model"), "--data_dir", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit) as exit_:
+        long_context.main(["needles", "--tokenizer_name", str(tmp_path / "model"), "--data_dir",
+                           str(tmp_path / "nowhere")])
+    assert exit_.value.code == 2 and "prepare" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ decoding and cache
@@ -322,9 +344,9 @@ def test_needles_command_writes_the_data_for_the_given_tokenizer(tokenizer, tmp_
 @pytest.mark.parametrize("window", [0, 6])
 def test_greedy_decoding_equals_the_argmax_of_full_forwards(window, tokenizer):
     teacher = byte_llama()
-    model = lc.WindowBaseline(teacher, window=window, sinks=2) if window else teacher
+    model = WindowBaseline(teacher, window=window, sinks=2) if window else teacher
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
-    got = lc.greedy_generate(model, ids, 6, tokenizer)
+    got = greedy_generate(model, ids, 6, tokenizer)
     expected = ids
     for _ in range(6):
         mask = window_mask(expected.shape[1], window, 2) if window else None
@@ -337,11 +359,11 @@ def test_greedy_decoding_equals_the_argmax_of_full_forwards(window, tokenizer):
 def test_cache_bytes_constant_for_linear_growing_for_the_teacher_window_for_the_baseline():
     teacher = byte_llama()
     linear = tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8, num_sink_tokens=2)
-    teacher_bytes = lc.cache_bytes_at(teacher, [16, 64])
+    teacher_bytes = cache_bytes_at(teacher, [16, 64])
     assert teacher_bytes[1] == 4 * teacher_bytes[0] > 0
-    assert lc.cache_bytes_at(linear, [16, 64])[0] == lc.cache_bytes_at(linear, [16, 64])[1] > 0
-    baseline = lc.WindowBaseline(teacher, window=6, sinks=2)
-    assert lc.cache_bytes_at(baseline, [64]) == [teacher_bytes[0] // 2]  # 8 of 16 tokens
+    assert cache_bytes_at(linear, [16, 64])[0] == cache_bytes_at(linear, [16, 64])[1] > 0
+    baseline = WindowBaseline(teacher, window=6, sinks=2)
+    assert cache_bytes_at(baseline, [64]) == [teacher_bytes[0] // 2]  # 8 of 16 tokens
 
 
 def prefilled_cache_bytes(model, contexts) -> list[int]:

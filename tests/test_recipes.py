@@ -8,14 +8,13 @@ import pytest
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS
 from hf_linear_attn.layer_selection import parse_softmax_layers
-from training.convert import ConversionArguments
+from training.checkpoint_conversion import ConversionArguments
 from training.data import DataArguments
 from training.demo import DEFAULT_RECIPE as DEMO_RECIPE
 from training.demo import DemoArguments
-from training.distill import DistillArguments
-from training.finetune import ARGUMENT_CLASSES as FINETUNE_ARGUMENTS
 from training.loop import TrainArguments
 from training.recipes import attention_arguments, attention_options, parse_recipe_args
+from training.stages import FINETUNE_ARGUMENTS, DistillArguments
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SCRIPTS = {
@@ -89,7 +88,7 @@ def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, c
 
 def test_the_demo_checks_the_long_texts_before_any_work(tmp_path, monkeypatch, capsys):
     from training import demo
-    monkeypatch.setattr(demo.lc, "DEFAULT_DATA_DIR", str(tmp_path / "no_texts"))
+    monkeypatch.setattr(demo, "DEFAULT_DATA_DIR", str(tmp_path / "no_texts"))
     with pytest.raises(SystemExit) as exit_info:
         demo.main(["--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2

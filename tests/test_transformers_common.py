@@ -12,6 +12,7 @@ Every skip below is one transformers applies itself to recurrent-state models: t
 (Mamba2ModelTest in tests/models/mamba2/test_modeling_mamba2.py) and what it does.
 """
 
+import importlib.util
 import os
 import sys
 import unittest
@@ -32,7 +33,19 @@ if not (TESTS_DIR / "transformers_tests" / "test_modeling_common.py").is_file():
         allow_module_level=True,
     )
 pytest.importorskip("parameterized", reason="transformers' common tests need `parameterized` (pip install -e '.[dev]')")
-sys.path.insert(0, str(TESTS_DIR))
+
+
+def import_package(folder: Path, name: str) -> None:
+    """Import the package `folder/name` as `name` (its modules then import each other, relatively, as its
+    submodules), without putting `folder` on sys.path."""
+    spec = importlib.util.spec_from_file_location(name, folder / name / "__init__.py",
+                                                  submodule_search_locations=[str(folder / name)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+
+
+import_package(TESTS_DIR, "transformers_tests")
 
 from transformers_tests.test_configuration_common import ConfigTester  # noqa: E402
 from transformers_tests.test_modeling_common import (  # noqa: E402

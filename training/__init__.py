@@ -1,25 +1,34 @@
 """The training package: scripts and the library modules they are thin command lines over.
 
-Scripts (`python training/NAME.py`, `accelerate launch training/NAME.py`, or the installed commands
-`hf-linear-attn-convert`, `-distill`, `-finetune`, `-evaluate`, `-push`); none calls another:
+Scripts (`python training/NAME.py`, `python -m training.NAME`, `accelerate launch training/NAME.py`, or the
+installed commands `hf-linear-attn-convert`, `-distill`, `-finetune`, `-evaluate`, `-push`); each parses its
+arguments and calls library functions, none imports another, all exit alike (`command_line.py`):
 - `convert.py`       softmax checkpoint -> linear-attention checkpoint
 - `distill.py`       stage 1, attention transfer
 - `finetune.py`      the `accelerate launch` fine-tuning CLI (recipes in `configs/*.yaml`)
 - `evaluate.py`      perplexity (short rows and by context on long held-out texts), passkey retrieval and
                      decode cost against the softmax teacher and its sliding-window baseline
+- `long_context.py`  `python -m training.long_context prepare|needles`: the held-out long texts, the lm-eval
+                     needle data
 - `push_to_hub.py`   upload a saved checkpoint with a generated model card
 - `demo.py`, `tour.py`  the `make demo` and `make tour` scripts
 
 Library modules:
-- `recipes.py`       command lines over YAML recipes, and the scripts' `error: ...` reporting
+- `command_line.py`  what every command shares: unknown flags and bad input end it with one `error: ...` line
+- `recipes.py`       command lines over YAML recipes
+- `checkpoint_conversion.py`  a converted checkpoint written as a folder, softmax layers restored by rank
+- `stages.py`        `distill` (stage 1) and `finetune` (stage 2), over their argument dataclasses
+- `models.py`        the model a run trains: config, tokenizer, weights, LoRA, the distillation teacher
 - `data.py`          datasets pipeline: load documents, tokenise (cached), pack rows with document boundaries
 - `losses.py`        per-row losses over packed rows (cross-entropy, logit distillation) and their weighted mean
 - `loop.py`          the accelerate training loop, with a pluggable loss and trainable-parameter selection
 - `attention_transfer.py`  stage 1's loss: hooks on the linear layers comparing them with their softmax teacher
 - `checkpoints.py`   atomic, resumable checkpoints and the final export
 - `evaluation.py`    `evaluate_models`: the measurements behind `evaluate.py`, as rows
-- `long_context.py`  held-out long texts (prepared from Debian packages), perplexity by context, passkey
-                     retrieval, cache bytes by context, the sliding-window baseline
+- `long_context_data.py`  held-out long texts (prepared from Debian packages), long documents, passkey prompts,
+                     the lm-eval needle data
+- `long_context_metrics.py`  perplexity by context, passkey accuracy, cache bytes by context, the sliding-window
+                     baseline
 - `measure.py`       cache bytes and decode latency after a context; cache memory of a layout
 - `report.py`        tables (one cell format) written as Markdown, JSON and plots
 - `model_card.py`    model cards rendered from `model_card.md` and the runs' records

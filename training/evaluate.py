@@ -17,11 +17,10 @@ passkey retrieval (natural and filler haystacks, one or several keys), decode ca
 
 from __future__ import annotations
 
-import sys
-
+from training.command_line import exit_on_bad_input
 from training.data import DataArguments
 from training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
-from training.recipes import exit_on_bad_input, parse_recipe_args
+from training.recipes import parse_recipe_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,4 +31,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Evaluate linear-attention models against their softmax teacher (library of `training/evaluate.py`).
 
 `evaluate_models(args, data_args)` measures, for the teacher, the training-free baseline "teacher restricted to
-a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_context.WindowBaseline`, labelled
+a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_context_metrics.WindowBaseline`, labelled
 `SWA(64)+4 sinks`), and every `label=path` model of `args.models`:
 - short held-out perplexity on the validation rows of the data pipeline (`training.data`; documents kept
   apart, the same rows for every model);
@@ -41,8 +41,23 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
-from training import long_context as lc
 from training.data import DataArguments, build_datasets, collate_rows
+from training.long_context_data import (
+    DEFAULT_DATA_DIR,
+    DOORS,
+    PREPARE_COMMAND,
+    load_texts,
+    long_documents,
+    passkey_trials,
+)
+from training.long_context_metrics import (
+    WindowBaseline,
+    cache_bytes_at,
+    document_mask,
+    passkey_accuracy,
+    perplexity_by_context,
+    perplexity_windows,
+)
 from training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
 from training.measure import cache_bytes_by_context, cache_memory, decode_profile
 from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
@@ -62,8 +77,8 @@ class EvaluateArguments:
     eval_batch_size: int = 4
     baseline_window: int = field(default=64, metadata={"help": "Window of the sliding-window baseline (0: skip)."})
     baseline_sinks: int = field(default=4, metadata={"help": "Sink tokens of the sliding-window baseline."})
-    long_context_data: str = field(default=lc.DEFAULT_DATA_DIR, metadata={
-        "help": f"Folder of the held-out long texts, written by `{lc.PREPARE_COMMAND}`."})
+    long_context_data: str = field(default=DEFAULT_DATA_DIR, metadata={
+        "help": f"Folder of the held-out long texts, written by `{PREPARE_COMMAND}`."})
     long_contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096],
                                      metadata={"help": "Context lengths of the long-context perplexity."})
     long_scored_tokens: int = field(default=8192, metadata={
@@ -151,10 +166,10 @@ def packed_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     if isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
         return causal_lm_loss(model, batch)
     positions = batch["position_ids"]
-    if isinstance(model, lc.WindowBaseline):
+    if isinstance(model, WindowBaseline):
         model, mask = model.model, model.mask(positions)
     else:
-        mask = lc.document_mask(positions)
+        mask = document_mask(positions)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits
     return token_cross_entropy(logits, batch["labels"]).sum(dim=1), predicted_tokens(batch["labels"]).sum(dim=1)
 
@@ -190,8 +205,8 @@ def check_arguments(args: EvaluateArguments, labels: list[str]) -> None:
                                  ("passkey_variants", args.passkey_variants, VARIANTS)):
         if not given or any(value not in allowed for value in given):
             raise ValueError(f"{name} must be a non-empty list of {list(allowed)}, got {given}")
-    if "multi" in args.passkey_variants and not 2 <= args.passkey_keys <= len(lc.DOORS):
-        raise ValueError(f"passkey_keys must be in [2, {len(lc.DOORS)}] for the multi variant, got {args.passkey_keys}")
+    if "multi" in args.passkey_variants and not 2 <= args.passkey_keys <= len(DOORS):
+        raise ValueError(f"passkey_keys must be in [2, {len(DOORS)}] for the multi variant, got {args.passkey_keys}")
     unknown = sorted(set(args.passkey_models or []) - set(labels))
     if unknown:
         raise ValueError(f"passkey_models {unknown} are not evaluated; the labels are {labels}")
@@ -222,7 +237,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     texts = None
     if args.long_contexts or any(haystack == "natural" for _, haystack, _ in passkey_settings):
         try:
-            texts = lc.load_texts(args.long_context_data)
+            texts = load_texts(args.long_context_data)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"long_context_data: {error}") from None
 
@@ -231,11 +246,11 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **(load_kwargs if tokenizer_source == args.teacher
                                                                    else {}))
     rows = list(build_datasets(data_args, tokenizer)["validation"])[: args.max_eval_rows]
-    documents = [] if texts is None else lc.long_documents(tokenizer, texts, args.document_tokens,
+    documents = [] if texts is None else long_documents(tokenizer, texts, args.document_tokens,
                                                            args.documents_per_source)
     for context in args.long_contexts:  # raises now, not after the first models, when the documents are too few
-        lc.perplexity_windows(documents, context, args.long_scored_tokens)
-    passkey_sets = {(length, haystack, variant): lc.passkey_trials(
+        perplexity_windows(documents, context, args.long_scored_tokens)
+    passkey_sets = {(length, haystack, variant): passkey_trials(
         tokenizer, documents, length, args.passkey_trials, haystack, variant, args.seed, args.passkey_keys)
         for length, haystack, variant in passkey_settings}
     passkey_models = set(labels if args.passkey_models is None else args.passkey_models)
@@ -258,19 +273,19 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         model = load().eval()
         measured: list[tuple[str, Any]] = [(label, model)]
         if label == "teacher" and args.baseline_window > 0:
-            measured.append((baseline_label(args), lc.WindowBaseline(model, args.baseline_window, args.baseline_sinks)))
+            measured.append((baseline_label(args), WindowBaseline(model, args.baseline_window, args.baseline_sinks)))
         if label in models and isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
             linear_labels.append(label)  # a checkpoint: it gets the record and model card
         for name, candidate in measured:
             quality.append({"model": name, "perplexity": perplexity(candidate, rows, args.eval_batch_size)})
             progress(f"{name}: short perplexity {quality[-1]['perplexity']:.2f}")
-            cache_bytes = dict(zip(args.long_contexts, lc.cache_bytes_at(candidate, args.long_contexts), strict=True))
-            for row in lc.perplexity_by_context({name: candidate}, documents, args.long_contexts,
+            cache_bytes = dict(zip(args.long_contexts, cache_bytes_at(candidate, args.long_contexts), strict=True))
+            for row in perplexity_by_context({name: candidate}, documents, args.long_contexts,
                                                 args.long_scored_tokens, log=progress):
                 long_rows.append({**row, "cache_bytes": cache_bytes[row["context"]]})
             if name in passkey_models:
                 for (length, haystack, variant), setting_trials in passkey_sets.items():
-                    accuracy = lc.passkey_accuracy(candidate, tokenizer, setting_trials)
+                    accuracy = passkey_accuracy(candidate, tokenizer, setting_trials)
                     passkey.append({"model": name, "length": length, "haystack": haystack, "variant": variant,
                                     "trials": len(setting_trials), "accuracy": accuracy})
                     progress(f"{name}: passkey @{length} {haystack}/{variant} {accuracy:.0%}")

@@ -1,6 +1,6 @@
 """The training loop on `accelerate`, shared by fine-tuning and distillation.
 
-API (what `training/distill.py` and other stages build on)::
+API (what the stages of `training.stages` build on)::
 
     check_train_arguments(args)                                 # before anything is loaded
     accelerator = make_accelerator(args)                        # before loading data and model

@@ -14,10 +14,9 @@ has validated its metadata, everything but training leftovers is uploaded in one
 from __future__ import annotations
 
 import argparse
-import sys
 
+from training.command_line import exit_on_bad_input
 from training.hub import push_to_hub
-from training.recipes import exit_on_bad_input
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,4 +35,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

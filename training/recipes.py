@@ -10,18 +10,15 @@ The attention options of a script's command line are the fields of `hf_linear_at
 makes that dataclass for the script's arguments to subclass, and `attention_options(args)` reads them back
 as the keyword arguments of `convert_to_linear_attention`.
 
-Errors: the library modules raise exceptions naming the argument (ValueError, FileNotFoundError); a
-script runs its work inside `exit_on_bad_input()`, which turns them into argparse's style: one line
-`error: ...` on stderr and exit status 2, no traceback.
+Errors: a recipe that does not parse exits as a bad flag does (argparse's `error: ...`, status 2); the scripts
+report the library's bad-input errors the same way (`training.command_line`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import typing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
+from training.command_line import parse_dataclasses
 
 
 def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] | None = None,
@@ -56,7 +54,7 @@ def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] 
         if unknown:
             parser.error(f"{recipe_path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
         parser.set_defaults(**recipe)
-    parsed = parser.parse_args_into_dataclasses(argv)
+    parsed = parse_dataclasses(parser, argv)
     return parsed if isinstance(dataclass_types, tuple) else parsed[0]
 
 
@@ -87,18 +85,3 @@ def attention_arguments(name: str, **defaults: Any) -> type:
 def attention_options(args: Any) -> dict[str, Any]:
     """The attention options of parsed arguments (a subclass of an `attention_arguments` dataclass)."""
     return {name: getattr(args, name) for name in ATTENTION_OPTIONS}
-
-
-@contextlib.contextmanager
-def exit_on_bad_input() -> Iterator[None]:
-    """Run a script's work; a ValueError or FileNotFoundError (the library's bad-input errors, which name
-    the argument) becomes one `error: ...` line on stderr and exit status 2, as argparse reports a bad flag."""
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as error:
-        message = str(error).strip()
-        cause = str(error.__cause__ or "").strip()
-        if cause and cause not in message:  # e.g. the server's reason behind a rejected upload
-            message += f"\n  caused by {type(error.__cause__).__name__}: {cause}"
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -7,7 +7,6 @@ any field can be overridden on the command line, e.g. `python training/tour.py -
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
-from training.recipes import exit_on_bad_input, parse_recipe_args
+from training.command_line import exit_on_bad_input
+from training.recipes import parse_recipe_args
 
 # Attention variants by name: the config fields that select them.
 VARIANTS = {
@@ -111,4 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""Long-context measurements of causal LMs on the held-out long documents (`training.long_context_data`):
+perplexity against context length, passkey retrieval, and cache bytes at each length. `training.evaluation`
+(`training/evaluate.py`) runs them on the teacher, its sliding-window baseline and each model.
+
+Perplexity at context L: rows of L consecutive document tokens (row r is window r // D, not overlapping, of
+document r % D of the D documents), added until `scored_tokens` tokens are scored. Each row scores its second
+half, positions L // 2 .. L - 1, every token predicted from all tokens before it in the row: each scored token
+has at least L / 2 tokens of context, so a model that uses context can only gain from a longer L. The rows are
+the same for every model at a given L (they are different windows at different L: compare models at one L, and
+each model's trend over L).
+
+Passkey retrieval at length L: the prompts of `long_context_data.passkey_trials`; greedy decoding; a trial
+counts when the first run of digits of the continuation is exactly the key.
+
+Every model is a `PreTrainedModel` (the teacher, a converted linear-attention checkpoint, ...) or a
+`WindowBaseline`: a softmax model restricted by an attention mask to a sliding window plus sink tokens (the
+training-free baseline). Each is run on one row at a time, without padding, so linear models take their
+chunked path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from training.long_context_data import LongDocument, PasskeyTrial
+from training.measure import cache_bytes_by_context
+
+# --------------------------------------------------------------------------------------------- running models
+
+def document_mask(position_ids: torch.Tensor, window: int = 0, sinks: int = 0) -> torch.Tensor:
+    """bool [rows, 1, L, L] for packed rows: causal, within each document (position_ids restart at 0), and with
+    `window` > 0 only the last `window` positions of the document plus its first `sinks`."""
+    length = position_ids.shape[1]
+    document = (position_ids == 0).cumsum(-1)  # [rows, L]
+    index = torch.arange(length, device=position_ids.device)
+    allowed = (index[None, :, None] >= index[None, None, :]) & (document[:, :, None] == document[:, None, :])
+    if window > 0:
+        distance = position_ids[:, :, None] - position_ids[:, None, :]
+        allowed &= (distance < window) | (position_ids[:, None, :] < sinks)
+    return allowed[:, None]
+
+
+@dataclass
+class WindowBaseline:
+    """The training-free baseline: a softmax `model` whose every position sees only the last `window` positions
+    and the first `sinks` of its document (an attention mask, `document_mask`)."""
+    model: PreTrainedModel
+    window: int = 64
+    sinks: int = 4
+
+    def mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool [rows, 1, L, L] for positions [rows, L] (restarting at 0 where a packed document starts)."""
+        return document_mask(positions, self.window, self.sinks)
+
+
+def model_device(model) -> torch.device:
+    """Where the weights of a model (or of a `WindowBaseline`'s model) are; rows are moved there."""
+    parameter = next((model.model if isinstance(model, WindowBaseline) else model).parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
+def next_token_logits(model, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits [1, T', vocab] of one unpadded row `input_ids` [1, T] (T' = T, or the last `logits_to_keep`)."""
+    input_ids = input_ids.to(model_device(model))
+    if isinstance(model, WindowBaseline):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return model.model(input_ids=input_ids, attention_mask=model.mask(positions), position_ids=positions,
+                           logits_to_keep=logits_to_keep).logits
+    return model(input_ids=input_ids, logits_to_keep=logits_to_keep).logits
+
+
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokenizer) -> list[int]:
+    """Greedy continuation of one row `input_ids` [1, T]: `generate()` for a plain model; for a `WindowBaseline`
+    a cached decoding loop whose every step gets its row of the window mask."""
+    input_ids = input_ids.to(model_device(model))
+    if not isinstance(model, WindowBaseline):
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        return out[0, input_ids.shape[1]:].tolist()
+    # transformers renamed `past_key_values` to `cache` in 5.24; older releases would silently ignore `cache`.
+    name = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    cache = {name: DynamicCache(config=model.model.config)}
+    length = input_ids.shape[1]
+    positions = torch.arange(length + max_new_tokens, device=input_ids.device)[None]
+    mask = model.mask(positions)  # [1, 1, N, N]: row t is what position t sees
+    logits = model.model(input_ids=input_ids, attention_mask=mask[:, :, :length, :length],
+                         position_ids=positions[:, :length], use_cache=True, logits_to_keep=1, **cache).logits
+    generated = []
+    for step in range(max_new_tokens):
+        token = int(logits[0, -1].argmax())
+        generated.append(token)
+        if token == tokenizer.eos_token_id or step == max_new_tokens - 1:
+            break
+        t = length + step
+        logits = model.model(input_ids=input_ids.new_tensor([[token]]), attention_mask=mask[:, :, t:t + 1, :t + 1],
+                             position_ids=positions[:, t:t + 1], use_cache=True, **cache).logits
+    return generated
+
+
+def cache_bytes_at(model, contexts: list[int]) -> list[int]:
+    """Bytes of the decoding cache after each of `contexts` tokens (`training.measure.cache_bytes_by_context`,
+    from the layout). For a `WindowBaseline`: the KV of at most `window + sinks` tokens, what a ring buffer would
+    hold."""
+    if isinstance(model, WindowBaseline):
+        return cache_bytes_by_context(model.model, [min(n, model.window + model.sinks) for n in contexts])
+    return cache_bytes_by_context(model, contexts)
+
+
+# --------------------------------------------------------------------------------------------- perplexity
+
+def perplexity_windows(documents: list[LongDocument], context: int, scored_tokens: int,
+                       max_rows: int | None = None) -> list[torch.Tensor]:
+    """The rows [1, context] scored at `context`: enough to score `scored_tokens` tokens (each row scores its last
+    `context - context // 2`), at most `max_rows`. Row r is window r // len(documents) (consecutive, not
+    overlapping) of document r % len(documents), so the rows spread over every document."""
+    if context < 2:
+        raise ValueError(f"context must be ≥ 2, got {context}")
+    rows = math.ceil(scored_tokens / (context - context // 2))
+    if max_rows is not None:
+        rows = min(rows, max_rows)
+    per_document = min(len(d.input_ids) for d in documents) // context
+    if rows > per_document * len(documents):
+        raise ValueError(f"context {context} needs {rows} rows; the documents hold {per_document * len(documents)} "
+                         f"(use longer or more documents, or fewer scored_tokens)")
+    return [documents[r % len(documents)].input_ids[None, (r // len(documents)) * context:
+                                                     (r // len(documents) + 1) * context] for r in range(rows)]
+
+
+@torch.no_grad()
+def scored_loss(model, row: torch.Tensor) -> tuple[float, int]:
+    """(summed next-token loss, tokens) over the scored tokens of one row [1, L]: positions L // 2 .. L - 1, each
+    predicted from every token before it in the row (so from at least L // 2 tokens of context)."""
+    length = row.shape[1]
+    first = length // 2
+    logits = next_token_logits(model, row, logits_to_keep=length - first + 1)[0, :-1].float()
+    return F.cross_entropy(logits, row[0, first:].to(logits.device), reduction="sum").item(), length - first
+
+
+def perplexity_by_context(models: dict[str, object], documents: list[LongDocument], contexts: list[int],
+                          scored_tokens: int = 8192, max_rows: int | None = None,
+                          log: Callable[[str], None] = print) -> list[dict]:
+    """Held-out perplexity of every model at every context: the same rows, and so the same scored token positions,
+    for every model at a given context. One row per (model, context)."""
+    results = []
+    for context in contexts:
+        windows = perplexity_windows(documents, context, scored_tokens, max_rows)
+        for label, model in models.items():
+            total, count = 0.0, 0
+            for row in windows:
+                loss, tokens = scored_loss(model, row)
+                total, count = total + loss, count + tokens
+            results.append({"model": label, "context": context, "rows": len(windows), "scored_tokens": count,
+                            "perplexity": math.exp(total / count)})
+            log(f"  perplexity @{context}: {label} {results[-1]['perplexity']:.2f}")
+    return results
+
+
+
+# --------------------------------------------------------------------------------------------- passkey retrieval
+
+def answer_matches(generated: str, answer: str) -> bool:
+    """True when the first run of digits in the generated text is exactly the answer."""
+    digits = re.search(r"\d+", generated)
+    return digits is not None and digits.group() == answer
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer, trials: list[PasskeyTrial]) -> float:
+    """Share of trials whose greedy continuation (answer digits + 3 tokens) starts with the right digits."""
+    hits = 0
+    for trial in trials:
+        new = greedy_generate(model, trial.input_ids, len(trial.answer) + 3, tokenizer)
+        hits += answer_matches(tokenizer.decode(new, skip_special_tokens=True), trial.answer)
+    return hits / len(trials)
+
