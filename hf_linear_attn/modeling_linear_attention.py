@@ -548,13 +548,7 @@ class DeltaWindowAttention(DeltaRuleAttention):
             return self.normed_and_gated(read, hidden_states)
 
         if self._decode_step(q, cache_layer, cu_seqlens):
-            (leaving_k, leaving_v, leaving_real), leaving_beta = cache_layer.push(k, v, new_mask, beta)
-            o = delta_window_attention_step(
-                q, q_hat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
-                cache_layer.window_mask, self.delta_keys(leaving_k), leaving_v, leaving_beta, leaving_real,
-                self.window_gate, new_mask, scale=self.head_dim**-0.5, state_output=state_output)
-            cache_layer.advance(1, q.device)
-            return o
+            return self.decode_step(q, k, v, q_hat, beta, log_decay, new_mask, cache_layer, state_output)
         key_mask, state = new_mask, None  # over every key: [retained sinks and window,] new tokens
         if cache_layer is not None and cache_layer.has_state:
             retained_k, retained_v, retained_mask = cache_layer.retained()
@@ -574,6 +568,29 @@ class DeltaWindowAttention(DeltaRuleAttention):
             cache_layer.store_state(state)
             cache_layer.advance(q.shape[1], q.device)
             cache_layer.store_window(k, v, _all_real(key_mask, k), beta)
+        return o
+
+    def decode_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_hat: torch.Tensor,
+        beta: torch.Tensor,
+        log_decay: torch.Tensor | None,
+        real: torch.Tensor | None,
+        cache_layer: DeltaWindowStateLayer,
+        state_output: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """One token after a filled cache, fixed-shape and in place: o [B, 1, H, V]. The token (k, v, β) takes the ring
+        slot of the one leaving the window, which enters the state with its own β and k̂ recomputed from its cached key
+        (`delta_window_attention_step` then updates the state, reads it and the softmax row over the slots)."""
+        (leaving_k, leaving_v, leaving_real), leaving_beta = cache_layer.push(k, v, real, beta)
+        o = delta_window_attention_step(
+            q, q_hat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
+            cache_layer.window_mask, self.delta_keys(leaving_k), leaving_v, leaving_beta, leaving_real,
+            self.window_gate, real, scale=self.head_dim**-0.5, state_output=state_output)
+        cache_layer.advance(1, q.device)
         return o
 
 
