@@ -57,6 +57,7 @@ from .ops import (
 from .ops_chunked import chunk_linear_attention  # noqa: F401
 from .ops_common import CHUNK_SIZE  # noqa: F401
 from .ops_decode import window_decode_step  # noqa: F401
+from .ops_delta_rule import window_delta_rule  # noqa: F401
 from .ops_delta_rule_chunked import chunk_delta_rule  # noqa: F401
 from .ops_reference import recurrent_linear_attention  # noqa: F401
 from .ops_sparse_memory import MEMORY_BLOCK_SIZE, block_end

@@ -6,6 +6,7 @@ The remote-code test loads the checkpoint in a fresh Python process in which
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import torch
 from helpers import tiny_model, triton_modules
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+import hf_linear_attn
 from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM, LinearAttentionModel
 
 CHECKPOINT_VARIANT = {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 6, "num_sink_tokens": 1,
@@ -62,6 +64,26 @@ def test_checkpoint_files_and_auto_map(saved):
         "AutoModel": "modeling_linear_attention.LinearAttentionModel",
         "AutoModelForCausalLM": "modeling_linear_attention.LinearAttentionForCausalLM",
     }
+
+
+def relative_imports(module: Path) -> set[str]:
+    """The package modules a source file imports relatively (`from .name import ...`), as transformers reads them."""
+    return set(re.findall(r"^\s*from\s+\.(\w+)\s+import", module.read_text(), flags=re.MULTILINE))
+
+
+def test_every_module_a_checkpoint_needs_is_a_direct_import_of_its_entry_files():
+    """transformers 5.5 copies only the *direct* relative imports of the config and model files into a checkpoint's
+    remote-code cache: every module they reach through other modules must be named in one of them too."""
+    package = Path(hf_linear_attn.__file__).parent
+    entry = {"configuration_linear_attention", "modeling_linear_attention"}
+    direct = set().union(*(relative_imports(package / f"{name}.py") for name in entry))
+    reached, todo = set(), list(entry)
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo.extend(relative_imports(package / f"{name}.py"))
+    assert reached - entry <= direct, sorted(reached - entry - direct)
 
 
 def test_load_after_import_without_remote_code(saved):
