@@ -133,7 +133,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # A key whose file was collected whole but which matches none of its tests names a test renamed or moved: the
     # tier table must follow it (otherwise a slow test would slip into the quick tier unnoticed).
     collected_files = {item.path.name for item in items}
-    whole = not any("::" in arg for arg in config.args)
+    whole = not config.getoption("lf") and not any("::" in arg for arg in config.args)  # --lf collects failures only
     stale = [pattern for pattern in TIERS if pattern not in used and (
         not (Path(__file__).parent / pattern.split("::")[0]).is_file()
         or whole and pattern.split("::")[0] in collected_files)]
