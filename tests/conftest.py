@@ -134,7 +134,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # gone): the table must follow it, or a slow test would slip into the quick tier unnoticed. A file collected
     # without items (transformers' common tests skip themselves when not fetched) is no sign of that.
     here = Path(__file__).parent
-    whole_suite = not config.getoption("lf") and all(  # --lf collects the failures only
+    whole_suite = not config.getoption("lf", False) and all(  # --lf collects the failures only
         (config.invocation_params.dir / arg).resolve() == here for arg in config.args)
     collected_files = {item.path.name for item in items}
     stale = [pattern for pattern in TIERS if pattern not in used and whole_suite and (
