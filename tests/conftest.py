@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
 # can be added, renamed or reordered freely. A key that matches no test of the whole suite is an error.
 # What the quick tier keeps of each code path: every attention kind (the modeling and cache tests run every
 # variant), every backend under the Triton interpreter (the linear, window, delta-rule and decode kernels),
-# every generate mode, conversion, one training run, one transformers common-test class.
+# every generate mode, conversion, fine-tuning (not its slowest runs), one transformers common-test class.
 FULL, COVER, ONE = "full", "cover", "one"
 TIERS = {
     # Triton kernels in the interpreter (~10 min of the full tier): each kernel and option once.
@@ -122,7 +122,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             used.add(pattern)
             cases[TIERS[pattern], key].append(item)
     for (rule, _), group in cases.items():
-        quick = {FULL: [], ONE: group[:1], COVER: _covering_cases(group)}[rule]
+        quick = group[:1] if rule == ONE else _covering_cases(group) if rule == COVER else []
         for item in group:
             if item not in quick:
                 item.add_marker(pytest.mark.full)
