@@ -1,5 +1,5 @@
 # Every target creates and fills .venv itself, so on a fresh machine `make demo` and
-# `make test` are the only two commands needed.
+# `make test` are the only two commands needed (`make test-full` runs every test, as CI does).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,8 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-oldest bench fla-wheels \
-	kernel-report gpu-check lint clean
+.PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-full test-oldest bench \
+	fla-wheels kernel-report gpu-check lint clean
 
 install: $(VENV)/.installed
 
@@ -54,7 +54,13 @@ lm-eval-needles: install long-context-data
 	$(PY) -m lm_eval --model hf --model_args pretrained=$(MODEL),trust_remote_code=True,add_bos_token=False \
 		--device cpu --batch_size 1 --tasks needle --include_path configs/lm_eval --output_path outputs/lm_eval
 
+# Two tiers, chosen in one place, the TIERS table of tests/conftest.py (it marks `full` the tests, or cases, that only
+# the full tier runs): `make test` is the quick tier (every code path once, ≤ 8 minutes on 2 cores) to run while
+# working; `make test-full` runs every test, as CI does.
 test: install transformers-tests
+	$(PY) -m pytest -q --durations=15 -m "not full" tests
+
+test-full: install transformers-tests
 	$(PY) -m pytest -q --durations=15 tests
 
 # transformers' own common model tests (test_modeling_common.py, test_configuration_common.py) ship in the source

@@ -1,9 +1,12 @@
-"""Pytest fixtures and session setup. Everything runs offline on CPU with tiny models.
+"""Pytest fixtures, session setup and the test tiers. Everything runs offline on CPU with tiny models.
 
 Fixtures are used by name (never imported); plain helpers are in `helpers.py`.
 """
 
 import os
+from collections import defaultdict
+from fnmatch import fnmatch
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,6 +19,125 @@ import torch  # noqa: E402
 # is (test modules import it after this file has run).
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Test tiers: `make test` runs `pytest -m "not full"` (the quick tier), `make test-full` and CI run everything.
+# ---------------------------------------------------------------------------------------------------------------
+
+# Every test is in the quick tier unless this table says otherwise: a test added later runs in `make test` until
+# someone decides it is slow or redundant, so no test is ever silently left out of the quick tier (the opposite
+# default, a table of the quick tests, would drop every new test from it). Each test the table names gets the
+# `full` marker (declared in pyproject.toml) on all or some of its cases:
+#   FULL   every case runs only in the full tier;
+#   COVER  the quick tier keeps the fewest cases in which every value of every parameter appears at least once;
+#   ONE    the quick tier keeps the first case.
+# Keys are "file::function" or "file::Class::method" (fnmatch patterns), never parametrize ids, so that cases
+# can be added, renamed or reordered freely. A key that matches no test of the whole suite is an error.
+# What the quick tier keeps of each code path: every attention kind (the modeling and cache tests run every
+# variant), every backend under the Triton interpreter (the linear, window, delta-rule and decode kernels),
+# every generate mode, conversion, fine-tuning (not its slowest runs), one transformers common-test class.
+FULL, COVER, ONE = "full", "cover", "one"
+TIERS = {
+    # Triton kernels in the interpreter (~10 min of the full tier): each kernel and option once.
+    "test_triton_ops.py::test_linear_matches_recurrent": COVER,
+    "test_triton_ops.py::test_linear_head_dims_beyond_one_block": ONE,
+    "test_triton_ops.py::test_linear_half_precision": ONE,
+    "test_triton_ops.py::test_linear_packed_sequences": ONE,
+    "test_triton_ops.py::test_decay_gradient_in_the_kernels_only_when_needed": ONE,
+    "test_triton_ops.py::test_bfloat16_inputs_store_bfloat16_chunk_states": ONE,
+    "test_triton_ops.py::test_normalizer_is_carried_beside_the_values": ONE,
+    "test_triton_ops.py::test_backward_reuses_the_forward_decay_sums_and_scores": ONE,
+    "test_triton_ops.py::test_gradient_of_one_output_only": ONE,
+    "test_triton_ops.py::test_packed_calls_read_no_values_on_the_host": FULL,
+    "test_triton_ops.py::test_strong_decay_stays_finite": ONE,
+    "test_triton_ops.py::test_reset_decays_match_the_token_loop": ONE,
+    "test_triton_ops.py::test_window_matches_reference": COVER,
+    "test_triton_ops.py::test_window_half_precision": ONE,
+    "test_triton_ops.py::test_window_decay_matches_reference": ONE,
+    "test_triton_ops.py::test_window_decay_resets": ONE,
+    "test_triton_ops.py::test_window_sink_gradients_in_query_slices": ONE,
+    "test_triton_ops.py::test_window_sink_kernel_launched_only_when_needed": FULL,
+    "test_triton_ops.py::test_window_backward_is_deterministic": FULL,
+    "test_triton_ops.py::test_kernels_compile_for_a_hopper_gpu": FULL,
+    "test_delta_rule_triton.py::test_matches_recurrent_oracle": COVER,
+    "test_delta_rule_triton.py::test_low_precision_matches_float64_oracle": ONE,
+    "test_triton_decode.py::test_window_step_matches_twin": COVER,
+    "test_triton_decode.py::test_window_steps_from_an_empty_cache": ONE,
+    # The torch ops: every backend, decay and shape is also in the quick tier's covering cases.
+    "test_ops.py::test_backends_match_recurrent": COVER,
+    # Compilation and export: one variant each (the eager decode of every variant is in test_cache.py).
+    "test_compile.py::test_generate_with_a_compiled_forward_gives_the_eager_tokens": ONE,
+    "test_compile.py::test_inductor_compiled_decode_gives_the_eager_tokens": FULL,
+    "test_modeling.py::test_torch_export_of_the_no_cache_forward_matches_eager": ONE,
+    # transformers' common tests: one class, the variant with the most parts (delta rule, window, conv, gate).
+    "test_transformers_common.py::PlainLinearTest::*": FULL,
+    "test_transformers_common.py::HybridWindowWithSinksTest::*": FULL,
+    "test_transformers_common.py::VectorDecayTest::*": FULL,
+    "test_transformers_common.py::SoftmaxLayersWithGQATest::*": FULL,
+    # Training runs beyond those the quick tier keeps (fine-tuning, its checkpoints and resumes, the push after it).
+    "test_finetune.py::test_resume_after_sigkill_reproduces_the_loss_curve": FULL,
+    "test_ddp.py::test_two_rank_gloo_ddp_*": FULL,
+    # Tools around the library: lm-eval-harness, the kernel report, the GPU check, the benchmarks.
+    "test_lm_eval.py::test_rolling_perplexity_is_the_models_own_loglikelihood": FULL,
+    "test_lm_eval.py::test_cloze_accuracy_is_the_argmax_of_the_choices_loglikelihood": FULL,
+    "test_lm_eval.py::test_needle_accuracy_is_the_models_own_greedy_passkey_accuracy": FULL,
+    "test_lm_eval.py::test_a_model_that_reads_the_key_scores_1_through_the_harness_and_one_that_does_not_0": FULL,
+    "test_kernel_report.py::test_gpu_check_dry_stages": FULL,
+    "test_kernel_report.py::test_kernel_report_delta_rule_backward_does_not_spill": FULL,
+    "test_kernel_report.py::test_kernel_report_pruned_configs_do_not_spill": FULL,
+    "test_benchmarks.py::test_decode_loop_benchmark_times_every_variant_in_turn": ONE,
+}
+
+
+def _tier_key(item: pytest.Item) -> str:
+    """"file::function" or "file::Class::method": the item's node id without folders or parametrize id."""
+    cls = getattr(item, "cls", None)
+    return "::".join([item.path.name, *([cls.__name__] if cls else []), getattr(item, "originalname", item.name)])
+
+
+def _covering_cases(cases: list[pytest.Item]) -> list[pytest.Item]:
+    """Greedily, the case with the most parameter values not yet seen, until every value of every parameter is in
+    one (ties: the first collected). Values are told apart by repr, the same in every run."""
+    params = [case.callspec.params if hasattr(case, "callspec") else {} for case in cases]
+    values = [{(name, repr(value)) for name, value in case_params.items()} for case_params in params]
+    missing = set().union(*values)
+    kept = [cases[0]]
+    missing -= values[0]
+    while missing:
+        best = max(range(len(cases)), key=lambda i: len(values[i] & missing))
+        kept.append(cases[best])
+        missing -= values[best]
+    return kept
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: the cases kept never depend on what else is selected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cases = defaultdict(list)  # (rule, test) -> its collected cases, in collection order
+    used = set()
+    for item in items:
+        key = _tier_key(item)
+        pattern = next((pattern for pattern in TIERS if fnmatch(key, pattern)), None)
+        if pattern is not None:
+            used.add(pattern)
+            cases[TIERS[pattern], key].append(item)
+    for (rule, _), group in cases.items():
+        quick = group[:1] if rule == ONE else _covering_cases(group) if rule == COVER else []
+        for item in group:
+            if item not in quick:
+                item.add_marker(pytest.mark.full)
+    # When the whole suite is collected, a key that matches no test names a test renamed or moved (or its file is
+    # gone): the table must follow it, or a slow test would slip into the quick tier unnoticed. A file collected
+    # without items (transformers' common tests skip themselves when not fetched) is no sign of that.
+    here = Path(__file__).parent
+    whole_suite = not config.getoption("lf", False) and all(  # --lf collects the failures only
+        (config.invocation_params.dir / arg).resolve() == here for arg in config.args)
+    collected_files = {item.path.name for item in items}
+    stale = [pattern for pattern in TIERS if pattern not in used and whole_suite and (
+        pattern.split("::")[0] in collected_files or not (here / pattern.split("::")[0]).is_file())]
+    if stale:
+        raise pytest.UsageError("tests/conftest.py TIERS names tests that do not exist (renamed or moved? update the "
+                                "table): " + ", ".join(stale))
 
 
 @pytest.fixture(autouse=True)
