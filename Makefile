@@ -80,7 +80,8 @@ $(TRANSFORMERS_TESTS)/.fetched: $(VENV)/.installed tests/transformers_stubs/READ
 	touch $@
 
 # The oldest transformers release pyproject.toml admits, in its own venv (CI runs both): the tests of
-# everything that touches transformers' APIs (config, model, cache, generate, remote code, conversion).
+# everything that touches transformers' APIs (config, model, cache, generate, remote code, conversion, loading the
+# previous revision's checkpoints).
 OLDEST_TRANSFORMERS ?= transformers==5.5.4
 OLD_VENV ?= .venv-oldest
 test-oldest:
@@ -88,7 +89,7 @@ test-oldest:
 	$(OLD_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(OLD_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
 	$(OLD_VENV)/bin/python -m pytest -q tests/test_configuration.py tests/test_modeling.py tests/test_cache.py \
-		tests/test_save_load.py tests/test_conversion.py
+		tests/test_save_load.py tests/test_conversion.py tests/test_previous_revision.py
 
 # Benchmarks print tables and write JSON + PNG under outputs/ (see benchmarks/*.py for options).
 bench: install
