@@ -256,7 +256,12 @@ class WindowStateLayer(LinearStateLayer):
         slot S + p mod w, and a real token of rank < S also fills the next free sink slot (its ring slot is then
         masked; eager steps skip this once every sink slot is filled). Returns the token leaving the window. Call
         before `advance`."""
-        slot = self._slot()
+        return self._push_at(self._slot(), keys, values, real)
+
+    def _push_at(
+        self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None
+    ) -> LeavingToken:
+        """`push` into ring slot `slot` (`[1]`, `_slot`: kinds writing more per position compute it once)."""
         leaving = LeavingToken(self.window_keys.index_select(1, slot), self.window_values.index_select(1, slot),
                                self.window_mask.index_select(1, slot))
         sinks = self.num_sink_tokens
@@ -310,7 +315,7 @@ class DeltaWindowStateLayer(WindowStateLayer):
         slot = self._slot()
         leaving_beta = self.window_beta.index_select(1, slot)
         self.window_beta.index_copy_(1, slot, beta.float())
-        return super().push(keys, values, real), leaving_beta
+        return self._push_at(slot, keys, values, real), leaving_beta
 
 
 class MemoryBlock(NamedTuple):
@@ -357,7 +362,7 @@ class SparseWindowStateLayer(WindowStateLayer):
         """`WindowStateLayer.push` writing the token's log decay (`[B, 1, H]` or `[B, 1, H, F]`) too, and decaying the
         memory slots' clocks by it."""
         slot = self._slot()
-        leaving = super().push(keys, values, real)
+        leaving = self._push_at(slot, keys, values, real)
         if log_decay is not None:
             self.window_log_decay.index_copy_(1, slot, log_decay.view(self.window_log_decay[:, :1].shape).float())
         return leaving
