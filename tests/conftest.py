@@ -49,7 +49,6 @@ TIERS = {
     "test_triton_ops.py::test_normalizer_is_carried_beside_the_values": ONE,
     "test_triton_ops.py::test_backward_reuses_the_forward_decay_sums_and_scores": ONE,
     "test_triton_ops.py::test_gradient_of_one_output_only": ONE,
-    "test_triton_ops.py::test_packed_calls_read_no_values_on_the_host": FULL,
     "test_triton_ops.py::test_strong_decay_stays_finite": ONE,
     "test_triton_ops.py::test_reset_decays_match_the_token_loop": ONE,
     "test_triton_ops.py::test_window_matches_reference": COVER,
@@ -66,10 +65,9 @@ TIERS = {
     "test_triton_decode.py::test_window_steps_from_an_empty_cache": ONE,
     # The torch ops: every backend, decay and shape is also in the quick tier's covering cases.
     "test_ops.py::test_backends_match_recurrent": COVER,
-    # Compilation and export: one variant each (the eager decode of every variant is in test_cache.py).
+    # Compilation: one variant (every variant's decode step is traced by test_decode_step_has_no_graph_breaks).
     "test_compile.py::test_generate_with_a_compiled_forward_gives_the_eager_tokens": ONE,
     "test_compile.py::test_inductor_compiled_decode_gives_the_eager_tokens": FULL,
-    "test_modeling.py::test_torch_export_of_the_no_cache_forward_matches_eager": ONE,
     # transformers' common tests: one class, the variant with the most parts (delta rule, window, conv, gate).
     "test_transformers_common.py::PlainLinearTest::*": FULL,
     "test_transformers_common.py::HybridWindowWithSinksTest::*": FULL,
