@@ -206,6 +206,11 @@ class WindowStateLayer(LinearStateLayer):
         take them in front of new tokens."""
         return tuple(self._in_sequence_order(x) for x in (self.window_keys, self.window_values, self.window_mask))
 
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a decode step's softmax row covers, in slot order (after `push`): the keys, values `[B, S + w, H_kv,
+        D]` and which slots it attends to `[B, S + w]` (those holding real keys)."""
+        return self.window_keys, self.window_values, self.window_mask
+
     def _in_sequence_order(self, slots: torch.Tensor) -> torch.Tensor:
         """Sink slots then ring slots `[B, S + w, ...]` in sequence order (ring slot S + q mod w holds position q)."""
         sinks = slots.shape[1] - self.ring_size
@@ -372,15 +377,17 @@ class SparseWindowStateLayer(WindowStateLayer):
         if self.memory_log_decay is not None:
             self.memory_log_decay.add_(log_decay.float().view(*self.memory_log_decay.shape[:2], 1, -1))
 
-    def current_window_mask(self, position: torch.Tensor) -> torch.Tensor:
-        """The slots a decode step's softmax row covers at `position` (0-d), `[B, S + w]`: the real sinks, and the real
-        ring tokens from the block start's window on (those that left the window before the block are in the state
-        or the memory)."""
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`WindowStateLayer.slots`, attending at the position being decoded to the real sinks and the real ring
+        tokens from the block start's window on only (those that left the window before the block are in the state
+        or the memory, which the step reads beside the slots)."""
+        position = self.seen
         sinks, ring = self.num_sink_tokens, self.ring_size
         slots = torch.arange(ring, device=position.device)
         slot_positions = position - (position - slots) % ring
         current = slot_positions >= position - position % MEMORY_BLOCK_SIZE - self.window_size
-        return torch.cat([self.window_mask[:, :sinks], self.window_mask[:, sinks:] & current], dim=1)
+        mask = torch.cat([self.window_mask[:, :sinks], self.window_mask[:, sinks:] & current], dim=1)
+        return self.window_keys, self.window_values, mask
 
     def memory(self) -> SparseMemory | None:
         """The memory slots (None before the first write; positions absolute)."""

@@ -588,8 +588,8 @@ class DeltaWindowAttention(DeltaRuleAttention):
         (`delta_window_attention_step` then updates the state, reads it and the softmax row over the slots)."""
         (leaving_k, leaving_v, leaving_real), leaving_beta = cache_layer.push(k, v, real, beta)
         o = delta_window_attention_step(
-            q, q_hat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
-            cache_layer.window_mask, self.delta_keys(leaving_k), leaving_v, leaving_beta, leaving_real,
+            q, q_hat, log_decay, cache_layer.state, *cache_layer.slots(), self.delta_keys(leaving_k), leaving_v,
+            leaving_beta, leaving_real,
             self.window_gate, real, scale=self.head_dim**-0.5, state_output=state_output)
         cache_layer.advance(1, q.device)
         return o
@@ -698,33 +698,31 @@ class WindowHybridAttention(LinearAttention):
         covers the sinks, the ring from the block start's window on and the memory slots, and at a block end the
         memory is re-chosen (`memory_block_end`).
         """
-        position = cache_layer.seen  # 0-d: this token's position
         if isinstance(cache_layer, SparseWindowStateLayer):  # (the model checked the cache against the config)
             cache_layer.push(k, v, real, log_decay)
             if log_decay is not None:
                 cache_layer.decay_memory(log_decay[:, 0])
             memory = cache_layer.memory()
             o = window_attention_step(
-                q, q_feat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
-                cache_layer.current_window_mask(position), None, None, None, self.window_gate, real,
-                scale=self.head_dim**-0.5, memory_keys=memory.keys, memory_values=memory.values,
+                q, q_feat, log_decay, cache_layer.state, *cache_layer.slots(), None, None, None, self.window_gate,
+                real, scale=self.head_dim**-0.5, memory_keys=memory.keys, memory_values=memory.values,
                 memory_mask=memory.mask)
-            self.memory_block_end(cache_layer, position)
+            self.memory_block_end(cache_layer)
         else:
             leaving_k, leaving_v, leaving_real = cache_layer.push(k, v, real)
             o = window_attention_step(
-                q, q_feat, log_decay, cache_layer.state, cache_layer.window_keys, cache_layer.window_values,
-                cache_layer.window_mask, self.key_features(leaving_k), leaving_v, leaving_real, self.window_gate,
-                real, scale=self.head_dim**-0.5)
+                q, q_feat, log_decay, cache_layer.state, *cache_layer.slots(), self.key_features(leaving_k),
+                leaving_v, leaving_real, self.window_gate, real, scale=self.head_dim**-0.5)
         cache_layer.advance(1, q.device)
         return o
 
-    def memory_block_end(self, cache_layer: SparseWindowStateLayer, position: torch.Tensor) -> None:
-        """After the query at `position` (0-d): if it ends a block, re-score the memory and the R ring tokens that
-        left the window during the block (`SparseWindowStateLayer.ending_block`), keep the best m and fold the rest
-        into the state, in place. Eager, it returns at once between block ends (one read of the position); traced
-        (compile, export), it is computed at every step and kept only at a block end, so that the step has no branch
-        on a tensor's value."""
+    def memory_block_end(self, cache_layer: SparseWindowStateLayer) -> None:
+        """After a decode step's query (before `advance`): if it ends a block, re-score the memory and the R ring
+        tokens that left the window during the block (`SparseWindowStateLayer.ending_block`), keep the best m and fold
+        the rest into the state, in place. Eager, it returns at once between block ends (one read of the position);
+        traced (compile, export), it is computed at every step and kept only at a block end, so that the step has no
+        branch on a tensor's value."""
+        position = cache_layer.seen  # 0-d: the query's position
         ends = (position + 1) % MEMORY_BLOCK_SIZE == 0
         if not _tracing() and not bool(ends):
             return
