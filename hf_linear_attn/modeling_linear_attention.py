@@ -278,7 +278,7 @@ class LinearAttention(AttentionProjections):
         # What the layer's weights were built for, read once (transformers' config attribute access costs about a
         # microsecond, which a one-token decode step would pay a dozen times per layer). The backend and the sparse
         # memory size stay read from the config: a loaded model may switch them.
-        self.update_rule, self.decay = config.update_rule, config.decay
+        self.decay = config.decay
         self.window_size, self.num_sink_tokens = config.window_size, config.num_sink_tokens
         self.decay_proj = None  # optional submodules are None when absent (as AttentionProjections' norms)
         if config.decay == "scalar":
@@ -553,10 +553,9 @@ class DeltaWindowAttention(DeltaRuleAttention):
         key_mask, state = new_mask, None  # over every key: [retained sinks and window,] new tokens
         if cache_layer is not None and cache_layer.has_state:
             retained_k, retained_v, retained_mask = cache_layer.retained()
-            real = new_mask if new_mask is not None else torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
             k, v = torch.cat([retained_k, k], dim=1), torch.cat([retained_v, v], dim=1)
             beta = torch.cat([cache_layer.retained_beta(), beta], dim=1)
-            key_mask = torch.cat([retained_mask, real], dim=1)
+            key_mask = torch.cat([retained_mask, _all_real(new_mask, q)], dim=1)
             if log_decay is not None:  # (their steps have already decayed the state)
                 log_decay = torch.cat([log_decay.new_zeros(*retained_mask.shape, log_decay.shape[2]), log_decay], 1)
             state = cache_layer.state

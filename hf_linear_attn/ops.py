@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops_triton_common
-from .backends import BACKENDS
+from .backends import BACKENDS, OP_BACKENDS
 from .ops_chunked import chunk_linear_attention, chunk_window_attention
 from .ops_common import (
     check_4d_floating,
@@ -54,7 +54,7 @@ from .ops_common import (
     repeat_kv_heads,
 )
 from .ops_decode import delta_window_decode_step, linear_decode_step, window_decode_step
-from .ops_delta_rule import DELTA_RULE_BACKENDS, delta_rule_attention, window_delta_rule
+from .ops_delta_rule import delta_rule_attention, window_delta_rule
 from .ops_reference import parallel_linear_attention, recurrent_linear_attention, reference_window_attention
 from .ops_sparse_memory import MEMORY_BLOCK_SIZE, KeyFeatureMap, SparseMemory, sparse_window_attention
 from .ops_triton_decode import triton_linear_decode_step, triton_window_decode_step
@@ -421,8 +421,8 @@ def _checked_update_rule(
     if not isinstance(beta, Tensor) or tuple(beta.shape) != per_token or not beta.is_floating_point():
         raise ValueError(f"beta must be a floating-point tensor of shape {per_token} ([B, T, H], one write strength "
                          f"per key) with update_rule='delta', got {getattr(beta, 'shape', beta)!r}")
-    if backend != "auto" and backend not in DELTA_RULE_BACKENDS:
-        raise ValueError(f"backend must be one of {('auto', *DELTA_RULE_BACKENDS)} with update_rule='delta' (the "
+    if backend not in OP_BACKENDS["delta_rule_attention"]:
+        raise ValueError(f"backend must be one of {OP_BACKENDS['delta_rule_attention']} with update_rule='delta' (the "
                          f"backends of delta_rule_attention), got {backend!r}")
     return True
 
@@ -448,13 +448,27 @@ def _window_terms(
                            output_final_state, window_size=window_size, num_sink_tokens=num_sink_tokens, scale=scale,
                            backend=backend)
         return o, None, state, None
-    o = window_softmax(q, k, v, window_size=window_size, num_sink_tokens=num_sink_tokens, scale=scale,
-                       key_padding_mask=key_padding_mask, backend=backend)
+    o = _softmax_only(q, k, v, key_padding_mask, window_size=window_size, num_sink_tokens=num_sink_tokens,
+                      scale=scale, backend=backend)
     read, state = window_delta_rule(q_feat, k_feat, v, beta, log_decay, window_size=window_size,
                                     num_sink_tokens=num_sink_tokens, key_padding_mask=key_padding_mask,
                                     initial_state=initial_state, output_final_state=output_final_state,
                                     backend=backend)
     return o, read, state, None
+
+
+def _softmax_only(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, window_size: int, num_sink_tokens: int,
+    scale: float, backend: str,
+) -> Tensor:
+    """`window_softmax` of one validated sequence (k, v per query head): the hybrid's forms with an empty linear
+    part, zero features of size 1 that add nothing to the numerator and denominator (so the weight γ cancels)."""
+    batch, queries, heads = q.shape[:3]
+    no_features = q.new_zeros(batch, k.shape[1], heads, 1)
+    o, _ = _hybrid(q, k, v, no_features[:, k.shape[1] - queries :], no_features, q.new_zeros(heads), None,
+                   key_padding_mask, None, False, window_size=window_size, num_sink_tokens=num_sink_tokens,
+                   scale=scale, backend=backend)
+    return o
 
 
 def _hybrid(
