@@ -27,8 +27,10 @@ a window), each holding only the tensors of its kind:
   the tokens that have left the window, fp32 `[B, H, K, V]`; the ring is the window hybrid's (the layer recomputes
   k̂, the L2-normalised φ(k), of the keys that leave), plus each slot's write strength β (fp32 `window_beta`
   `[B, S + w, H]`, 0 in the sink slots): what a token needs to enter the state when it leaves the window;
+- layers with softmax heads (`config.softmax_heads`): their kind's state (over every head) plus the growing keys and
+  values of those KV heads `[B, n, T_seen, D]` (`SoftmaxHeadsState`, the `*WithSoftmaxHeads` classes);
 - full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
-  `DynamicLayer`), the only part whose size depends on the context.
+  `DynamicLayer`); with the softmax heads, the only parts whose size depends on the context.
 
 Every layer counts the positions it has seen, so `get_seq_length()` is right for `generate()`'s
 cache-reuse slicing even when no layer is a softmax layer (transformers' own recurrent cache layers
@@ -36,7 +38,7 @@ count no tokens, so a cache made only of them cannot tell). A recurrent state ca
 rolled back: `crop` raises, and the model refuses assisted decoding.
 
 Shapes are fixed after the first write and every update is in place (the position counter is a 0-d tensor),
-so the cache is compileable (`is_compileable`) unless a layer is a softmax layer.
+so the cache is compileable (`is_compileable`) unless a layer is a softmax layer or has softmax heads.
 """
 
 from __future__ import annotations
@@ -430,19 +432,72 @@ class SparseWindowStateLayer(WindowStateLayer):
         self.store_memory(memory, where=where)
 
 
+class SoftmaxHeadsState:
+    """The growing keys and values of a layer's softmax heads (`config.softmax_heads`), beside its kind's state: the
+    `*WithSoftmaxHeads` classes below combine it with each state class. `head_keys`, `head_values` `[B, n, T_seen, D]`
+    (n: the layer's softmax KV heads, in the model dtype) grow at every call, so such a layer is not compileable;
+    beam search, batch changes, `reset` and `nbytes` treat them as the kind's tensors (they are in `TENSORS`)."""
+
+    is_compileable = False
+    SOFTMAX_HEAD_TENSORS = ("head_keys", "head_values")
+
+    def update_softmax_heads(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' keys and values `[B, n, T, D]`; returns every one seen, `[B, n, past + T, D]`."""
+        if self.head_keys is not None:
+            keys, values = torch.cat([self.head_keys, keys], dim=2), torch.cat([self.head_values, values], dim=2)
+        self.head_keys, self.head_values = keys, values
+        return keys, values
+
+
+class LinearStateLayerWithSoftmaxHeads(SoftmaxHeadsState, LinearStateLayer):
+    """`LinearStateLayer` and the growing keys and values of the layer's softmax heads (`SoftmaxHeadsState`)."""
+
+    TENSORS = (*LinearStateLayer.TENSORS, *SoftmaxHeadsState.SOFTMAX_HEAD_TENSORS)
+
+
+class WindowStateLayerWithSoftmaxHeads(SoftmaxHeadsState, WindowStateLayer):
+    """`WindowStateLayer` and the growing keys and values of the layer's softmax heads (`SoftmaxHeadsState`)."""
+
+    TENSORS = (*WindowStateLayer.TENSORS, *SoftmaxHeadsState.SOFTMAX_HEAD_TENSORS)
+
+
+class SparseWindowStateLayerWithSoftmaxHeads(SoftmaxHeadsState, SparseWindowStateLayer):
+    """`SparseWindowStateLayer` and the growing keys and values of the layer's softmax heads (`SoftmaxHeadsState`)."""
+
+    TENSORS = (*SparseWindowStateLayer.TENSORS, *SoftmaxHeadsState.SOFTMAX_HEAD_TENSORS)
+
+
+class DeltaWindowStateLayerWithSoftmaxHeads(SoftmaxHeadsState, DeltaWindowStateLayer):
+    """`DeltaWindowStateLayer` and the growing keys and values of the layer's softmax heads (`SoftmaxHeadsState`)."""
+
+    TENSORS = (*DeltaWindowStateLayer.TENSORS, *SoftmaxHeadsState.SOFTMAX_HEAD_TENSORS)
+
+
+# The state class of each layer with softmax heads, by the state class of its kind.
+WITH_SOFTMAX_HEADS = {
+    LinearStateLayer: LinearStateLayerWithSoftmaxHeads,
+    WindowStateLayer: WindowStateLayerWithSoftmaxHeads,
+    SparseWindowStateLayer: SparseWindowStateLayerWithSoftmaxHeads,
+    DeltaWindowStateLayer: DeltaWindowStateLayerWithSoftmaxHeads,
+}
+
+
 def state_layer(config, layer_idx: int) -> CacheLayerMixin:
     """The cache layer of decoder layer `layer_idx`, by its kind (`config.layer_kind`): transformers' growing
-    `DynamicLayer` for softmax layers, else the constant-size state of the kind."""
+    `DynamicLayer` for softmax layers, else the constant-size state of the kind, with the growing keys and values of
+    its softmax heads when it has some (`config.softmax_heads`)."""
     kind = config.layer_kind(layer_idx)
     if kind == "softmax":
         return DynamicLayer()
     if kind == "window" and config.sparse_cache_size > 0:
-        return SparseWindowStateLayer(config.window_size, config.num_sink_tokens)
-    if kind == "window":
-        return WindowStateLayer(config.window_size, config.num_sink_tokens)
-    if kind == "delta_window":
-        return DeltaWindowStateLayer(config.window_size, config.num_sink_tokens)
-    return LinearStateLayer()
+        cls, window = SparseWindowStateLayer, True
+    elif kind in ("window", "delta_window"):
+        cls, window = (WindowStateLayer if kind == "window" else DeltaWindowStateLayer), True
+    else:
+        cls, window = LinearStateLayer, False
+    if config.softmax_heads_of(layer_idx):
+        cls = WITH_SOFTMAX_HEADS[cls]
+    return cls(config.window_size, config.num_sink_tokens) if window else cls()
 
 
 # The config fields that decide what a cache holds and how the model reads it: the layer kinds, the state's
@@ -452,7 +507,7 @@ def state_layer(config, layer_idx: int) -> CacheLayerMixin:
 FINGERPRINT_FIELDS = (
     "num_hidden_layers", "softmax_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "feature_map", "feature_dim", "decay", "normalize", "window_size", "num_sink_tokens", "update_rule",
-    "conv_size", "sparse_cache_size",
+    "conv_size", "sparse_cache_size", "softmax_heads",
 )
 
 
@@ -460,6 +515,7 @@ def config_fingerprint(config) -> dict:
     """The values of FINGERPRINT_FIELDS in `config` (lists as sorted tuples, so equal configs compare equal)."""
     values = {name: getattr(config, name, None) for name in FINGERPRINT_FIELDS}
     values["softmax_layers"] = tuple(sorted(values["softmax_layers"] or ()))
+    values["softmax_heads"] = tuple((layer, tuple(heads)) for layer, heads in (values["softmax_heads"] or {}).items())
     return values
 
 
@@ -507,6 +563,6 @@ class LinearAttentionCache(Cache):
 
 
 __all__ = [
-    "DeltaWindowStateLayer", "LinearAttentionCache", "LinearStateLayer", "SparseWindowStateLayer", "WindowStateLayer",
-    "config_fingerprint",
+    "DeltaWindowStateLayer", "LinearAttentionCache", "LinearStateLayer", "SoftmaxHeadsState", "SparseWindowStateLayer",
+    "WindowStateLayer", "config_fingerprint",
 ]

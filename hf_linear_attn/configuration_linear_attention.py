@@ -223,6 +223,32 @@ class AttentionOptions:
                   f"whose backends are {', '.join(accepted)}")
 
 
+def _checked_softmax_heads(value: Any) -> dict[int, list[int]]:
+    """`softmax_heads` as {layer: sorted KV heads}, layers in increasing order and layers with an empty list dropped.
+    Layer keys may be ints or their decimal strings (config.json has string keys). Raises naming the field for
+    another type, a negative index or a repeated head (the indices' upper bounds are checked with the decoder)."""
+    allowed = "must be a dict {layer index: [KV head index, ...]} of integers >= 0"
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        _fail("softmax_heads", value, allowed, TypeError)
+    heads = {}
+    for layer, kv_heads in value.items():
+        index = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
+        if not _is_int(index) or not isinstance(kv_heads, (list, tuple)) or not all(_is_int(h) for h in kv_heads):
+            _fail("softmax_heads", value, allowed, TypeError)
+        if index < 0 or any(h < 0 for h in kv_heads):
+            _fail("softmax_heads", value, allowed)
+        if index in heads:
+            _fail("softmax_heads", value, f"layer {index} is given twice (as {index!r} and {str(index)!r})")
+        repeated = sorted({h for h in kv_heads if list(kv_heads).count(h) > 1})
+        if repeated:
+            _fail("softmax_heads", value, f"layer {index} lists KV head(s) {repeated} more than once")
+        if kv_heads:
+            heads[index] = sorted(kv_heads)
+    return dict(sorted(heads.items()))
+
+
 def recurrent_kind(options: Any) -> str:
     """The kind of every layer of a config (or `AttentionOptions`) that is not a softmax layer, one of LAYER_KINDS:
     by update_rule and window_size, "linear" (additive), "delta", "window" (the additive window hybrid, with or
@@ -279,6 +305,13 @@ class LinearAttentionConfig(PretrainedConfig):
     the repository's docs/design.md):
 """ + _attention_options_doc() + r"""
 
+    Softmax heads (the head-level hybrid): `softmax_heads` = {layer: [kv_head, ...]}, per layer the KV heads that
+    keep exact causal softmax attention over the whole context, with their query groups (query head j belongs to KV
+    head j // (H / H_kv)); the layer's other heads stay of its kind (`layer_kind`), its parameters unchanged. Those
+    heads keep an ordinary growing K/V in the cache and bypass the output norm and gate (they compute their softmax
+    teacher's attention). A layer listed here may not be in `softmax_layers`; layers with an empty list are dropped.
+    config.json stores the layers as strings (JSON keys); they are read back as ints.
+
     Provenance (set by `convert_to_linear_attention`): `base_model_name_or_path` and
     `base_model_type` of the softmax checkpoint this model was converted from.
     """
@@ -310,6 +343,7 @@ class LinearAttentionConfig(PretrainedConfig):
         attention_out_bias: bool = False,
         use_qk_norm: bool = False,
         mlp_bias: bool = False,
+        softmax_heads: dict[int, list[int]] | None = None,
         base_model_name_or_path: str | None = None,
         base_model_type: str | None = None,
         **kwargs,
@@ -334,6 +368,7 @@ class LinearAttentionConfig(PretrainedConfig):
         self.attention_out_bias = attention_out_bias
         self.use_qk_norm = use_qk_norm
         self.mlp_bias = mlp_bias
+        self.softmax_heads = _checked_softmax_heads(softmax_heads)
         self.base_model_name_or_path = base_model_name_or_path
         self.base_model_type = base_model_type
         self._validate_decoder(pad_token_id, bos_token_id, eos_token_id, tie_word_embeddings)
@@ -390,6 +425,16 @@ class LinearAttentionConfig(PretrainedConfig):
             if index >= self.num_hidden_layers:
                 _fail("softmax_layers", self.softmax_layers,
                       f"layer indices must lie in [0, {self.num_hidden_layers - 1}]")
+        for index, heads in self.softmax_heads.items():
+            if index >= self.num_hidden_layers:
+                _fail("softmax_heads", self.softmax_heads,
+                      f"layer indices must lie in [0, {self.num_hidden_layers - 1}]")
+            if index in self.softmax_layers:
+                _fail("softmax_heads", self.softmax_heads, f"layer {index} is in softmax_layers={self.softmax_layers} "
+                      "(every head of it is softmax already): list a layer in one of the two")
+            if heads[-1] >= kv_heads:
+                _fail("softmax_heads", self.softmax_heads, f"layer {index}: KV head indices must lie in "
+                      f"[0, {kv_heads - 1}] (num_key_value_heads={kv_heads}; each brings its query group)")
 
     def _set_rope_parameters(self, rope_parameters: Any) -> None:
         """Sets `rope_parameters`, completed with `rope_type` and `rope_theta`; refuses what this model does not
@@ -417,6 +462,10 @@ class LinearAttentionConfig(PretrainedConfig):
         """The kind of attention of layer `layer_idx`, one of LAYER_KINDS: "softmax" (listed in softmax_layers), else
         the config's `recurrent_kind`. The model builds its attention class and the cache its state from it."""
         return "softmax" if layer_idx in self.softmax_layers else recurrent_kind(self)
+
+    def softmax_heads_of(self, layer_idx: int) -> tuple[int, ...]:
+        """The KV heads of layer `layer_idx` that keep softmax attention (`softmax_heads`), sorted; () for none."""
+        return tuple(self.softmax_heads.get(layer_idx, ()))
 
     @property
     def feature_output_dim(self) -> int:

@@ -57,11 +57,14 @@ GATED_DELTANET_OPTIONS: dict[str, Any] = dict(update_rule="delta", feature_map="
 GATED_DELTANET_WINDOW_OPTIONS: dict[str, Any] = dict(GATED_DELTANET_OPTIONS, window_size=64, num_sink_tokens=4)
 
 
-def linear_attention_config(source_config, **attention_options: Any) -> LinearAttentionConfig:
+def linear_attention_config(
+    source_config, softmax_heads: dict[int, list[int]] | None = None, **attention_options: Any
+) -> LinearAttentionConfig:
     """The `LinearAttentionConfig` of a converted `source_config` (a Llama / Mistral / Qwen2 / Qwen3 config).
 
     `attention_options` are `AttentionOptions` fields (`ATTENTION_OPTIONS`); unset ones take the
-    LoLCATs defaults of `DEFAULT_ATTENTION_OPTIONS`. Raises ValueError for another architecture or an
+    LoLCATs defaults of `DEFAULT_ATTENTION_OPTIONS`. `softmax_heads` ({layer: [kv_head, ...]}) are the KV heads that
+    keep their softmax attention (`LinearAttentionConfig`). Raises ValueError for another architecture or an
     unknown / invalid option (TypeError for one of the wrong type), before anything is built.
     """
     model_type = getattr(source_config, "model_type", None)
@@ -103,6 +106,7 @@ def linear_attention_config(source_config, **attention_options: Any) -> LinearAt
         attention_out_bias=out_bias,
         use_qk_norm=model_type == "qwen3",
         mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        softmax_heads=softmax_heads,
         base_model_name_or_path=getattr(c, "_name_or_path", None) or None,
         base_model_type=model_type,
         **options,
@@ -139,10 +143,12 @@ def tokenizer_max_length(tokenizer: Any, max_position_embeddings: int | None) ->
 
 
 def convert_to_linear_attention(
-    model_or_path: PreTrainedModel | str, dtype: torch.dtype | None = None, **attention_options: Any
+    model_or_path: PreTrainedModel | str, dtype: torch.dtype | None = None,
+    softmax_heads: dict[int, list[int]] | None = None, **attention_options: Any
 ) -> LinearAttentionForCausalLM:
     """Convert a softmax-attention causal LM (an instance, a local folder or a Hub id) into a
-    `LinearAttentionForCausalLM` with the given attention options (`LinearAttentionConfig` field names).
+    `LinearAttentionForCausalLM` with the given attention options (`LinearAttentionConfig` field names) and
+    `softmax_heads` ({layer: [kv_head, ...]}: KV heads that keep the teacher's softmax attention, exactly).
 
     Every weight of the source is copied (the source model is left untouched); the new attention parameters
     take their initial values. The result is in eval mode, in `dtype` (default: the source's dtype).
@@ -151,13 +157,13 @@ def convert_to_linear_attention(
         # Build the config first so that bad options fail before the weights are read.
         from transformers import AutoConfig
 
-        linear_attention_config(AutoConfig.from_pretrained(model_or_path), **attention_options)
+        linear_attention_config(AutoConfig.from_pretrained(model_or_path), softmax_heads, **attention_options)
         teacher = load_teacher(model_or_path)
     elif isinstance(model_or_path, PreTrainedModel):
         teacher = model_or_path
     else:
         raise TypeError(f"model_or_path must be a PreTrainedModel or a path / Hub id, got {type(model_or_path)}")
-    config = linear_attention_config(teacher.config, **attention_options)
+    config = linear_attention_config(teacher.config, softmax_heads, **attention_options)
     dtype = dtype or next(teacher.parameters()).dtype
 
     student = LinearAttentionForCausalLM(config).to(dtype)

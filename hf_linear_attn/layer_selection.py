@@ -38,7 +38,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .modeling_linear_attention import LinearAttention, LinearAttentionForCausalLM, SoftmaxAttention
+from .modeling_linear_attention import (
+    LinearAttention,
+    LinearAttentionForCausalLM,
+    SoftmaxAttention,
+    attention_class,
+)
 
 # Positions per slice of the LM head when comparing distributions: bounds the [positions, vocab] temporaries.
 KL_CHUNK = 512
@@ -196,7 +201,45 @@ def restore_softmax_layers(
         if isinstance(decoder_layers[index].self_attn, LinearAttention):
             decoder_layers[index].self_attn = softmax_twin(decoder_layers[index].self_attn)
     model.config.softmax_layers = sorted(set(model.config.softmax_layers) | set(layers))
+    # (a layer's softmax heads are part of its softmax attention now)
+    model.config.softmax_heads = {i: h for i, h in model.config.softmax_heads.items() if i not in layers}
     return model
+
+
+def restore_softmax_heads(
+    model: LinearAttentionForCausalLM, heads: dict[int, Sequence[int]], inplace: bool = False
+) -> LinearAttentionForCausalLM:
+    """`model` with the KV heads `heads` ({layer: [kv_head, ...]}) turned into full softmax attention with their query
+    groups (a deep copy, or `model` itself when `inplace`): `config.softmax_heads` gains them (with the heads a layer
+    had already), and each listed layer becomes its kind's class with softmax heads (`SoftmaxHeadsMixin`) around the
+    *same* modules and parameters, none copied or changed. In a converted model a restored head then computes its
+    teacher's attention; the other heads compute what they computed before. Raises, before anything changes, for
+    another model type and for what the config refuses (indices out of range, repeated heads, a layer in
+    softmax_layers)."""
+    if not isinstance(model, LinearAttentionForCausalLM):
+        raise TypeError(f"model must be a LinearAttentionForCausalLM; got {type(model).__name__}.")
+    if not isinstance(heads, dict):
+        raise TypeError(f"heads must be a dict {{layer: [kv_head, ...]}}; got {heads!r}.")
+    merged = dict(model.config.softmax_heads)
+    for layer, listed in heads.items():
+        merged[layer] = [*merged.get(layer, []), *listed] if isinstance(listed, (list, tuple)) else listed
+    config = type(model.config).from_dict({**model.config.to_dict(), "softmax_heads": merged})  # checks every index
+    model = model if inplace else copy.deepcopy(model)
+    model.config.softmax_heads = config.softmax_heads
+    for index in [layer for layer in config.softmax_heads if layer in heads]:
+        decoder_layer = model.model.layers[index]
+        decoder_layer.self_attn = with_softmax_heads(decoder_layer.self_attn, model.config)
+    return model
+
+
+def with_softmax_heads(attention: LinearAttention, config: PretrainedConfig) -> LinearAttention:
+    """The attention of `attention`'s layer with the softmax heads `config` lists for it, around `attention`'s own
+    modules and parameters (shared, as `softmax_twin` shares the projections)."""
+    with torch.device("meta"):  # allocate nothing: every parameter is replaced by the shared one below
+        mixed = attention_class(config, attention.layer_idx)(config, attention.layer_idx)
+    for name, _ in [*mixed.named_children(), *mixed.named_parameters(recurse=False)]:
+        setattr(mixed, name, getattr(attention, name))
+    return mixed.train(attention.training)
 
 
 @contextmanager
@@ -354,6 +397,7 @@ __all__ = [
     "check_same_conversion",
     "parse_softmax_layers",
     "rank_softmax_layers",
+    "restore_softmax_heads",
     "restore_softmax_layers",
     "select_softmax_layers",
     "softmax_twin",

@@ -337,11 +337,23 @@ class LinearAttention(AttentionProjections):
         """
         t = hidden_states.shape[1]
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
-        q, k, v = self.project_unrotated(hidden_states)  # [B, T, H, D], [B, T, H_kv, D] x 2
+        q, k, v = self.rotated_qkv(hidden_states, position_embeddings, new_mask, cache_layer, cu_seqlens)
+        return self.project_out(self.attend(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens))
+
+    def rotated_qkv(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        new_mask: torch.Tensor | None,
+        cache_layer: LinearStateLayer | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k, v [B, T, H_kv, D] as the layer's attention takes them: projected, through the short
+        convolution (which reads and stores its inputs in the cache) when there is one, and rotated."""
+        q, k, v = self.project_unrotated(hidden_states)
         if self.qkv_conv is not None:
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
-        q, k = apply_rotary(q, k, *position_embeddings)
-        return self.project_out(self.attend(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens))
+        return *apply_rotary(q, k, *position_embeddings), v
 
     def attend(
         self,
@@ -803,7 +815,66 @@ class SoftmaxAttention(AttentionProjections):
         return self.project_out(o.transpose(1, 2))
 
 
-# The attention class of each layer kind (`LinearAttentionConfig.layer_kind` decides a layer's kind).
+class SoftmaxHeadsMixin:
+    """Softmax heads inside a layer of a recurrent kind (`config.softmax_heads`), combined with the kind's class (the
+    `*WithSoftmaxHeads` classes below): the listed KV heads and their query groups keep exact causal softmax attention
+    over the whole context, the other heads are the kind's, and the parameters and state-dict keys are the kind's (so
+    heads are restored on a converted or trained checkpoint by its config alone).
+
+    The kind's `attend` runs on every head as usual (its output for the softmax heads is dropped: every backend,
+    decode step, packed document and training path of the kind stays as it is); then the softmax heads' outputs
+    replace those heads: `causal_softmax_attention` of their q (after the short convolution, if any, and RoPE)
+    against their keys and values over the whole context, the cached ones first (the cache layer keeps them, a
+    `SoftmaxHeadsState`), with the padding mask and packed documents as `SoftmaxAttention` honours them. They bypass
+    the output norm and gate: in a converted model they compute exactly the teacher's attention for those heads.
+    """
+
+    def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        groups = config.num_attention_heads // config.num_key_value_heads
+        self.softmax_kv_heads = list(config.softmax_heads_of(layer_idx))
+        self.softmax_query_heads = [h * groups + g for h in self.softmax_kv_heads for g in range(groups)]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache_layer: LinearStateLayer | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`LinearAttention.forward`, the softmax heads' outputs put in place of the kind's for them before o_proj."""
+        t = hidden_states.shape[1]
+        new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
+        q, k, v = self.rotated_qkv(hidden_states, position_embeddings, new_mask, cache_layer, cu_seqlens)
+        o = self.attend(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)  # [B, T, H, V]
+        q_heads = q[:, :, self.softmax_query_heads].transpose(1, 2)  # [B, h, T, D]
+        k_heads, v_heads = (x[:, :, self.softmax_kv_heads].transpose(1, 2) for x in (k, v))  # [B, h_kv, T, D]
+        if cache_layer is not None:
+            k_heads, v_heads = cache_layer.update_softmax_heads(k_heads, v_heads)  # [B, h_kv, past + T, D]
+        softmax = causal_softmax_attention(q_heads, k_heads, v_heads, attention_mask, cu_seqlens).transpose(1, 2)
+        index = torch.tensor(self.softmax_query_heads, device=o.device)
+        return self.project_out(o.index_copy(2, index, softmax.to(o.dtype)))
+
+
+class AdditiveLinearAttentionWithSoftmaxHeads(SoftmaxHeadsMixin, AdditiveLinearAttention):
+    """Kind "linear" with softmax heads (`SoftmaxHeadsMixin`)."""
+
+
+class DeltaRuleAttentionWithSoftmaxHeads(SoftmaxHeadsMixin, DeltaRuleAttention):
+    """Kind "delta" with softmax heads (`SoftmaxHeadsMixin`)."""
+
+
+class WindowHybridAttentionWithSoftmaxHeads(SoftmaxHeadsMixin, WindowHybridAttention):
+    """Kind "window" with softmax heads (`SoftmaxHeadsMixin`)."""
+
+
+class DeltaWindowAttentionWithSoftmaxHeads(SoftmaxHeadsMixin, DeltaWindowAttention):
+    """Kind "delta_window" with softmax heads (`SoftmaxHeadsMixin`)."""
+
+
+# The attention class of each layer kind (`LinearAttentionConfig.layer_kind` decides a layer's kind), and of each
+# recurrent kind with softmax heads (`config.softmax_heads`); `attention_class` picks a layer's.
 ATTENTION_CLASSES: dict[str, type[nn.Module]] = {
     "softmax": SoftmaxAttention,
     "linear": AdditiveLinearAttention,
@@ -811,12 +882,24 @@ ATTENTION_CLASSES: dict[str, type[nn.Module]] = {
     "window": WindowHybridAttention,
     "delta_window": DeltaWindowAttention,
 }
+SOFTMAX_HEADS_CLASSES: dict[str, type[nn.Module]] = {
+    "linear": AdditiveLinearAttentionWithSoftmaxHeads,
+    "delta": DeltaRuleAttentionWithSoftmaxHeads,
+    "window": WindowHybridAttentionWithSoftmaxHeads,
+    "delta_window": DeltaWindowAttentionWithSoftmaxHeads,
+}
+
+
+def attention_class(config: LinearAttentionConfig, layer_idx: int) -> type[nn.Module]:
+    """The attention class of layer `layer_idx`: its kind's, with softmax heads when the config lists some."""
+    kind = config.layer_kind(layer_idx)
+    return (SOFTMAX_HEADS_CLASSES if config.softmax_heads_of(layer_idx) else ATTENTION_CLASSES)[kind]
 
 
 class LinearAttentionDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = ATTENTION_CLASSES[config.layer_kind(layer_idx)](config, layer_idx)
+        self.self_attn = attention_class(config, layer_idx)(config, layer_idx)
         self.mlp = LinearAttentionMLP(config)
         self.input_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -1181,6 +1264,7 @@ __all__ = [
     "DeltaRuleAttention",
     "DeltaWindowAttention",
     "LinearAttention",
+    "SoftmaxHeadsMixin",
     "SoftmaxAttention",
     "WindowHybridAttention",
     "LinearAttentionPreTrainedModel",
