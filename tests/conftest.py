@@ -73,6 +73,7 @@ TIERS = {
     "test_transformers_common.py::HybridWindowWithSinksTest::*": FULL,
     "test_transformers_common.py::VectorDecayTest::*": FULL,
     "test_transformers_common.py::SoftmaxLayersWithGQATest::*": FULL,
+    "test_transformers_common.py::SoftmaxHeadsTest::*": FULL,
     # Training runs beyond those the quick tier keeps (fine-tuning, its checkpoints and resumes, the push after it).
     "test_finetune.py::test_resume_after_sigkill_reproduces_the_loss_curve": FULL,
     "test_ddp.py::test_two_rank_gloo_ddp_*": FULL,
@@ -85,6 +86,12 @@ TIERS = {
     "test_kernel_report.py::test_kernel_report_delta_rule_backward_does_not_spill": FULL,
     "test_kernel_report.py::test_kernel_report_pruned_configs_do_not_spill": FULL,
     "test_benchmarks.py::test_decode_loop_benchmark_times_every_variant_in_turn": ONE,
+    # Softmax heads: every variant's cache, padding, packing and gradient paths stay quick; one variant's generate
+    # modes, one Triton backend under the interpreter, the source architectures of one kind; tracing in the full tier.
+    "test_softmax_heads.py::test_every_generate_mode_with_the_cache_equals_without": ONE,
+    "test_softmax_heads.py::test_the_triton_backend_agrees": ONE,
+    "test_softmax_heads.py::test_every_head_restored_is_the_teacher": COVER,
+    "test_softmax_heads.py::test_a_model_with_softmax_heads_compiles_without_a_graph_break_and_exports": FULL,
 }
 
 

@@ -21,7 +21,7 @@ import hf_linear_attn
 from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM, LinearAttentionModel
 
 CHECKPOINT_VARIANT = {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 6, "num_sink_tokens": 1,
-                      "softmax_layers": [1], "use_qk_norm": True}
+                      "softmax_layers": [1], "softmax_heads": {0: [1]}, "use_qk_norm": True}
 
 
 @pytest.fixture(scope="module")

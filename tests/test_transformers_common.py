@@ -157,3 +157,8 @@ class GatedDeltaNetWindowTest(LinearAttentionCommonTests, unittest.TestCase):
     config_overrides = {"update_rule": "delta", "feature_map": "identity", "normalize": False, "decay": "scalar",
                         "conv_size": 4, "output_norm": True, "output_gate": True, "window_size": 3,
                         "num_sink_tokens": 1}
+
+
+class SoftmaxHeadsTest(LinearAttentionCommonTests, unittest.TestCase):
+    config_overrides = {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 3, "num_sink_tokens": 1,
+                        "softmax_heads": {0: [1]}, "use_qk_norm": True}
