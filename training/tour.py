@@ -27,6 +27,7 @@ VARIANTS = {
     "gla": {"feature_map": "identity", "normalize": False, "decay": "vector", "output_norm": True},
     "lolcats": {"feature_map": "hedgehog", "window_size": 64, "num_sink_tokens": 4},
     "hybrid": {"feature_map": "elu", "softmax_layers": [0]},
+    "heads": {"feature_map": "hedgehog", "window_size": 64, "num_sink_tokens": 4, "softmax_heads": {1: [0]}},
 }
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tour.yaml"
 
