@@ -21,9 +21,10 @@ checkpoints.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,41 @@ def retrieval_scores(model: PreTrainedModel, prompts: Sequence[RetrievalPrompt],
     return total / len(prompts)
 
 
+@dataclass(frozen=True)
+class SoftmaxHeadSpec:
+    """A parsed `softmax_heads` argument: explicit `heads` ({layer: [kv_head, ...]}), or the `auto_n` KV heads that
+    retrieve most (`retrieval_scores`, `top_heads`)."""
+
+    heads: dict[int, list[int]] = field(default_factory=dict)
+    auto_n: int | None = None
+
+
+HEAD_SPEC_FORMS = 'LAYER:HEAD[,HEAD...] items ("17:0,2 20:1"), a dict {layer: [kv_head, ...]} or "auto:N"'
+
+
+def parse_softmax_heads(spec: str | Sequence[str] | dict | None) -> SoftmaxHeadSpec:
+    """Parse a `softmax_heads` argument: None or empty (no head), a dict (as a config holds it), LAYER:HEAD,HEAD items
+    (a string, or the words of a command line: `--softmax_heads 17:0,2 20:1`), or "auto:N" alone with N ≥ 1. Only the
+    form is checked here; the indices are checked against the model by its config. Raises ValueError naming
+    `softmax_heads`."""
+    if spec is None or isinstance(spec, dict):
+        return SoftmaxHeadSpec(heads=dict(spec or {}))
+    words = spec.split() if isinstance(spec, str) else list(spec)
+    if len(words) == 1 and str(words[0]).lower().startswith("auto"):
+        match = re.fullmatch(r"auto:(\d+)", str(words[0]).lower())
+        if match is None or int(match.group(1)) < 1:
+            raise ValueError(f"softmax_heads={spec!r}: auto:N needs a number of KV heads N ≥ 1, e.g. auto:9")
+        return SoftmaxHeadSpec(auto_n=int(match.group(1)))
+    heads: dict[int, list[int]] = {}
+    for word in words:
+        match = re.fullmatch(r"(\d+):(\d+(?:,\d+)*)", str(word))
+        if match is None:
+            raise ValueError(f"softmax_heads={spec!r}: {word!r} is not a LAYER:HEAD[,HEAD...] item; expected "
+                             f"{HEAD_SPEC_FORMS}")
+        heads.setdefault(int(match.group(1)), []).extend(int(h) for h in match.group(2).split(","))
+    return SoftmaxHeadSpec(heads=heads)
+
+
 def top_heads(scores: torch.Tensor, n: int, exclude_layers: Sequence[int] = ()) -> dict[int, list[int]]:
     """The `n` highest-scoring (layer, KV head) pairs of `scores` [L, H_kv], outside `exclude_layers` (e.g. the
     softmax layers, whose heads are all exact already), as {layer: sorted heads} (the form of `softmax_heads`)."""
@@ -131,4 +167,4 @@ def top_heads(scores: torch.Tensor, n: int, exclude_layers: Sequence[int] = ()) 
     return chosen
 
 
-__all__ = ["RetrievalPrompt", "retrieval_scores", "top_heads"]
+__all__ = ["RetrievalPrompt", "SoftmaxHeadSpec", "parse_softmax_heads", "retrieval_scores", "top_heads"]

@@ -49,8 +49,8 @@ from .modeling_linear_attention import (
 KL_CHUNK = 512
 
 # Config fields that may differ between a ranking model and the conversion it stands for.
-SELECTION_FIELDS = ("softmax_layers", "linear_attention_backend", "base_model_name_or_path", "auto_map",
-                    "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path")
+SELECTION_FIELDS = ("softmax_layers", "softmax_heads", "linear_attention_backend", "base_model_name_or_path",
+                    "auto_map", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path")
 
 
 # ----------------------------------------------------------------------------------------------- arguments
@@ -371,12 +371,16 @@ def select_softmax_layers(
     return sorted(entry["layer"] for entry in ranking[:k]), ranking
 
 
-def write_ranking(path: str | os.PathLike, ranking: list[dict[str, Any]], **details: Any) -> Path:
-    """Write `{"measure": ..., **details, "ranking": ranking}` as JSON to `path` atomically (a temporary file
+KL_MEASURE = "mean KL(teacher || student) of next-token distributions with one layer restored to softmax"
+
+
+def write_ranking(path: str | os.PathLike, ranking: list[dict[str, Any]], measure: str = KL_MEASURE,
+                  **details: Any) -> Path:
+    """Write `{"measure": measure, **details, "ranking": ranking}` as JSON to `path` atomically (a temporary file
     in the same folder, renamed over `path`): a reader sees the old file or the whole new one, never a part."""
     path = Path(path)
     text = json.dumps({
-        "measure": "mean KL(teacher || student) of next-token distributions with one layer restored to softmax",
+        "measure": measure,
         **details,
         "ranking": ranking,
     }, indent=2)  # serialised before anything is written: a value JSON cannot hold fails here

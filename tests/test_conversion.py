@@ -349,3 +349,42 @@ def test_attention_transfer_of_a_delta_conversion_lowers_its_loss(options, new):
     assert losses[-1] < 0.5 * losses[0], losses
     for name, p in student.named_parameters():
         assert torch.equal(p, before[name]) == (name not in trained), name
+
+
+def test_convert_cli_keeps_the_teachers_retrieval_heads(tmp_path, capsys, dataset_cache):
+    """`--softmax_heads auto:N`: the N KV heads the teacher retrieves with most (ranked on passkey prompts built from
+    the data pipeline's documents, the ranking beside the output) keep softmax attention; explicit LAYER:HEAD items
+    are taken as they are; bad requests stop with one error line before anything is written."""
+    import json
+
+    save_with_tokenizer(teacher("llama"), tmp_path / "src")
+    common = ["--model_name_or_path", str(tmp_path / "src"), "--feature_dim", "8", "--window_size", "4",
+              "--num_sink_tokens", "1", "--block_size", "96", "--cache_dir", str(dataset_cache)]
+    for bad, message in (
+        (["--softmax_heads", "auto:5"], "N must be in [1, 4]"),  # 2 layers x 2 KV heads
+        (["--softmax_heads", "auto:2", "--softmax_layers", "0"], "N must be in [1, 2]"),
+        (["--softmax_heads", "auto:0"], "N ≥ 1"),
+        (["--softmax_heads", "1:2"], "KV head indices must lie in [0, 1]"),
+        (["--softmax_heads", "1-0"], "not a LAYER:HEAD"),
+        (["--softmax_heads", "auto:1", "--ranking_prompts", "0"], "at least one prompt"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            run_convert(*common, *bad, "--output_dir", str(tmp_path / "bad"))
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+    assert run_convert(*common, "--softmax_heads", "1:1", "0:0", "--output_dir", str(tmp_path / "explicit")) == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "explicit").config.softmax_heads == {0: [0], 1: [1]}
+
+    assert run_convert(*common, "--softmax_heads", "auto:3", "--ranking_prompts", "2",
+                       "--output_dir", str(tmp_path / "heads")) == 0
+    ranking = json.loads((tmp_path / "heads" / "softmax_head_ranking.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "heads")
+    best = {}
+    for entry in ranking["ranking"][:3]:
+        best.setdefault(entry["layer"], []).append(entry["kv_head"])
+    assert model.config.softmax_heads == {layer: sorted(heads) for layer, heads in best.items()}
+    assert {int(layer): heads for layer, heads in ranking["selected"].items()} == model.config.softmax_heads
+    assert ranking["prompts"] == 2 and ranking["prompt_tokens"] == 96 and len(ranking["ranking"]) == 4
+    scores = [entry["score"] for entry in ranking["ranking"]]
+    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)

@@ -3,7 +3,9 @@ line): `ConversionArguments` (the source, the output and every attention option,
 and `convert_checkpoint`, which writes the folder atomically (a temporary sibling renamed at the end, an existing
 folder replaced by renames) with the source's tokenizer. With `--softmax_layers auto:K` the output is a stage-1
 checkpoint of the same conversion with the K layers that matter most restored to softmax
-(`restore_ranked_layers`, also `make demo`'s), ranked on held-out rows of the data pipeline.
+(`restore_ranked_layers`, also `make demo`'s), ranked on held-out rows of the data pipeline. With `--softmax_heads
+auto:N` the N KV heads the teacher retrieves with most keep exact softmax attention (`rank_retrieval_heads`, ranked
+on passkey prompts built from the data pipeline's documents); on a `--ranking_model` they are restored training-free.
 """
 
 from __future__ import annotations
@@ -25,19 +27,25 @@ from hf_linear_attn.conversion import (
     load_teacher,
     tokenizer_max_length,
 )
+from hf_linear_attn.head_selection import parse_softmax_heads, retrieval_scores, top_heads
 from hf_linear_attn.layer_selection import (
     check_layer_selection,
     check_same_conversion,
     parse_softmax_layers,
+    restore_softmax_heads,
     restore_softmax_layers,
     select_softmax_layers,
     write_ranking,
 )
 from training.data import DataArguments, build_datasets, check_data_arguments
+from training.long_context_data import LongDocument, passkey_trials
 from training.recipes import attention_arguments, attention_options
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANKING_FILE = "softmax_layer_ranking.json"
+HEAD_RANKING_FILE = "softmax_head_ranking.json"
+HEAD_MEASURE = ("attention mass that the queries predicting a pass key put on the key where the prompt states it, "
+                "per KV head (mean over its query group, the key's tokens and the prompts), on the teacher")
 
 
 @dataclass
@@ -56,6 +64,14 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
         "help": f"With --softmax_layers auto:K: a stage-1 checkpoint (training/distill.py) of this same conversion; "
                 f"the output is that checkpoint with the K chosen layers restored, the ranking in {RANKING_FILE}."})
     ranking_rows: int = field(default=4, metadata={"help": "Held-out rows of --block_size tokens the ranking scores."})
+    softmax_heads: list[str] = field(default_factory=list, metadata={
+        "help": "KV heads that keep exact softmax attention over the whole context, with their query groups: "
+                "LAYER:HEAD[,HEAD...] items (`17:0,2 20:1`), or `auto:N`, the N KV heads outside the softmax layers "
+                "that the teacher retrieves with most (passkey prompts, hf_linear_attn.head_selection); the ranking "
+                f"in {HEAD_RANKING_FILE}. With --ranking_model they are restored on it, training-free."})
+    ranking_prompts: int = field(default=8, metadata={
+        "help": "With --softmax_heads auto:N: passkey prompts of --block_size tokens (haystack: the data pipeline's "
+                "documents) the head ranking measures."})
 
 
 def check_conversion_arguments(args: ConversionArguments) -> None:
@@ -123,6 +139,56 @@ def restore_ranked_layers(ranking_model: str | Path, teacher: PreTrainedModel, t
     return RestoredLayers(restore_softmax_layers(student, layers, inplace=True), ranking, held_out)
 
 
+@dataclass
+class RankedHeads:
+    """The KV heads of a teacher ranked by retrieval (`rank_retrieval_heads`) and the `heads` chosen."""
+
+    heads: dict[int, list[int]]  # {layer: [kv_head, ...]}, for softmax_heads
+    scores: torch.Tensor  # [L, H_kv]: `retrieval_scores`
+    prompts: int
+    prompt_tokens: int
+
+    def write_ranking(self, folder: str | Path, **details: Any) -> Path:
+        """`folder/HEAD_RANKING_FILE`: the chosen heads, `details`, the prompts' count and length, and every KV head
+        by score."""
+        layers, kv_heads = self.scores.shape
+        ranking = sorted(({"layer": layer, "kv_head": head, "score": round(float(self.scores[layer, head]), 6)}
+                          for layer in range(layers) for head in range(kv_heads)),
+                         key=lambda entry: (-entry["score"], entry["layer"], entry["kv_head"]))
+        return write_ranking(Path(folder) / HEAD_RANKING_FILE, ranking, measure=HEAD_MEASURE,
+                             selected={str(layer): heads for layer, heads in self.heads.items()}, **details,
+                             prompts=self.prompts, prompt_tokens=self.prompt_tokens)
+
+
+def rank_retrieval_heads(teacher: PreTrainedModel, tokenizer: Any, data_args: DataArguments, prompts: int, n: int,
+                         exclude_layers: list[int]) -> RankedHeads:
+    """Rank the KV heads of `teacher` by `retrieval_scores` on `prompts` passkey prompts of `data_args.block_size`
+    tokens, whose haystacks are windows of the data pipeline's documents (held-out rows first, then training rows),
+    and choose the `n` best outside `exclude_layers` (`top_heads`). The prompts ask in the tokenizer's chat template
+    when it has one (the "chat" passkey variant), else in plain text ("single")."""
+    length = data_args.block_size
+    rows = build_datasets(data_args, tokenizer)
+    tokens = [token for split in ("validation", "train") if split in rows
+              for row in rows[split]["input_ids"] for token in row][: (prompts + 1) * length]
+    if len(tokens) < 2 * length:
+        raise ValueError(f"--softmax_heads auto:{n}: the data pipeline holds {len(tokens)} tokens, too few for "
+                         f"passkey prompts of --block_size {length} tokens; give more documents or a smaller "
+                         "--block_size")
+    variant = "chat" if getattr(tokenizer, "chat_template", None) else "single"
+    trials = passkey_trials(tokenizer, [LongDocument("data", 0, torch.tensor(tokens))], length, prompts, "natural",
+                            variant)
+    scores = retrieval_scores(teacher, [trial.retrieval_prompt() for trial in trials])
+    return RankedHeads(top_heads(scores, n, exclude_layers), scores, prompts, length)
+
+
+def check_head_count(n: int, num_layers: int, kv_heads: int, softmax_layers: int) -> None:
+    """`--softmax_heads auto:N` asks for at most the KV heads outside the softmax layers."""
+    available = (num_layers - softmax_layers) * kv_heads
+    if not 1 <= n <= available:
+        raise ValueError(f"--softmax_heads auto:{n}: N must be in [1, {available}], the KV heads of the "
+                         f"{num_layers - softmax_layers} layers that are not softmax layers ({kv_heads} each)")
+
+
 def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | None = None) -> None:
     """Check `args`, then write the converted checkpoint (see the module docstring)."""
     check_conversion_arguments(args)
@@ -136,10 +202,17 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
     selection = parse_softmax_layers(args.softmax_layers, source_config.num_hidden_layers)
     check_layer_selection(selection, teacher=args.model_name_or_path, ranking_model=args.ranking_model)
     options["softmax_layers"] = list(selection.layers)
+    head_spec = parse_softmax_heads(args.softmax_heads or None)
     try:
-        conversion_config = linear_attention_config(source_config, **options)
+        conversion_config = linear_attention_config(source_config, softmax_heads=head_spec.heads, **options)
     except TypeError as error:  # an option of the wrong type is bad input like any other
         raise ValueError(str(error)) from None
+    if head_spec.auto_n is not None:
+        check_head_count(head_spec.auto_n, conversion_config.num_hidden_layers, conversion_config.num_key_value_heads,
+                         len(selection.layers) + (selection.auto_k or 0))
+        check_data_arguments(data_args)
+        if args.ranking_prompts < 1:
+            raise ValueError(f"--ranking_prompts {args.ranking_prompts}: rank on at least one prompt.")
     if selection.auto_k is not None:
         check_data_arguments(data_args)
         if args.ranking_rows < 1:
@@ -160,15 +233,24 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
                          f"{len(tokenizer)} tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
-    restored = None
-    if selection.auto_k is None:
-        student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], **options)
-    else:
+    restored = ranked_heads = None
+    if selection.auto_k is not None:
         restored = restore_ranked_layers(args.ranking_model, teacher, tokenizer, data_args, selection.auto_k,
                                          args.ranking_rows)
-        student = restored.model.to(DTYPES[args.dtype])
-        print(f"Softmax layers {student.config.softmax_layers}: chosen on {len(restored.rows)} held-out rows of "
-              f"{restored.rows.shape[1]} tokens (ranking in {RANKING_FILE})")
+        print(f"Softmax layers {restored.model.config.softmax_layers}: chosen on {len(restored.rows)} held-out rows "
+              f"of {restored.rows.shape[1]} tokens (ranking in {RANKING_FILE})")
+    heads = head_spec.heads
+    if head_spec.auto_n is not None:
+        layers = list(selection.layers) if restored is None else restored.model.config.softmax_layers
+        ranked_heads = rank_retrieval_heads(teacher, tokenizer, data_args, args.ranking_prompts, head_spec.auto_n,
+                                            layers)
+        heads = ranked_heads.heads
+        print(f"Softmax heads {heads}: the teacher's best retrieving KV heads on {args.ranking_prompts} passkey "
+              f"prompts of {data_args.block_size} tokens (ranking in {HEAD_RANKING_FILE})")
+    if restored is None:
+        student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], softmax_heads=heads, **options)
+    else:
+        student = restore_softmax_heads(restored.model, heads, inplace=True).to(DTYPES[args.dtype])
     student.config.base_model_name_or_path = args.model_name_or_path
 
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +261,8 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
         tokenizer.save_pretrained(staging)
         if restored is not None:
             restored.write_ranking(staging, ranking_model=args.ranking_model)
+        if ranked_heads is not None:
+            ranked_heads.write_ranking(staging, teacher=args.model_name_or_path)
         replace_folder(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
