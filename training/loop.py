@@ -58,7 +58,12 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
-from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration, is_tensorboard_available
+from accelerate.utils import (
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    is_tensorboard_available,
+    send_to_device,
+)
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
@@ -187,20 +192,42 @@ def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     return selected
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation of the rows that depends only on (seed, epoch): set `epoch` before each pass.
+class GlobalBatchSampler(Sampler[list[int]]):
+    """This process's micro-batches, for a run whose optimizer steps each take `global_batch` rows.
 
-    Unlike a RandomSampler it draws from no global RNG, so a resumed run sees the same order."""
+    The rows form one endless stream: the permutation of epoch 0, then that of epoch 1, ..., each fixed by
+    (seed, epoch) alone (no global RNG: a resumed run sees the same order). Optimizer step s trains on stream rows
+    [s·G, (s+1)·G) with G = `per_device` × `accumulation` × `processes`; its micro-batch m on the next
+    `per_device` × `processes` of them, of which process p takes slice p (`per_device` rows). So the rows of
+    every optimizer step depend on the seed and G only, not on how G is split between processes and micro-batches
+    (a step that straddles an epoch end holds the end of one permutation and the start of the next).
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+    Iterating yields lists of `per_device` row indices, micro-batch after micro-batch, from step `start_step`
+    on, without end."""
 
-    def __len__(self) -> int:
-        return self.size
+    def __init__(self, size: int, seed: int, per_device: int, accumulation: int, processes: int,
+                 process_index: int, start_step: int = 0) -> None:
+        if size < 1:
+            raise ValueError("The training split holds no rows.")
+        self.size, self.seed, self.per_device, self.processes = size, seed, per_device, processes
+        self.process_index, self.start_step = process_index, start_step
+        self.global_batch = per_device * accumulation * processes
 
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The permutation of the rows in `epoch`."""
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, offset = divmod(self.start_step * self.global_batch, self.size)
+        micro_batch = self.per_device * self.processes
+        mine = slice(self.process_index * self.per_device, (self.process_index + 1) * self.per_device)
+        pending: list[int] = []
+        while True:
+            pending += self.epoch_order(epoch)[offset:]
+            epoch, offset = epoch + 1, 0
+            while len(pending) >= micro_batch:
+                yield pending[:micro_batch][mine]
+                pending = pending[micro_batch:]
 
 
 @dataclass
@@ -304,23 +331,32 @@ def _optimizer_step(
     args: TrainArguments,
 ) -> tuple[float, int]:
     """One optimizer step over `gradient_accumulation_steps` micro-batches of `stream`, with clipping.
-    Returns the loss (mean over micro-batches and processes) and the tokens fed (all processes)."""
-    step_loss = torch.zeros((), device=accelerator.device)
-    tokens = 0
-    for _ in range(args.gradient_accumulation_steps):
-        batch = next(stream)
+
+    The gradient is that of the global batch's item-weighted mean loss, Σ loss_sum / Σ count over every micro-batch
+    of every process (not a mean of per-process or per-micro-batch means), so it does not depend on how the global
+    batch is split. Returns that loss and the tokens fed (all processes)."""
+    accumulation = args.gradient_accumulation_steps
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # [loss sum, items, tokens]
+    for _ in range(accumulation):
+        batch = send_to_device(next(stream), accelerator.device)
         with accelerator.accumulate(model):
             loss_sum, count = loss_fn(model, batch)
-            loss = loss_sum.sum() / count.sum().clamp(min=1)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        step_loss += loss.detach() / args.gradient_accumulation_steps
-        tokens += batch["input_ids"].numel()
-    tokens = accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")
-    return accelerator.reduce(step_loss, reduction="mean").item(), int(tokens)
+            accelerator.backward(loss_sum.sum())
+        totals += torch.stack([loss_sum.detach().sum().double(), count.detach().sum().double(),
+                               torch.tensor(batch["input_ids"].numel(), dtype=torch.float64, device=totals.device)])
+    totals = accelerator.reduce(totals, reduction="sum")
+    # The global items are known only now: the gradients hold Σ loss_sum / accumulation (accelerate divides each
+    # backward) averaged over the processes (DDP / FSDP reduce by mean); make them d(Σ loss_sum / Σ count).
+    scale = accumulation * accelerator.num_processes / totals[1].clamp(min=1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trainable:
+        if parameter.grad is not None:
+            parameter.grad.mul_(scale.to(parameter.grad.dtype))
+    if args.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(trainable, args.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[2])
 
 
 def train(
@@ -344,39 +380,41 @@ def train(
         select_trainable(model, trainable)
     output_dir = Path(args.output_dir)
     optimizer = _optimizer(model, args)
-    sampler = EpochShuffleSampler(len(train_dataset), args.seed)
-    # Loaders with their own generator: starting to iterate one draws a seed from it, and from the global torch
-    # RNG otherwise, which would shift dropout masks between a resumed run and the uninterrupted one (the
-    # resumed run starts iterating mid-epoch).
-    train_loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                              collate_fn=collate_fn, generator=torch.Generator().manual_seed(args.seed))
     eval_loader = None
     if eval_dataset is not None:
         eval_loader = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn,
                                  generator=torch.Generator().manual_seed(args.seed))
         eval_loader = accelerator.prepare(eval_loader)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    # The training rows are not given to accelerate: `GlobalBatchSampler` already hands each process its slice.
+    model, optimizer = accelerator.prepare(model, optimizer)
     accumulation = args.gradient_accumulation_steps
     if accelerator.gradient_accumulation_steps != accumulation:  # a DeepSpeed config can impose its own
         raise ValueError(f"The accelerate config sets gradient_accumulation_steps="
                          f"{accelerator.gradient_accumulation_steps} but --gradient_accumulation_steps is "
                          f"{accumulation}; leave it unset (auto) in the DeepSpeed config.")
-    batches_per_epoch = len(train_loader)
+    global_batch = args.per_device_train_batch_size * accumulation * accelerator.num_processes
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(
-        args.num_train_epochs * batches_per_epoch / accumulation)
+        args.num_train_epochs * len(train_dataset) / global_batch)
     # The schedule counts optimizer steps; stepped by hand (a prepared scheduler steps once per process).
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
     geometry = {"num_processes": accelerator.num_processes, "per_device_train_batch_size":
-                args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation}
+                args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
+                "global_batch": global_batch}
 
     global_step, tokens_seen = 0, 0
     if args.resume_from_checkpoint:
         state = load_checkpoint(accelerator, args.resume_from_checkpoint, scheduler)  # verified by the check
         global_step, tokens_seen = state["global_step"], state["tokens_seen"]
-        if state["geometry"] != geometry:
-            logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: the data order differs "
-                           "from the interrupted run.", main_process_only=True)
+        if state["geometry"].get("global_batch") != global_batch:
+            logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: another global batch, so "
+                           "the data order and the steps differ from the interrupted run.", main_process_only=True)
+    sampler = GlobalBatchSampler(len(train_dataset), args.seed, args.per_device_train_batch_size, accumulation,
+                                 accelerator.num_processes, accelerator.process_index, start_step=global_step)
+    # A loader with its own generator: starting to iterate one draws a seed from it, and from the global torch RNG
+    # otherwise, which would shift dropout masks between a resumed run and the uninterrupted one.
+    train_loader = DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collate_fn,
+                              generator=torch.Generator().manual_seed(args.seed))
     # An earlier run that this one replaces (--overwrite_output_dir) is moved aside only now, with every input
     # checked and loaded, and deleted once this run has a checkpoint of its own or has finished.
     replaces = args.overwrite_output_dir and not args.resume_from_checkpoint
@@ -386,14 +424,7 @@ def train(
             JsonLinesTracker.keep_records(output_dir / LOG_FILE, global_step if args.resume_from_checkpoint else None)
         accelerator.init_trackers(run_name, config=_tracker_config(tracker_config or asdict(args)))
 
-        def micro_batches(start: int) -> Iterator[dict[str, torch.Tensor]]:
-            epoch, skip = divmod(start, batches_per_epoch)
-            while True:
-                sampler.epoch = epoch
-                yield from accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-                epoch, skip = epoch + 1, 0
-
-        stream = micro_batches(global_step * accumulation)
+        stream = iter(train_loader)
         progress = tqdm(total=total_steps, initial=global_step, desc=run_name, disable=not accelerator.is_main_process,
                         dynamic_ncols=True)
         eval_metrics: dict[str, float] = {}
