@@ -54,14 +54,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     is_tensorboard_available,
+    parse_flag_from_env,
     send_to_device,
 )
 from torch import nn
@@ -164,7 +167,7 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
         trackers = []
     else:
         trackers = [name.strip() for name in args.report_to.split(",") if name.strip()]
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
@@ -173,6 +176,25 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=str(Path(args.output_dir) / "runs")),
     )
+    _shard_on_cpu_processes(accelerator)
+    return accelerator
+
+
+def _shard_on_cpu_processes(accelerator: Accelerator) -> None:
+    """Under `accelerate launch` with an FSDP config on CPU processes (ACCELERATE_USE_CPU=1, gloo), accelerate
+    (1.x) makes plain DDP (MULTI_CPU) and drops the FSDP settings without a word; torch's `fully_shard` runs on
+    CPU processes all the same. Switch such a run to FSDP with the launch's FSDP settings, so that CPU processes
+    train, checkpoint and export exactly as GPUs do. Set in the process-wide state too, which every later
+    AcceleratorState copies its type from (a second stage in the same process finds FSDP there, but no plugin)."""
+    state = accelerator.state
+    cpu_processes = state.distributed_type in (DistributedType.MULTI_CPU, DistributedType.FSDP)
+    if not (cpu_processes and parse_flag_from_env("ACCELERATE_USE_FSDP")) or getattr(state, "fsdp_plugin", None):
+        return
+    plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
 
 
 def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
