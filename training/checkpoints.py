@@ -361,8 +361,16 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path, scheduler:
     except Exception as error:
         raise ValueError(f"Cannot resume from {checkpoint}: {type(error).__name__}: {error}") from error
     state = read_trainer_state(checkpoint)
+    # Every process starts from the same seed: on more processes than the run saved, a process without a state of
+    # its own continues rank 0's (exact without dropout; with it, the random draws differ from the saved run's).
+    saved_processes = state.get("geometry", {}).get("num_processes", accelerator.num_processes)
+    rank = accelerator.process_index if accelerator.process_index < saved_processes else 0
+    if saved_processes != accelerator.num_processes:
+        logger.warning(f"Resuming on {accelerator.num_processes} processes a run saved by {saved_processes}: the "
+                       "weights and data order continue exactly, the random draws (dropout) do not.",
+                       main_process_only=True)
     for name, restore in ((SCHEDULER_FILE, scheduler.load_state_dict if scheduler is not None else None),
-                          (RNG_FILE.format(accelerator.process_index), set_rng_state)):
+                          (RNG_FILE.format(rank), set_rng_state)):
         if restore is None or (name == SCHEDULER_FILE and "files" not in state):
             continue
         try:
