@@ -1,0 +1,177 @@
+"""Training on several CPU processes (gloo) through `accelerate launch` with the shipped configs, DDP and FSDP2:
+the same seed and global batch give the model of one process (losses, saved weights), whatever the number of
+processes and micro-batches; FSDP2's sharded checkpoints resume exactly after a kill, also on another number of
+processes; every entry point (full fine-tuning, attention transfer, LoRA with a KL teacher) runs under FSDP2."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, read_log, save_with_tokenizer, script_env, teacher, tiny_args
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hf_linear_attn import convert_to_linear_attention
+from training import checkpoints, finetune, stages
+from training.data import DataArguments
+from training.loop import TrainArguments
+from training.recipes import parse_recipe_args
+
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+CONFIGS = {"ddp": "cpu_ddp_2proc.yaml", "fsdp2": "fsdp2.yaml"}
+# Every run: global batch 4 rows of 64 tokens, 8 steps, a checkpoint every 2.
+STEPS = ["--max_steps", "8", "--save_steps", "2", "--learning_rate", "3e-3"]
+SPLITS = {1: ("4", "1"), 2: ("1", "2"), 4: ("1", "1")}  # processes: (per-device rows, micro-batches per step)
+
+
+def geometry(processes: int) -> list[str]:
+    per_device, accumulation = SPLITS[processes]
+    return ["--per_device_train_batch_size", per_device, "--gradient_accumulation_steps", accumulation]
+
+
+def launch(engine: str, processes: int, script: str, *args: str) -> subprocess.Popen:
+    """`accelerate launch` of `training/SCRIPT ARGS` with the shipped config of `engine` on `processes` CPU
+    processes, in a session of its own (so a kill reaches every process)."""
+    command = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / CONFIGS[engine]),
+               "--num_processes", str(processes), "--mixed_precision", "no", str(ROOT / "training" / script), *args]
+    return subprocess.Popen(command, cwd=ROOT, env=script_env(ACCELERATE_USE_CPU="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(process: subprocess.Popen) -> None:
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-4000:]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def assert_same_run(folder: Path, reference: Path) -> None:
+    """The run in `folder` logged the losses and token counts of the one in `reference` (fp tolerance) and saved
+    the same weights, as an ordinary checkpoint `from_pretrained` loads."""
+    log, expected = read_log(folder), read_log(reference)
+    assert [(r["step"], r.get("tokens_seen")) for r in log] == [(r["step"], r.get("tokens_seen")) for r in expected]
+    for key in ("loss", "eval_loss"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in log if key in r]),
+                                   torch.tensor([r[key] for r in expected if key in r]), rtol=1e-5, atol=1e-6)
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    expected_weights = weights(reference)
+    assert {name for name, _ in loaded.named_parameters()} <= expected_weights.keys()
+    for name, tensor in weights(folder).items():
+        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, dataset_cache) -> Path:
+    """The reference: the tiny recipe's full fine-tuning on one process, in this one."""
+    out = tmp_path_factory.mktemp("one-process")
+    stages.finetune(finetune.parse_args(tiny_args(out, dataset_cache, *STEPS, *geometry(1))))
+    return out
+
+
+@pytest.mark.parametrize(("engine", "processes"), [("fsdp2", 2), ("ddp", 2), ("ddp", 4), ("fsdp2", 4)])
+def test_the_same_model_on_any_number_of_processes(engine, processes, one_process, tmp_path, dataset_cache):
+    """Each optimizer step trains on the same rows and averages the loss over the same tokens as on one process:
+    the losses and the final weights agree to fp tolerance (before, each process's mean loss was averaged)."""
+    out = tmp_path / "run"
+    finish(launch(engine, processes, "finetune.py", *tiny_args(out, dataset_cache, *STEPS, *geometry(processes))))
+    assert_same_run(out, one_process)
+    last = checkpoints.complete_checkpoints(out)[-1]
+    sharded = {path.name for path in last.iterdir() if path.is_dir()}
+    assert sharded == ({"pytorch_model_fsdp_0", "optimizer_0"} if engine == "fsdp2" else set())
+    assert checkpoints.read_trainer_state(last)["geometry"]["num_processes"] == processes
+
+
+@pytest.mark.parametrize("resume_processes", [2, 4])
+def test_fsdp2_sharded_checkpoints_resume_exactly_after_a_kill(resume_processes, one_process, tmp_path,
+                                                               dataset_cache):
+    """A 2-process FSDP2 run killed (SIGKILL, every process) after a sharded checkpoint, resumed from `latest` on
+    2 or 4 processes (torch.distributed.checkpoint reshards), continues the one-process loss curve and ends with
+    its weights."""
+    out = tmp_path / "killed"
+    process = launch("fsdp2", 2, "finetune.py", *tiny_args(out, dataset_cache, *STEPS, *geometry(2)))
+    deadline = time.monotonic() + 240
+    while not checkpoints.complete_checkpoints(out):
+        assert process.poll() is None, "the run ended before it could be killed: " + process.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    resume_from = checkpoints.complete_checkpoints(out)[-1]
+    assert checkpoints.read_trainer_state(resume_from)["global_step"] < 8
+    finish(launch("fsdp2", resume_processes, "finetune.py", *tiny_args(
+        out, dataset_cache, *STEPS, *geometry(resume_processes), "--resume_from_checkpoint", "latest")))
+    assert_same_run(out, one_process)
+
+
+def tiny_teacher_checkpoint(folder: Path) -> Path:
+    """A softmax Llama over the byte-level vocabulary (259 ids), the KL teacher of the LoRA run."""
+    torch.manual_seed(7)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=259)).save_pretrained(folder)
+    return folder
+
+
+def distill_args(folder: Path, out: Path, processes: int) -> list[str]:
+    """Attention transfer of a converted tiny Llama (written into `folder` once) on word-level text."""
+    if not (folder / "converted").exists():
+        student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4,
+                                              num_sink_tokens=1)
+        save_with_tokenizer(student, folder / "converted")
+        generator = torch.Generator().manual_seed(0)
+        lines = [" ".join(f"w{j}" for j in torch.randint(0, 90, (60,), generator=generator).tolist())
+                 for _ in range(20)]
+        (folder / "train.txt").write_text("\n".join(lines[:16]) + "\n")
+        (folder / "valid.txt").write_text("\n".join(lines[16:]) + "\n")
+    return ["--model_name_or_path", str(folder / "converted"), "--output_dir", str(out), "--train_file",
+            str(folder / "train.txt"), "--validation_file", str(folder / "valid.txt"), "--block_size", "48",
+            "--max_eval_samples", "4", "--max_steps", "4", "--learning_rate", "3e-2", "--lr_scheduler_type",
+            "constant", "--logging_steps", "1", "--report_to", "none", *geometry(processes)]
+
+
+def lora_kl_args(folder: Path, out: Path, cache: Path, processes: int) -> list[str]:
+    """LoRA (unmerged: the adapter is saved) with a KL to a softmax teacher, from the tiny config."""
+    if not (folder / "teacher").exists():
+        tiny_teacher_checkpoint(folder / "teacher")
+    return tiny_args(out, cache, "--max_steps", "4", "--learning_rate", "1e-2", "--use_lora", "--merge_lora",
+                     "false", "--teacher_name_or_path", str(folder / "teacher"), "--kl_weight", "0.5",
+                     *geometry(processes))
+
+
+def test_fsdp2_attention_transfer_matches_one_process(tmp_path):
+    one, sharded = tmp_path / "one", tmp_path / "fsdp2"
+    stages.distill(*parse_recipe_args((stages.DistillArguments, DataArguments, TrainArguments),
+                                      distill_args(tmp_path, one, 1)))
+    finish(launch("fsdp2", 2, "distill.py", *distill_args(tmp_path, sharded, 2)))
+    assert_same_run(sharded, one)
+    converted = weights(tmp_path / "converted")
+    changed = {name for name, tensor in weights(sharded).items() if not torch.equal(tensor, converted[name])}
+    assert changed and all("feature_map" in name or "window_gate" in name for name in changed), changed
+
+
+def test_fsdp2_lora_with_a_kl_teacher_matches_one_process(tmp_path, dataset_cache):
+    one, sharded = tmp_path / "one", tmp_path / "fsdp2"
+    stages.finetune(finetune.parse_args(lora_kl_args(tmp_path, one, dataset_cache, 1)))
+    finish(launch("fsdp2", 2, "finetune.py", *lora_kl_args(tmp_path, sharded, dataset_cache, 2)))
+    log, expected = read_log(sharded), read_log(one)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in log if "loss" in r]),
+                               torch.tensor([r["loss"] for r in expected if "loss" in r]), rtol=1e-5, atol=1e-6)
+    adapter, expected_adapter = (load_file(str(folder / "adapter_model.safetensors")) for folder in (sharded, one))
+    assert adapter.keys() == expected_adapter.keys() and any("lora_B" in name for name in adapter)
+    for name, tensor in adapter.items():
+        torch.testing.assert_close(tensor, expected_adapter[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_fsdp2_refuses_to_merge_lora_before_training(tmp_path, dataset_cache):
+    process = launch("fsdp2", 2, "finetune.py", *tiny_args(tmp_path / "out", dataset_cache, "--max_steps", "1",
+                                                           "--use_lora"))
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode != 0 and "Merging LoRA needs the full weights on one process" in stderr
+    assert not (tmp_path / "out" / "log.jsonl").exists()
