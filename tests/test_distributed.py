@@ -175,3 +175,64 @@ def test_fsdp2_refuses_to_merge_lora_before_training(tmp_path, dataset_cache):
     _, stderr = process.communicate(timeout=300)
     assert process.returncode != 0 and "Merging LoRA needs the full weights on one process" in stderr
     assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+# What the engines need from the model ----------------------------------------------------------------------------
+
+ONE_B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True)
+PARTS = {  # between them, every module kind `_init_weights` sets up
+    "hedgehog-window-decay": dict(feature_map="hedgehog", feature_dim=64, window_size=64, num_sink_tokens=4,
+                                  decay="vector", softmax_layers=[0]),
+    "t2r-delta-conv-gate": dict(feature_map="t2r", normalize=False, update_rule="delta", decay="scalar", conv_size=4,
+                                output_norm=True, output_gate=True, window_size=64),
+}
+
+
+@pytest.mark.parametrize("parts", PARTS.values(), ids=PARTS.keys())
+@pytest.mark.parametrize("empty", ["meta-device", "init_empty_weights"])
+def test_a_1b_shaped_model_is_built_empty_in_seconds(parts, empty):
+    """FSDP's and ZeRO-3's memory-efficient loading build the model without weights, then load them: a 1B-shaped
+    model builds on the meta device in under 5 s, every parameter and buffer without storage; the decoder layer is
+    the unit `_no_split_modules` names (the one FSDP wraps)."""
+    from accelerate import init_empty_weights
+
+    from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM
+    from hf_linear_attn.modeling_linear_attention import LinearAttentionDecoderLayer
+
+    config = LinearAttentionConfig(**ONE_B, **parts)
+    started = time.perf_counter()
+    with torch.device("meta") if empty == "meta-device" else init_empty_weights():
+        model = LinearAttentionForCausalLM(config)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 5, f"{elapsed:.1f} s"
+    assert sum(p.numel() for p in model.parameters()) > 1e9
+    assert all(p.is_meta for p in model.parameters())
+    if empty == "meta-device":
+        assert all(b.is_meta for b in model.buffers())
+    assert set(model._no_split_modules) == {LinearAttentionDecoderLayer.__name__}
+    assert sum(isinstance(m, LinearAttentionDecoderLayer) for m in model.modules()) == config.num_hidden_layers
+
+
+@pytest.mark.parametrize("parts", PARTS.values(), ids=PARTS.keys())
+def test_parameters_and_buffers_are_all_made_in_init(parts):
+    """A forward and backward create no parameter or buffer (FSDP shards what exists when it wraps); the only
+    buffers are the rotary frequencies, not saved, the same on every process, and recomputed by `_init_weights`
+    in a model built on the meta device and then given storage (what loading an empty model does)."""
+    from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM
+
+    config = LinearAttentionConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   **{**parts, "feature_dim": 16 if "feature_dim" in parts else None,
+                                      "window_size": 8, "softmax_layers": []})
+    model = LinearAttentionForCausalLM(config)
+    before = ({n: p.shape for n, p in model.named_parameters()}, {n: b.shape for n, b in model.named_buffers()})
+    model(torch.randint(3, 96, (2, 24)), labels=torch.randint(3, 96, (2, 24))).loss.backward()
+    assert ({n: p.shape for n, p in model.named_parameters()}, {n: b.shape for n, b in model.named_buffers()}) == before
+    assert {name.rsplit(".", 1)[-1] for name in before[1]} <= {"inv_freq", "original_inv_freq"}
+    assert not set(before[1]) & model.state_dict().keys()
+    with torch.device("meta"):
+        empty = LinearAttentionForCausalLM(config)
+    empty.to_empty(device="cpu").apply(empty._init_weights)
+    for (name, buffer), (_, expected) in zip(empty.named_buffers(), model.named_buffers(), strict=True):
+        assert torch.equal(buffer, expected), name

@@ -207,8 +207,8 @@ def micro_batches(sampler, count):
 
 def test_each_optimizer_step_takes_the_same_rows_however_the_global_batch_is_split():
     """A global batch of 8 rows over 1, 2 or 4 processes and 1, 2 or 4 micro-batches: each optimizer step's rows
-    are the same (a step across an epoch end may hold a row twice), the processes' slices split them, and every epoch (its own order, fixed by seed and
-    epoch only) runs on across epoch ends. Starting at a later step continues the same stream."""
+    are the same (a step across an epoch end may hold a row twice), the processes' slices split them, and each
+    epoch (its own order, fixed by seed and epoch only) runs on into the next. A later start continues the stream."""
     size, steps = 21, 7  # 7 steps of 8 rows: 56 rows, over 2 epoch ends mid-step
     torch.manual_seed(100)  # the global RNG plays no part
     one = [sorted(batch) for batch in micro_batches(GlobalBatchSampler(size, 3, 8, 1, 1, 0), steps)]
