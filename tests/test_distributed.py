@@ -9,15 +9,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from helpers import ROOT, read_log, save_with_tokenizer, script_env, teacher, tiny_args
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
-from training import checkpoints, finetune, stages
+from training import checkpoints, finetune, loop, stages
 from training.data import DataArguments
 from training.loop import TrainArguments
 from training.recipes import parse_recipe_args
@@ -176,6 +178,37 @@ def test_fsdp2_refuses_to_merge_lora_before_training(tmp_path, dataset_cache):
     assert process.returncode != 0 and "Merging LoRA needs the full weights on one process" in stderr
     assert not (tmp_path / "out" / "log.jsonl").exists()
 
+
+
+# Engine configs that do not fit the run: refused before training -------------------------------------------------
+
+
+def engine(distributed_type, **fsdp_options) -> SimpleNamespace:
+    """The parts of an Accelerator that the engine checks read."""
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **fsdp_options) if fsdp_options else None
+    return SimpleNamespace(distributed_type=distributed_type,
+                           state=SimpleNamespace(distributed_type=distributed_type, fsdp_plugin=plugin))
+
+
+def test_fsdp_that_does_not_wrap_each_decoder_layer_is_refused():
+    from helpers import tiny_model
+
+    model = tiny_model()
+    other_layer = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}
+    for options in ({"auto_wrap_policy": "no_wrap"}, {"auto_wrap_policy": "size_based_wrap"}, other_layer):
+        with pytest.raises(ValueError, match="The FSDP config must wrap each decoder layer"):
+            loop.check_engine(engine(DistributedType.FSDP, **options), model)
+    for names in (["LinearAttentionDecoderLayer"], None):  # None: the model's _no_split_modules
+        loop.check_engine(engine(DistributedType.FSDP, auto_wrap_policy="transformer_based_wrap",
+                                 transformer_cls_names_to_wrap=names), model)
+
+
+def test_deepspeed_that_accelerate_turned_into_ddp_is_refused(monkeypatch):
+    """With DeepSpeed installed, `accelerate launch` of a DeepSpeed config on CPU processes trains plain DDP (it starts
+    DeepSpeed on accelerator devices only): refused, naming what runs on CPU processes."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="DeepSpeed does not run on CPU processes.*fsdp2.yaml"):
+        loop._fit_engine_to_cpu_processes(engine(DistributedType.MULTI_CPU))
 
 # What the engines need from the model ----------------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ from accelerate.utils import (
     send_to_device,
 )
 from torch import nn
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -176,18 +177,24 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=str(Path(args.output_dir) / "runs")),
     )
-    _shard_on_cpu_processes(accelerator)
+    _fit_engine_to_cpu_processes(accelerator)
     return accelerator
 
 
-def _shard_on_cpu_processes(accelerator: Accelerator) -> None:
-    """Under `accelerate launch` with an FSDP config on CPU processes (ACCELERATE_USE_CPU=1, gloo), accelerate
-    (1.x) makes plain DDP (MULTI_CPU) and drops the FSDP settings without a word; torch's `fully_shard` runs on
-    CPU processes all the same. Switch such a run to FSDP with the launch's FSDP settings, so that CPU processes
-    train, checkpoint and export exactly as GPUs do. Set in the process-wide state too, which every later
-    AcceleratorState copies its type from (a second stage in the same process finds FSDP there, but no plugin)."""
+def _fit_engine_to_cpu_processes(accelerator: Accelerator) -> None:
+    """`accelerate launch` on CPU processes (ACCELERATE_USE_CPU=1, gloo) with an FSDP or DeepSpeed config: accelerate
+    (1.x) makes plain DDP (MULTI_CPU) of it and drops the engine's settings without a word.
+
+    FSDP: torch's `fully_shard` runs on CPU processes all the same, so the run is switched to FSDP with the launch's
+    FSDP settings and trains, checkpoints and exports exactly as on GPUs. It is set in the process-wide state too,
+    which every later AcceleratorState copies its type from (a second stage in the same process finds FSDP there,
+    but no plugin). DeepSpeed: refused with an error (accelerate does not start it on CPU processes)."""
     state = accelerator.state
     cpu_processes = state.distributed_type in (DistributedType.MULTI_CPU, DistributedType.FSDP)
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and state.distributed_type != DistributedType.DEEPSPEED:
+        raise ValueError("DeepSpeed does not run on CPU processes under accelerate (it would silently train plain "
+                         "DDP): use configs/accelerate/fsdp2.yaml (sharded like ZeRO-3) or cpu_ddp_2proc.yaml there, "
+                         "and the DeepSpeed configs on GPUs.")
     if not (cpu_processes and parse_flag_from_env("ACCELERATE_USE_FSDP")) or getattr(state, "fsdp_plugin", None):
         return
     plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables
@@ -195,6 +202,23 @@ def _shard_on_cpu_processes(accelerator: Accelerator) -> None:
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
     state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+
+
+def check_engine(accelerator: Accelerator, model: nn.Module) -> None:
+    """Refuse, before training, an FSDP config that would not shard the model per layer: its wrap policy must be
+    TRANSFORMER_BASED_WRAP on a layer class of `model` (by default the classes of `model._no_split_modules`, the
+    decoder layer), else FSDP would gather the whole model at once, or split a layer."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    plugin = accelerator.state.fsdp_plugin
+    present = {type(module).__name__ for module in model.modules()}
+    names = plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+    wraps_layers = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy
+    if not wraps_layers or not set(names) & present:
+        raise ValueError(f"The FSDP config must wrap each decoder layer: set fsdp_auto_wrap_policy: "
+                         f"TRANSFORMER_BASED_WRAP and fsdp_transformer_layer_cls_to_wrap: LinearAttentionDecoderLayer "
+                         f"(as configs/accelerate/fsdp2.yaml does); it has policy {plugin.auto_wrap_policy!r} on "
+                         f"{names or 'no class'}.")
 
 
 def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -358,22 +382,25 @@ def _optimizer_step(
     of every process (not a mean of per-process or per-micro-batch means), so it does not depend on how the global
     batch is split. Returns that loss and the tokens fed (all processes)."""
     accumulation = args.gradient_accumulation_steps
+    # DeepSpeed keeps the gradients (and steps within the last backward): each micro-batch's mean is its loss.
+    owns_gradients = accelerator.distributed_type == DistributedType.DEEPSPEED
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # [loss sum, items, tokens]
     for _ in range(accumulation):
         batch = send_to_device(next(stream), accelerator.device)
         with accelerator.accumulate(model):
             loss_sum, count = loss_fn(model, batch)
-            accelerator.backward(loss_sum.sum())
+            accelerator.backward(loss_sum.sum() / count.sum().clamp(min=1) if owns_gradients else loss_sum.sum())
         totals += torch.stack([loss_sum.detach().sum().double(), count.detach().sum().double(),
                                torch.tensor(batch["input_ids"].numel(), dtype=torch.float64, device=totals.device)])
     totals = accelerator.reduce(totals, reduction="sum")
-    # The global items are known only now: the gradients hold Σ loss_sum / accumulation (accelerate divides each
-    # backward) averaged over the processes (DDP / FSDP reduce by mean); make them d(Σ loss_sum / Σ count).
-    scale = accumulation * accelerator.num_processes / totals[1].clamp(min=1)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    for parameter in trainable:
-        if parameter.grad is not None:
-            parameter.grad.mul_(scale.to(parameter.grad.dtype))
+    if not owns_gradients:
+        # The global items are known only now: the gradients hold Σ loss_sum / accumulation (accelerate divides each
+        # backward) averaged over the processes (DDP / FSDP reduce by mean); make them d(Σ loss_sum / Σ count).
+        scale = accumulation * accelerator.num_processes / totals[1].clamp(min=1)
+        for parameter in trainable:
+            if parameter.grad is not None:
+                parameter.grad.mul_(scale.to(parameter.grad.dtype))
     if args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(trainable, args.max_grad_norm)
     optimizer.step()
@@ -400,6 +427,7 @@ def train(
     every process."""
     if trainable is not None:
         select_trainable(model, trainable)
+    check_engine(accelerator, model)
     output_dir = Path(args.output_dir)
     optimizer = _optimizer(model, args)
     eval_loader = None
@@ -407,7 +435,11 @@ def train(
         eval_loader = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn,
                                  generator=torch.Generator().manual_seed(args.seed))
         eval_loader = accelerator.prepare(eval_loader)
-    # The training rows are not given to accelerate: `GlobalBatchSampler` already hands each process its slice.
+    # The training rows are not given to accelerate: `GlobalBatchSampler` already hands each process its slice. So
+    # DeepSpeed, which reads its micro-batch size from a prepared training loader, is told it.
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        plugin = accelerator.state.deepspeed_plugin
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     model, optimizer = accelerator.prepare(model, optimizer)
     accumulation = args.gradient_accumulation_steps
     if accelerator.gradient_accumulation_steps != accumulation:  # a DeepSpeed config can impose its own
