@@ -5,6 +5,7 @@ processes; every entry point (full fine-tuning, attention transfer, LoRA with a 
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from training.loop import TrainArguments
 from training.recipes import parse_recipe_args
 
 ACCELERATE = Path(sys.executable).parent / "accelerate"
-CONFIGS = {"ddp": "cpu_ddp_2proc.yaml", "fsdp2": "fsdp2.yaml"}
+CONFIGS = {"ddp": "cpu_ddp_2proc.yaml", "fsdp2": "fsdp2.yaml", "multi-node-fsdp2": "multi_node_fsdp2.yaml"}
 # Every run: global batch 4 rows of 64 tokens, 8 steps, a checkpoint every 2.
 STEPS = ["--max_steps", "8", "--save_steps", "2", "--learning_rate", "3e-3"]
 SPLITS = {1: ("4", "1"), 2: ("1", "2"), 4: ("1", "1")}  # processes: (per-device rows, micro-batches per step)
@@ -36,11 +37,16 @@ def geometry(processes: int) -> list[str]:
     return ["--per_device_train_batch_size", per_device, "--gradient_accumulation_steps", accumulation]
 
 
-def launch(engine: str, processes: int, script: str, *args: str) -> subprocess.Popen:
+def launch(engine: str, processes: int, script: str, *args: str, machine: tuple[int, int] | None = None
+           ) -> subprocess.Popen:
     """`accelerate launch` of `training/SCRIPT ARGS` with the shipped config of `engine` on `processes` CPU
-    processes, in a session of its own (so a kill reaches every process)."""
+    processes, in a session of its own (so a kill reaches every process); `machine` (rank, port): as that machine
+    of two on this one, the main one at 127.0.0.1:port."""
+    nodes = [] if machine is None else ["--num_machines", "2", "--machine_rank", str(machine[0]), "--main_process_ip",
+                                        "127.0.0.1", "--main_process_port", str(machine[1])]
     command = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / CONFIGS[engine]),
-               "--num_processes", str(processes), "--mixed_precision", "no", str(ROOT / "training" / script), *args]
+               "--num_processes", str(processes), *nodes, "--mixed_precision", "no", str(ROOT / "training" / script),
+               *args]
     return subprocess.Popen(command, cwd=ROOT, env=script_env(ACCELERATE_USE_CPU="1"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -111,6 +117,29 @@ def test_fsdp2_sharded_checkpoints_resume_exactly_after_a_kill(resume_processes,
     finish(launch("fsdp2", resume_processes, "finetune.py", *tiny_args(
         out, dataset_cache, *STEPS, *geometry(resume_processes), "--resume_from_checkpoint", "latest")))
     assert_same_run(out, one_process)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_multi_node_fsdp2_as_two_machines_on_this_one(one_process, tmp_path, dataset_cache):
+    """The multi-node config, run as two "machines" of one process each (two launches, --machine_rank 0 and 1,
+    sharing the output folder as the config asks), trains the one-process model and writes one checkpoint per
+    save, holding the RNG state and the weight shard of either machine."""
+    out, port = tmp_path / "run", free_port()
+    machines = [launch("multi-node-fsdp2", 2, "finetune.py", *tiny_args(out, dataset_cache, *STEPS, *geometry(2)),
+                       machine=(rank, port)) for rank in (0, 1)]
+    for machine in machines:
+        finish(machine)
+    assert_same_run(out, one_process)
+    # the recipe keeps the newest 2
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-6", "checkpoint-8"]
+    last = checkpoints.complete_checkpoints(out)[-1]
+    assert {"rng_state_0.json", "rng_state_1.json"} <= {p.name for p in last.iterdir()}
+    assert len(list((last / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2
 
 
 def tiny_teacher_checkpoint(folder: Path) -> Path:
