@@ -154,9 +154,12 @@ def resolve_resume_checkpoint(output_dir: str | Path, value: str) -> Path:
 # Pickles ---------------------------------------------------------------------------------------------------------
 
 # What the pickles of a checkpoint may reference: tensors and their storages, plain containers, NumPy arrays
-# (accelerate's RNG states, in checkpoints written before they were deleted at save) and, in
-# torch.distributed.checkpoint's `.metadata`, paths and its own dataclasses and enums.
+# (accelerate's RNG states, in checkpoints written before they were deleted at save), in
+# torch.distributed.checkpoint's `.metadata`, paths and its own dataclasses and enums, and in DeepSpeed's states
+# three records of its own (a dataclass, an enum, and a class without __setstate__ whose fields are set as data).
 _SAFE_GLOBALS = {
+    ("deepspeed.utils.tensor_fragment", "fragment_address"), ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
     ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("_codecs", "encode"), ("numpy", "ndarray"),
     ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),

@@ -59,6 +59,7 @@ from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import (
+    DeepSpeedPlugin,
     DistributedType,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
@@ -183,25 +184,31 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
 
 def _fit_engine_to_cpu_processes(accelerator: Accelerator) -> None:
     """`accelerate launch` on CPU processes (ACCELERATE_USE_CPU=1, gloo) with an FSDP or DeepSpeed config: accelerate
-    (1.x) makes plain DDP (MULTI_CPU) of it and drops the engine's settings without a word.
-
-    FSDP: torch's `fully_shard` runs on CPU processes all the same, so the run is switched to FSDP with the launch's
-    FSDP settings and trains, checkpoints and exports exactly as on GPUs. It is set in the process-wide state too,
-    which every later AcceleratorState copies its type from (a second stage in the same process finds FSDP there,
-    but no plugin). DeepSpeed: refused with an error (accelerate does not start it on CPU processes)."""
+    (1.x) makes plain DDP (MULTI_CPU) of it and drops the engine's settings without a word. Both engines run on CPU
+    processes all the same (torch's `fully_shard`; DeepSpeed's CPU accelerator over gloo), so the run is switched to
+    the engine with the launch's settings (its FSDP_* / DeepSpeed variables) and trains, checkpoints and exports
+    as on GPUs. The type is set in the process-wide state too, which every later AcceleratorState copies (a second
+    stage in the same process finds the engine's type there, but no plugin)."""
     state = accelerator.state
-    cpu_processes = state.distributed_type in (DistributedType.MULTI_CPU, DistributedType.FSDP)
-    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and state.distributed_type != DistributedType.DEEPSPEED:
-        raise ValueError("DeepSpeed does not run on CPU processes under accelerate (it would silently train plain "
-                         "DDP): use configs/accelerate/fsdp2.yaml (sharded like ZeRO-3) or cpu_ddp_2proc.yaml there, "
-                         "and the DeepSpeed configs on GPUs.")
-    if not (cpu_processes and parse_flag_from_env("ACCELERATE_USE_FSDP")) or getattr(state, "fsdp_plugin", None):
+    if state.device.type != "cpu" or state.num_processes == 1:
         return
-    plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables
-    if state.mixed_precision != "no":
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not getattr(state, "fsdp_plugin", None):
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        if state.mixed_precision != "no":
+            state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
+        engine = DistributedType.FSDP
+    elif parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not getattr(state, "deepspeed_plugins", None):
+        import deepspeed  # accelerate's launcher has checked that it is installed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group
+        plugin = DeepSpeedPlugin()
         plugin.set_mixed_precision(state.mixed_precision)
-    state.fsdp_plugin = plugin
-    state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        plugin.select(_from_accelerator_state=True)
+        state.deepspeed_plugins = {"default": plugin}
+        engine = DistributedType.DEEPSPEED
+    else:
+        return
+    state.distributed_type = PartialState().distributed_type = engine
 
 
 def check_engine(accelerator: Accelerator, model: nn.Module) -> None:
