@@ -4,6 +4,7 @@ processes and micro-batches; FSDP2's sharded checkpoints resume exactly after a 
 processes; every entry point (full fine-tuning, attention transfer, LoRA with a KL teacher) runs under FSDP2."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +27,8 @@ from training.loop import TrainArguments
 from training.recipes import parse_recipe_args
 
 ACCELERATE = Path(sys.executable).parent / "accelerate"
-CONFIGS = {"ddp": "cpu_ddp_2proc.yaml", "fsdp2": "fsdp2.yaml", "multi-node-fsdp2": "multi_node_fsdp2.yaml"}
+CONFIGS = {"ddp": "cpu_ddp_2proc.yaml", "fsdp2": "fsdp2.yaml", "multi-node-fsdp2": "multi_node_fsdp2.yaml",
+           "zero2": "deepspeed_zero2.yaml", "zero3": "deepspeed_zero3.yaml"}
 # Every run: global batch 4 rows of 64 tokens, 8 steps, a checkpoint every 2.
 STEPS = ["--max_steps", "8", "--save_steps", "2", "--learning_rate", "3e-3"]
 SPLITS = {1: ("4", "1"), 2: ("1", "2"), 4: ("1", "1")}  # processes: (per-device rows, micro-batches per step)
@@ -117,6 +119,33 @@ def test_fsdp2_sharded_checkpoints_resume_exactly_after_a_kill(resume_processes,
     finish(launch("fsdp2", resume_processes, "finetune.py", *tiny_args(
         out, dataset_cache, *STEPS, *geometry(resume_processes), "--resume_from_checkpoint", "latest")))
     assert_same_run(out, one_process)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_zero_trains_saves_and_resumes_exactly(stage, one_process, tmp_path, dataset_cache):
+    """DeepSpeed ZeRO-2 / ZeRO-3 on 2 CPU processes, fine-tuning a checkpoint: close to the one-process run (DeepSpeed
+    owns the gradients, so each micro-batch's loss is its own mean, not a share of the global batch's), the final
+    model gathered into an ordinary checkpoint, and a run resumed from its checkpoint-2 equal to the uninterrupted
+    one."""
+    pytest.importorskip("deepspeed")
+    run = ["--config_name", "", "--model_name_or_path", str(one_process), "--max_steps", "4", "--save_steps", "2"]
+    one, out, resumed = tmp_path / "one", tmp_path / "run", tmp_path / "resumed"
+    stages.finetune(finetune.parse_args(tiny_args(one, dataset_cache, *run, *geometry(1))))
+    finish(launch(stage, 2, "finetune.py", *tiny_args(out, dataset_cache, *run, *geometry(2))))
+    losses = [[r["loss"] for r in read_log(folder) if "loss" in r] for folder in (out, one)]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-3, atol=0)
+    loaded = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    for name, tensor in weights(one).items():  # Adam turns the slightly other gradients into ~1e-3 steps
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=5e-3, msg=name)
+
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copy(out / "log.jsonl", resumed / "log.jsonl")
+    finish(launch(stage, 2, "finetune.py", *tiny_args(resumed, dataset_cache, *run, *geometry(2),
+                                                      "--resume_from_checkpoint", "latest")))
+    assert read_log(resumed) == read_log(out)
+    for name, tensor in weights(out).items():
+        assert torch.equal(weights(resumed)[name], tensor), name
 
 
 def free_port() -> int:

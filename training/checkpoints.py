@@ -156,8 +156,11 @@ def resolve_resume_checkpoint(output_dir: str | Path, value: str) -> Path:
 # What the pickles of a checkpoint may reference: tensors and their storages, plain containers, NumPy arrays
 # (accelerate's RNG states, in checkpoints written before they were deleted at save), in
 # torch.distributed.checkpoint's `.metadata`, paths and its own dataclasses and enums, and in DeepSpeed's states
-# three records of its own (a dataclass, an enum, and a class without __setstate__ whose fields are set as data).
+# three records of its own (a dataclass, an enum, and a class without __setstate__ whose fields are set as data)
+# and, under ZeRO-3, tensors carrying attributes (`_rebuild_from_type_v2` calls the rebuild function and sets the
+# attributes on the type the pickle names: both are globals of the pickle, checked here in turn).
 _SAFE_GLOBALS = {
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"), ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
     ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
