@@ -28,7 +28,8 @@ before training starts and deleted only once the new run has committed its first
 (restored if it fails before that).
 
 In a multi-node run `OUTPUT_DIR` must be a filesystem shared by all nodes (every rank writes its RNG
-state into the checkpoint).
+state into the checkpoint). A run resumed on more processes than saved it (FSDP's sharded checkpoints reshard)
+gives each process without an RNG state of its own rank 0's.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ API (what the stages of `training.stages` build on)::
   (`input_ids`, `labels`, `position_ids`, as `training.data.collate_rows` stacks packed rows) already
   on the device; `model` is the prepared (wrapped) model. Return per-row tensors `[rows]`: the summed
   loss and the number of items it sums over (tokens, heads x tokens, ...). Training minimises
-  `loss_sum.sum() / count.sum()` per micro-batch; evaluation reports the item-weighted mean over the
+  Σ loss_sum / Σ count over each optimizer step's global batch (every micro-batch of every process; under
+  DeepSpeed, which owns the gradients, per micro-batch); evaluation reports the item-weighted mean over the
   whole held-out set, exactly, on any number of processes (per-row values let accelerate drop the rows
   it repeats to even out the last batch). The losses (`causal_lm_loss`, logit distillation) and
   `packed_forward`, which runs the model on packed rows with document boundaries respected, are in
@@ -35,11 +36,14 @@ API (what the stages of `training.stages` build on)::
 
 The loop: AdamW (no weight decay on biases and norms), a `transformers` LR schedule with warm-up,
 gradient accumulation (`accelerator.accumulate`), clipping, mixed precision and every distributed
-backend from the accelerate config, periodic evaluation, a tqdm bar with loss and tokens/s, metrics to
-accelerate's trackers, among them always `JsonLinesTracker` (`OUTPUT_DIR/log.jsonl`, one JSON record per
-line: what the tests and the run summary read), atomic checkpoints every `save_steps` and exact
+backend from the accelerate config (DDP, FSDP2, DeepSpeed ZeRO, also on CPU processes; an FSDP config that does
+not wrap each decoder layer is refused), the same model for the same seed and global batch on any number of
+processes (`GlobalBatchSampler` and the global loss above), periodic evaluation, a tqdm bar with loss and
+tokens/s, metrics to accelerate's trackers, among them always `JsonLinesTracker` (`OUTPUT_DIR/log.jsonl`, one
+JSON record per line: what the tests and the run summary read), atomic checkpoints every `save_steps` and exact
 resumption (`training.checkpoints`): data order, optimizer, scheduler and RNG states are restored, so a
-run killed and resumed follows the uninterrupted loss curve.
+run killed and resumed follows the uninterrupted loss curve (also on another number of processes, where the
+engine reshards its checkpoint and the global batch stays the same).
 """
 
 from __future__ import annotations
@@ -157,7 +161,8 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
 
     accelerate keeps its settings in process-wide singletons; they are reset here (the process group
     stays), so one process can run several stages with different settings, e.g. distillation in fp32
-    and then fine-tuning in bf16."""
+    and then fine-tuning in bf16. On CPU processes, an FSDP or DeepSpeed launch is given its engine
+    (`_fit_engine_to_cpu_processes`)."""
     # accelerate (1.x) has no public way to do this: a second Accelerator with other settings (mixed
     # precision, accumulation) raises while the singletons hold the first one's, and `_reset_state` is
     # what accelerate's own test utilities call between runs.
