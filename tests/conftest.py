@@ -81,6 +81,7 @@ TIERS = {
     "test_distributed.py::test_fsdp2_*": FULL,
     "test_distributed.py::test_multi_node_fsdp2_as_two_machines_on_this_one": FULL,
     "test_distributed.py::test_deepspeed_zero_trains_saves_and_resumes_exactly": FULL,
+    "test_distributed.py::test_sharding_engines_refuse_to_merge_lora_before_training": FULL,
     # Tools around the library: lm-eval-harness, the kernel report, the GPU check, the benchmarks.
     "test_lm_eval.py::test_rolling_perplexity_is_the_models_own_loglikelihood": FULL,
     "test_lm_eval.py::test_cloze_accuracy_is_the_argmax_of_the_choices_loglikelihood": FULL,
