@@ -77,6 +77,12 @@ TIERS = {
     # Training runs beyond those the quick tier keeps (fine-tuning, its checkpoints and resumes, the push after it).
     "test_finetune.py::test_resume_after_sigkill_reproduces_the_loss_curve": FULL,
     "test_ddp.py::test_two_rank_gloo_ddp_*": FULL,
+    # Several processes under `accelerate launch` (~20-45 s each): the quick tier keeps 2-process FSDP2 fine-tuning.
+    "test_distributed.py::test_the_same_model_on_any_number_of_processes": ONE,
+    "test_distributed.py::test_fsdp2_*": FULL,
+    "test_distributed.py::test_multi_node_fsdp2_as_two_machines_on_this_one": FULL,
+    "test_distributed.py::test_deepspeed_zero_trains_saves_and_resumes_exactly": FULL,
+    "test_distributed.py::test_sharding_engines_refuse_to_merge_lora_before_training": FULL,
     # Tools around the library: lm-eval-harness, the kernel report, the GPU check, the benchmarks.
     "test_lm_eval.py::test_rolling_perplexity_is_the_models_own_loglikelihood": FULL,
     "test_lm_eval.py::test_cloze_accuracy_is_the_argmax_of_the_choices_loglikelihood": FULL,

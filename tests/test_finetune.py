@@ -1,6 +1,7 @@
 """training/finetune.py (`training.stages.finetune`) and its building blocks: recipe parsing, data packing, the loop,
 checkpoints, LoRA."""
 
+import itertools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from hf_linear_attn import LinearAttentionForCausalLM
 from training import checkpoints, finetune, loop, stages
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows, pack_documents
-from training.loop import EpochShuffleSampler, TrainArguments, make_accelerator, train
+from training.loop import GlobalBatchSampler, TrainArguments, make_accelerator, train
 from training.losses import causal_lm_loss, logit_distillation_loss, packed_forward
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -199,15 +200,34 @@ def test_packed_rows_keep_documents_apart():
         torch.testing.assert_close(loss_sum.sum().item(), expected_sum, rtol=1e-5, atol=1e-4)
 
 
-def test_each_epoch_has_its_own_order_fixed_by_seed_and_epoch():
-    sampler = EpochShuffleSampler(50, seed=3)
-    orders = []
-    for epoch in (0, 1, 0):
-        sampler.epoch = epoch
-        torch.manual_seed(epoch + 100)  # the global RNG plays no part
-        orders.append(list(sampler))
-    assert sorted(orders[0]) == list(range(50))
-    assert orders[0] == orders[2] != orders[1]
+def micro_batches(sampler, count):
+    """The first `count` index lists a sampler yields."""
+    return list(itertools.islice(iter(sampler), count))
+
+
+def test_each_optimizer_step_takes_the_same_rows_however_the_global_batch_is_split():
+    """A global batch of 8 rows over 1, 2 or 4 processes and 1, 2 or 4 micro-batches: each optimizer step's rows
+    are the same (a step across an epoch end may hold a row twice), the processes' slices split them, and each
+    epoch (its own order, fixed by seed and epoch only) runs on into the next. A later start continues the stream."""
+    size, steps = 21, 7  # 7 steps of 8 rows: 56 rows, over 2 epoch ends mid-step
+    torch.manual_seed(100)  # the global RNG plays no part
+    one = [sorted(batch) for batch in micro_batches(GlobalBatchSampler(size, 3, 8, 1, 1, 0), steps)]
+    orders = [GlobalBatchSampler(size, 3, 8, 1, 1, 0).epoch_order(epoch) for epoch in range(3)]
+    assert sorted(orders[0]) == list(range(size)) and orders[0] != orders[1]
+    stream = [row for order in orders for row in order]
+    assert one == [sorted(stream[8 * s: 8 * s + 8]) for s in range(steps)]
+    for processes, per_device, accumulation in ((2, 4, 1), (2, 2, 2), (4, 2, 1), (4, 1, 2), (1, 2, 4)):
+        ranks = [micro_batches(GlobalBatchSampler(size, 3, per_device, accumulation, processes, rank),
+                               steps * accumulation) for rank in range(processes)]
+        for step in range(steps):
+            rows = [row for batches in ranks for batch in batches[step * accumulation:(step + 1) * accumulation]
+                    for row in batch]
+            assert all(len(batch) == per_device for batches in ranks for batch in batches)
+            assert sorted(rows) == one[step]
+        last = processes - 1
+        later = micro_batches(GlobalBatchSampler(size, 3, per_device, accumulation, processes, last, start_step=3),
+                              accumulation)
+        assert later == ranks[last][3 * accumulation:4 * accumulation]
 
 
 def test_text_files_chat_templates_and_the_tokenisation_cache(tmp_path, dataset_cache):

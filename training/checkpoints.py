@@ -28,7 +28,8 @@ before training starts and deleted only once the new run has committed its first
 (restored if it fails before that).
 
 In a multi-node run `OUTPUT_DIR` must be a filesystem shared by all nodes (every rank writes its RNG
-state into the checkpoint).
+state into the checkpoint). A run resumed on more processes than saved it (FSDP's sharded checkpoints reshard)
+gives each process without an RNG state of its own rank 0's.
 """
 
 from __future__ import annotations
@@ -154,9 +155,15 @@ def resolve_resume_checkpoint(output_dir: str | Path, value: str) -> Path:
 # Pickles ---------------------------------------------------------------------------------------------------------
 
 # What the pickles of a checkpoint may reference: tensors and their storages, plain containers, NumPy arrays
-# (accelerate's RNG states, in checkpoints written before they were deleted at save) and, in
-# torch.distributed.checkpoint's `.metadata`, paths and its own dataclasses and enums.
+# (accelerate's RNG states, in checkpoints written before they were deleted at save), in
+# torch.distributed.checkpoint's `.metadata`, paths and its own dataclasses and enums, and in DeepSpeed's states
+# three records of its own (a dataclass, an enum, and a class without __setstate__ whose fields are set as data)
+# and, under ZeRO-3, tensors carrying attributes (`_rebuild_from_type_v2` calls the rebuild function and sets the
+# attributes on the type the pickle names: both are globals of the pickle, checked here in turn).
 _SAFE_GLOBALS = {
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"), ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
     ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("_codecs", "encode"), ("numpy", "ndarray"),
     ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
@@ -361,8 +368,16 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path, scheduler:
     except Exception as error:
         raise ValueError(f"Cannot resume from {checkpoint}: {type(error).__name__}: {error}") from error
     state = read_trainer_state(checkpoint)
+    # Every process starts from the same seed: on more processes than the run saved, a process without a state of
+    # its own continues rank 0's (exact without dropout; with it, the random draws differ from the saved run's).
+    saved_processes = state.get("geometry", {}).get("num_processes", accelerator.num_processes)
+    rank = accelerator.process_index if accelerator.process_index < saved_processes else 0
+    if saved_processes != accelerator.num_processes:
+        logger.warning(f"Resuming on {accelerator.num_processes} processes a run saved by {saved_processes}: the "
+                       "weights and data order continue exactly, the random draws (dropout) do not.",
+                       main_process_only=True)
     for name, restore in ((SCHEDULER_FILE, scheduler.load_state_dict if scheduler is not None else None),
-                          (RNG_FILE.format(accelerator.process_index), set_rng_state)):
+                          (RNG_FILE.format(rank), set_rng_state)):
         if restore is None or (name == SCHEDULER_FILE and "files" not in state):
             continue
         try:

@@ -16,7 +16,8 @@ API (what the stages of `training.stages` build on)::
   (`input_ids`, `labels`, `position_ids`, as `training.data.collate_rows` stacks packed rows) already
   on the device; `model` is the prepared (wrapped) model. Return per-row tensors `[rows]`: the summed
   loss and the number of items it sums over (tokens, heads x tokens, ...). Training minimises
-  `loss_sum.sum() / count.sum()` per micro-batch; evaluation reports the item-weighted mean over the
+  Σ loss_sum / Σ count over each optimizer step's global batch (every micro-batch of every process; under
+  DeepSpeed, which owns the gradients, per micro-batch); evaluation reports the item-weighted mean over the
   whole held-out set, exactly, on any number of processes (per-row values let accelerate drop the rows
   it repeats to even out the last batch). The losses (`causal_lm_loss`, logit distillation) and
   `packed_forward`, which runs the model on packed rows with document boundaries respected, are in
@@ -35,11 +36,14 @@ API (what the stages of `training.stages` build on)::
 
 The loop: AdamW (no weight decay on biases and norms), a `transformers` LR schedule with warm-up,
 gradient accumulation (`accelerator.accumulate`), clipping, mixed precision and every distributed
-backend from the accelerate config, periodic evaluation, a tqdm bar with loss and tokens/s, metrics to
-accelerate's trackers, among them always `JsonLinesTracker` (`OUTPUT_DIR/log.jsonl`, one JSON record per
-line: what the tests and the run summary read), atomic checkpoints every `save_steps` and exact
+backend from the accelerate config (DDP, FSDP2, DeepSpeed ZeRO, also on CPU processes; an FSDP config that does
+not wrap each decoder layer is refused), the same model for the same seed and global batch on any number of
+processes (`GlobalBatchSampler` and the global loss above), periodic evaluation, a tqdm bar with loss and
+tokens/s, metrics to accelerate's trackers, among them always `JsonLinesTracker` (`OUTPUT_DIR/log.jsonl`, one
+JSON record per line: what the tests and the run summary read), atomic checkpoints every `save_steps` and exact
 resumption (`training.checkpoints`): data order, optimizer, scheduler and RNG states are restored, so a
-run killed and resumed follows the uninterrupted loss curve.
+run killed and resumed follows the uninterrupted loss curve (also on another number of processes, where the
+engine reshards its checkpoint and the global batch stays the same).
 """
 
 from __future__ import annotations
@@ -54,12 +58,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
-from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration, is_tensorboard_available
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    is_tensorboard_available,
+    parse_flag_from_env,
+    send_to_device,
+)
 from torch import nn
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -147,7 +161,8 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
 
     accelerate keeps its settings in process-wide singletons; they are reset here (the process group
     stays), so one process can run several stages with different settings, e.g. distillation in fp32
-    and then fine-tuning in bf16."""
+    and then fine-tuning in bf16. On CPU processes, an FSDP or DeepSpeed launch is given its engine
+    (`_fit_engine_to_cpu_processes`)."""
     # accelerate (1.x) has no public way to do this: a second Accelerator with other settings (mixed
     # precision, accumulation) raises while the singletons hold the first one's, and `_reset_state` is
     # what accelerate's own test utilities call between runs.
@@ -159,7 +174,7 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
         trackers = []
     else:
         trackers = [name.strip() for name in args.report_to.split(",") if name.strip()]
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
@@ -168,6 +183,54 @@ def make_accelerator(args: TrainArguments) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=str(Path(args.output_dir) / "runs")),
     )
+    _fit_engine_to_cpu_processes(accelerator)
+    return accelerator
+
+
+def _fit_engine_to_cpu_processes(accelerator: Accelerator) -> None:
+    """`accelerate launch` on CPU processes (ACCELERATE_USE_CPU=1, gloo) with an FSDP or DeepSpeed config: accelerate
+    (1.x) makes plain DDP (MULTI_CPU) of it and drops the engine's settings without a word. Both engines run on CPU
+    processes all the same (torch's `fully_shard`; DeepSpeed's CPU accelerator over gloo), so the run is switched to
+    the engine with the launch's settings (its FSDP_* / DeepSpeed variables) and trains, checkpoints and exports
+    as on GPUs. The type is set in the process-wide state too, which every later AcceleratorState copies (a second
+    stage in the same process finds the engine's type there, but no plugin)."""
+    state = accelerator.state
+    if state.device.type != "cpu" or state.num_processes == 1:
+        return
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not getattr(state, "fsdp_plugin", None):
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        if state.mixed_precision != "no":
+            state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
+        engine = DistributedType.FSDP
+    elif parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not getattr(state, "deepspeed_plugins", None):
+        import deepspeed  # accelerate's launcher has checked that it is installed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group
+        plugin = DeepSpeedPlugin()
+        plugin.set_mixed_precision(state.mixed_precision)
+        plugin.select(_from_accelerator_state=True)
+        state.deepspeed_plugins = {"default": plugin}
+        engine = DistributedType.DEEPSPEED
+    else:
+        return
+    state.distributed_type = PartialState().distributed_type = engine
+
+
+def check_engine(accelerator: Accelerator, model: nn.Module) -> None:
+    """Refuse, before training, an FSDP config that would not shard the model per layer: its wrap policy must be
+    TRANSFORMER_BASED_WRAP on a layer class of `model` (by default the classes of `model._no_split_modules`, the
+    decoder layer), else FSDP would gather the whole model at once, or split a layer."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    plugin = accelerator.state.fsdp_plugin
+    present = {type(module).__name__ for module in model.modules()}
+    names = plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+    wraps_layers = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy
+    if not wraps_layers or not set(names) & present:
+        raise ValueError(f"The FSDP config must wrap each decoder layer: set fsdp_auto_wrap_policy: "
+                         f"TRANSFORMER_BASED_WRAP and fsdp_transformer_layer_cls_to_wrap: LinearAttentionDecoderLayer "
+                         f"(as configs/accelerate/fsdp2.yaml does); it has policy {plugin.auto_wrap_policy!r} on "
+                         f"{names or 'no class'}.")
 
 
 def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -187,20 +250,42 @@ def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     return selected
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation of the rows that depends only on (seed, epoch): set `epoch` before each pass.
+class GlobalBatchSampler(Sampler[list[int]]):
+    """This process's micro-batches, for a run whose optimizer steps each take `global_batch` rows.
 
-    Unlike a RandomSampler it draws from no global RNG, so a resumed run sees the same order."""
+    The rows form one endless stream: the permutation of epoch 0, then that of epoch 1, ..., each fixed by
+    (seed, epoch) alone (no global RNG: a resumed run sees the same order). Optimizer step s trains on stream rows
+    [s·G, (s+1)·G) with G = `per_device` × `accumulation` × `processes`; its micro-batch m on the next
+    `per_device` × `processes` of them, of which process p takes slice p (`per_device` rows). So the rows of
+    every optimizer step depend on the seed and G only, not on how G is split between processes and micro-batches
+    (a step that straddles an epoch end holds the end of one permutation and the start of the next).
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+    Iterating yields lists of `per_device` row indices, micro-batch after micro-batch, from step `start_step`
+    on, without end."""
 
-    def __len__(self) -> int:
-        return self.size
+    def __init__(self, size: int, seed: int, per_device: int, accumulation: int, processes: int,
+                 process_index: int, start_step: int = 0) -> None:
+        if size < 1:
+            raise ValueError("The training split holds no rows.")
+        self.size, self.seed, self.per_device, self.processes = size, seed, per_device, processes
+        self.process_index, self.start_step = process_index, start_step
+        self.global_batch = per_device * accumulation * processes
 
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The permutation of the rows in `epoch`."""
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, offset = divmod(self.start_step * self.global_batch, self.size)
+        micro_batch = self.per_device * self.processes
+        mine = slice(self.process_index * self.per_device, (self.process_index + 1) * self.per_device)
+        pending: list[int] = []
+        while True:
+            pending += self.epoch_order(epoch)[offset:]
+            epoch, offset = epoch + 1, 0
+            while len(pending) >= micro_batch:
+                yield pending[:micro_batch][mine]
+                pending = pending[micro_batch:]
 
 
 @dataclass
@@ -304,23 +389,35 @@ def _optimizer_step(
     args: TrainArguments,
 ) -> tuple[float, int]:
     """One optimizer step over `gradient_accumulation_steps` micro-batches of `stream`, with clipping.
-    Returns the loss (mean over micro-batches and processes) and the tokens fed (all processes)."""
-    step_loss = torch.zeros((), device=accelerator.device)
-    tokens = 0
-    for _ in range(args.gradient_accumulation_steps):
-        batch = next(stream)
+
+    The gradient is that of the global batch's item-weighted mean loss, Σ loss_sum / Σ count over every micro-batch
+    of every process (not a mean of per-process or per-micro-batch means), so it does not depend on how the global
+    batch is split. Returns that loss and the tokens fed (all processes)."""
+    accumulation = args.gradient_accumulation_steps
+    # DeepSpeed keeps the gradients (and steps within the last backward): each micro-batch's mean is its loss.
+    owns_gradients = accelerator.distributed_type == DistributedType.DEEPSPEED
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # [loss sum, items, tokens]
+    for _ in range(accumulation):
+        batch = send_to_device(next(stream), accelerator.device)
         with accelerator.accumulate(model):
             loss_sum, count = loss_fn(model, batch)
-            loss = loss_sum.sum() / count.sum().clamp(min=1)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        step_loss += loss.detach() / args.gradient_accumulation_steps
-        tokens += batch["input_ids"].numel()
-    tokens = accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")
-    return accelerator.reduce(step_loss, reduction="mean").item(), int(tokens)
+            accelerator.backward(loss_sum.sum() / count.sum().clamp(min=1) if owns_gradients else loss_sum.sum())
+        totals += torch.stack([loss_sum.detach().sum().double(), count.detach().sum().double(),
+                               torch.tensor(batch["input_ids"].numel(), dtype=torch.float64, device=totals.device)])
+    totals = accelerator.reduce(totals, reduction="sum")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not owns_gradients:
+        # The global items are known only now: the gradients hold Σ loss_sum / accumulation (accelerate divides each
+        # backward) averaged over the processes (DDP / FSDP reduce by mean); make them d(Σ loss_sum / Σ count).
+        scale = accumulation * accelerator.num_processes / totals[1].clamp(min=1)
+        for parameter in trainable:
+            if parameter.grad is not None:
+                parameter.grad.mul_(scale.to(parameter.grad.dtype))
+    if args.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(trainable, args.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[2])
 
 
 def train(
@@ -342,41 +439,48 @@ def train(
     every process."""
     if trainable is not None:
         select_trainable(model, trainable)
+    check_engine(accelerator, model)
     output_dir = Path(args.output_dir)
     optimizer = _optimizer(model, args)
-    sampler = EpochShuffleSampler(len(train_dataset), args.seed)
-    # Loaders with their own generator: starting to iterate one draws a seed from it, and from the global torch
-    # RNG otherwise, which would shift dropout masks between a resumed run and the uninterrupted one (the
-    # resumed run starts iterating mid-epoch).
-    train_loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                              collate_fn=collate_fn, generator=torch.Generator().manual_seed(args.seed))
     eval_loader = None
     if eval_dataset is not None:
         eval_loader = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn,
                                  generator=torch.Generator().manual_seed(args.seed))
         eval_loader = accelerator.prepare(eval_loader)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    # The training rows are not given to accelerate: `GlobalBatchSampler` already hands each process its slice. So
+    # DeepSpeed, which reads its micro-batch size from a prepared training loader, is told it.
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        plugin = accelerator.state.deepspeed_plugin
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    model, optimizer = accelerator.prepare(model, optimizer)
     accumulation = args.gradient_accumulation_steps
     if accelerator.gradient_accumulation_steps != accumulation:  # a DeepSpeed config can impose its own
         raise ValueError(f"The accelerate config sets gradient_accumulation_steps="
                          f"{accelerator.gradient_accumulation_steps} but --gradient_accumulation_steps is "
                          f"{accumulation}; leave it unset (auto) in the DeepSpeed config.")
-    batches_per_epoch = len(train_loader)
+    global_batch = args.per_device_train_batch_size * accumulation * accelerator.num_processes
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(
-        args.num_train_epochs * batches_per_epoch / accumulation)
+        args.num_train_epochs * len(train_dataset) / global_batch)
     # The schedule counts optimizer steps; stepped by hand (a prepared scheduler steps once per process).
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
     geometry = {"num_processes": accelerator.num_processes, "per_device_train_batch_size":
-                args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation}
+                args.per_device_train_batch_size, "gradient_accumulation_steps": accumulation,
+                "global_batch": global_batch}
 
     global_step, tokens_seen = 0, 0
     if args.resume_from_checkpoint:
         state = load_checkpoint(accelerator, args.resume_from_checkpoint, scheduler)  # verified by the check
         global_step, tokens_seen = state["global_step"], state["tokens_seen"]
-        if state["geometry"] != geometry:
-            logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: the data order differs "
-                           "from the interrupted run.", main_process_only=True)
+        if state["geometry"].get("global_batch") != global_batch:
+            logger.warning(f"Resuming a run made with {state['geometry']} as {geometry}: another global batch, so "
+                           "the data order and the steps differ from the interrupted run.", main_process_only=True)
+    sampler = GlobalBatchSampler(len(train_dataset), args.seed, args.per_device_train_batch_size, accumulation,
+                                 accelerator.num_processes, accelerator.process_index, start_step=global_step)
+    # A loader with its own generator: starting to iterate one draws a seed from it, and from the global torch RNG
+    # otherwise, which would shift dropout masks between a resumed run and the uninterrupted one.
+    train_loader = DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collate_fn,
+                              generator=torch.Generator().manual_seed(args.seed))
     # An earlier run that this one replaces (--overwrite_output_dir) is moved aside only now, with every input
     # checked and loaded, and deleted once this run has a checkpoint of its own or has finished.
     replaces = args.overwrite_output_dir and not args.resume_from_checkpoint
@@ -386,14 +490,7 @@ def train(
             JsonLinesTracker.keep_records(output_dir / LOG_FILE, global_step if args.resume_from_checkpoint else None)
         accelerator.init_trackers(run_name, config=_tracker_config(tracker_config or asdict(args)))
 
-        def micro_batches(start: int) -> Iterator[dict[str, torch.Tensor]]:
-            epoch, skip = divmod(start, batches_per_epoch)
-            while True:
-                sampler.epoch = epoch
-                yield from accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-                epoch, skip = epoch + 1, 0
-
-        stream = micro_batches(global_step * accumulation)
+        stream = iter(train_loader)
         progress = tqdm(total=total_steps, initial=global_step, desc=run_name, disable=not accelerator.is_main_process,
                         dynamic_ncols=True)
         eval_metrics: dict[str, float] = {}

@@ -1,0 +1,325 @@
+"""Training on several CPU processes (gloo) through `accelerate launch` with the shipped configs, DDP and FSDP2:
+the same seed and global batch give the model of one process (losses, saved weights), whatever the number of
+processes and micro-batches; FSDP2's sharded checkpoints resume exactly after a kill, also on another number of
+processes; every entry point (full fine-tuning, attention transfer, LoRA with a KL teacher) runs under FSDP2."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from helpers import ROOT, read_log, save_with_tokenizer, script_env, teacher, tiny_args
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hf_linear_attn import convert_to_linear_attention
+from training import checkpoints, finetune, loop, stages
+from training.data import DataArguments
+from training.loop import TrainArguments
+from training.recipes import parse_recipe_args
+
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+CONFIGS = {"ddp": "cpu_ddp_2proc.yaml", "fsdp2": "fsdp2.yaml", "multi-node-fsdp2": "multi_node_fsdp2.yaml",
+           "zero2": "deepspeed_zero2.yaml", "zero3": "deepspeed_zero3.yaml"}
+# Every run: global batch 4 rows of 64 tokens, 8 steps, a checkpoint every 2.
+STEPS = ["--max_steps", "8", "--save_steps", "2", "--learning_rate", "3e-3"]
+SPLITS = {1: ("4", "1"), 2: ("1", "2"), 4: ("1", "1")}  # processes: (per-device rows, micro-batches per step)
+
+
+def geometry(processes: int) -> list[str]:
+    per_device, accumulation = SPLITS[processes]
+    return ["--per_device_train_batch_size", per_device, "--gradient_accumulation_steps", accumulation]
+
+
+def launch(engine: str, processes: int, script: str, *args: str, machine: tuple[int, int] | None = None
+           ) -> subprocess.Popen:
+    """`accelerate launch` of `training/SCRIPT ARGS` with the shipped config of `engine` on `processes` CPU
+    processes, in a session of its own (so a kill reaches every process); `machine` (rank, port): as that machine
+    of two on this one, the main one at 127.0.0.1:port."""
+    nodes = [] if machine is None else ["--num_machines", "2", "--machine_rank", str(machine[0]), "--main_process_ip",
+                                        "127.0.0.1", "--main_process_port", str(machine[1])]
+    command = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / CONFIGS[engine]),
+               "--num_processes", str(processes), *nodes, "--mixed_precision", "no", str(ROOT / "training" / script),
+               *args]
+    return subprocess.Popen(command, cwd=ROOT, env=script_env(ACCELERATE_USE_CPU="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(process: subprocess.Popen) -> None:
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-4000:]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def assert_same_run(folder: Path, reference: Path) -> None:
+    """The run in `folder` logged the losses and token counts of the one in `reference` (fp tolerance) and saved
+    the same weights, as an ordinary checkpoint `from_pretrained` loads."""
+    log, expected = read_log(folder), read_log(reference)
+    assert [(r["step"], r.get("tokens_seen")) for r in log] == [(r["step"], r.get("tokens_seen")) for r in expected]
+    for key in ("loss", "eval_loss"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in log if key in r]),
+                                   torch.tensor([r[key] for r in expected if key in r]), rtol=1e-5, atol=1e-6)
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    expected_weights = weights(reference)
+    assert {name for name, _ in loaded.named_parameters()} <= expected_weights.keys()
+    for name, tensor in weights(folder).items():
+        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, dataset_cache) -> Path:
+    """The reference: the tiny recipe's full fine-tuning on one process, in this one."""
+    out = tmp_path_factory.mktemp("one-process")
+    stages.finetune(finetune.parse_args(tiny_args(out, dataset_cache, *STEPS, *geometry(1))))
+    return out
+
+
+@pytest.mark.parametrize(("engine", "processes"), [("fsdp2", 2), ("ddp", 2), ("ddp", 4), ("fsdp2", 4)])
+def test_the_same_model_on_any_number_of_processes(engine, processes, one_process, tmp_path, dataset_cache):
+    """Each optimizer step trains on the same rows and averages the loss over the same tokens as on one process:
+    the losses and the final weights agree to fp tolerance (before, each process's mean loss was averaged)."""
+    out = tmp_path / "run"
+    finish(launch(engine, processes, "finetune.py", *tiny_args(out, dataset_cache, *STEPS, *geometry(processes))))
+    assert_same_run(out, one_process)
+    last = checkpoints.complete_checkpoints(out)[-1]
+    sharded = {path.name for path in last.iterdir() if path.is_dir()}
+    assert sharded == ({"pytorch_model_fsdp_0", "optimizer_0"} if engine == "fsdp2" else set())
+    assert checkpoints.read_trainer_state(last)["geometry"]["num_processes"] == processes
+
+
+@pytest.mark.parametrize("resume_processes", [2, 4])
+def test_fsdp2_sharded_checkpoints_resume_exactly_after_a_kill(resume_processes, one_process, tmp_path,
+                                                               dataset_cache):
+    """A 2-process FSDP2 run killed (SIGKILL, every process) after a sharded checkpoint, resumed from `latest` on
+    2 or 4 processes (torch.distributed.checkpoint reshards), continues the one-process loss curve and ends with
+    its weights."""
+    out = tmp_path / "killed"
+    process = launch("fsdp2", 2, "finetune.py", *tiny_args(out, dataset_cache, *STEPS, *geometry(2)))
+    deadline = time.monotonic() + 240
+    while not checkpoints.complete_checkpoints(out):
+        assert process.poll() is None, "the run ended before it could be killed: " + process.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    resume_from = checkpoints.complete_checkpoints(out)[-1]
+    assert checkpoints.read_trainer_state(resume_from)["global_step"] < 8
+    finish(launch("fsdp2", resume_processes, "finetune.py", *tiny_args(
+        out, dataset_cache, *STEPS, *geometry(resume_processes), "--resume_from_checkpoint", "latest")))
+    assert_same_run(out, one_process)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_zero_trains_saves_and_resumes_exactly(stage, one_process, tmp_path, dataset_cache):
+    """DeepSpeed ZeRO-2 / ZeRO-3 on 2 CPU processes, fine-tuning a checkpoint: close to the one-process run (DeepSpeed
+    owns the gradients, so each micro-batch's loss is its own mean, not a share of the global batch's), the final
+    model gathered into an ordinary checkpoint, and a run resumed from its checkpoint-2 equal to the uninterrupted
+    one."""
+    pytest.importorskip("deepspeed")
+    run = ["--config_name", "", "--model_name_or_path", str(one_process), "--max_steps", "4", "--save_steps", "2"]
+    one, out, resumed = tmp_path / "one", tmp_path / "run", tmp_path / "resumed"
+    stages.finetune(finetune.parse_args(tiny_args(one, dataset_cache, *run, *geometry(1))))
+    finish(launch(stage, 2, "finetune.py", *tiny_args(out, dataset_cache, *run, *geometry(2))))
+    losses = [[r["loss"] for r in read_log(folder) if "loss" in r] for folder in (out, one)]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-3, atol=0)
+    loaded = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    for name, tensor in weights(one).items():  # Adam turns the slightly other gradients into ~1e-3 steps
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=5e-3, msg=name)
+
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copy(out / "log.jsonl", resumed / "log.jsonl")
+    finish(launch(stage, 2, "finetune.py", *tiny_args(resumed, dataset_cache, *run, *geometry(2),
+                                                      "--resume_from_checkpoint", "latest")))
+    assert read_log(resumed) == read_log(out)
+    for name, tensor in weights(out).items():
+        assert torch.equal(weights(resumed)[name], tensor), name
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_multi_node_fsdp2_as_two_machines_on_this_one(one_process, tmp_path, dataset_cache):
+    """The multi-node config, run as two "machines" of one process each (two launches, --machine_rank 0 and 1,
+    sharing the output folder as the config asks), trains the one-process model and writes one checkpoint per
+    save, holding the RNG state and the weight shard of either machine."""
+    out, port = tmp_path / "run", free_port()
+    machines = [launch("multi-node-fsdp2", 2, "finetune.py", *tiny_args(out, dataset_cache, *STEPS, *geometry(2)),
+                       machine=(rank, port)) for rank in (0, 1)]
+    for machine in machines:
+        finish(machine)
+    assert_same_run(out, one_process)
+    # the recipe keeps the newest 2
+    assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-6", "checkpoint-8"]
+    last = checkpoints.complete_checkpoints(out)[-1]
+    assert {"rng_state_0.json", "rng_state_1.json"} <= {p.name for p in last.iterdir()}
+    assert len(list((last / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2
+
+
+def tiny_teacher_checkpoint(folder: Path) -> Path:
+    """A softmax Llama over the byte-level vocabulary (259 ids), the KL teacher of the LoRA run."""
+    torch.manual_seed(7)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=259)).save_pretrained(folder)
+    return folder
+
+
+def distill_args(folder: Path, out: Path, processes: int) -> list[str]:
+    """Attention transfer of a converted tiny Llama (written into `folder` once) on word-level text."""
+    if not (folder / "converted").exists():
+        student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4,
+                                              num_sink_tokens=1)
+        save_with_tokenizer(student, folder / "converted")
+        generator = torch.Generator().manual_seed(0)
+        lines = [" ".join(f"w{j}" for j in torch.randint(0, 90, (60,), generator=generator).tolist())
+                 for _ in range(20)]
+        (folder / "train.txt").write_text("\n".join(lines[:16]) + "\n")
+        (folder / "valid.txt").write_text("\n".join(lines[16:]) + "\n")
+    return ["--model_name_or_path", str(folder / "converted"), "--output_dir", str(out), "--train_file",
+            str(folder / "train.txt"), "--validation_file", str(folder / "valid.txt"), "--block_size", "48",
+            "--max_eval_samples", "4", "--max_steps", "4", "--learning_rate", "3e-2", "--lr_scheduler_type",
+            "constant", "--logging_steps", "1", "--report_to", "none", *geometry(processes)]
+
+
+def lora_kl_args(folder: Path, out: Path, cache: Path, processes: int) -> list[str]:
+    """LoRA (unmerged: the adapter is saved) with a KL to a softmax teacher, from the tiny config."""
+    if not (folder / "teacher").exists():
+        tiny_teacher_checkpoint(folder / "teacher")
+    return tiny_args(out, cache, "--max_steps", "4", "--learning_rate", "1e-2", "--use_lora", "--merge_lora",
+                     "false", "--teacher_name_or_path", str(folder / "teacher"), "--kl_weight", "0.5",
+                     *geometry(processes))
+
+
+def test_fsdp2_attention_transfer_matches_one_process(tmp_path):
+    one, sharded = tmp_path / "one", tmp_path / "fsdp2"
+    stages.distill(*parse_recipe_args((stages.DistillArguments, DataArguments, TrainArguments),
+                                      distill_args(tmp_path, one, 1)))
+    finish(launch("fsdp2", 2, "distill.py", *distill_args(tmp_path, sharded, 2)))
+    assert_same_run(sharded, one)
+    converted = weights(tmp_path / "converted")
+    changed = {name for name, tensor in weights(sharded).items() if not torch.equal(tensor, converted[name])}
+    assert changed and all("feature_map" in name or "window_gate" in name for name in changed), changed
+
+
+def test_fsdp2_lora_with_a_kl_teacher_matches_one_process(tmp_path, dataset_cache):
+    one, sharded = tmp_path / "one", tmp_path / "fsdp2"
+    stages.finetune(finetune.parse_args(lora_kl_args(tmp_path, one, dataset_cache, 1)))
+    finish(launch("fsdp2", 2, "finetune.py", *lora_kl_args(tmp_path, sharded, dataset_cache, 2)))
+    log, expected = read_log(sharded), read_log(one)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in log if "loss" in r]),
+                               torch.tensor([r["loss"] for r in expected if "loss" in r]), rtol=1e-5, atol=1e-6)
+    adapter, expected_adapter = (load_file(str(folder / "adapter_model.safetensors")) for folder in (sharded, one))
+    assert adapter.keys() == expected_adapter.keys() and any("lora_B" in name for name in adapter)
+    for name, tensor in adapter.items():
+        torch.testing.assert_close(tensor, expected_adapter[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_sharding_engines_refuse_to_merge_lora_before_training(engine, tmp_path, dataset_cache):
+    if engine == "zero3":
+        pytest.importorskip("deepspeed")
+    process = launch(engine, 2, "finetune.py", *tiny_args(tmp_path / "out", dataset_cache, "--max_steps", "1",
+                                                          "--use_lora"))
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode != 0 and "Merging LoRA needs the full weights on one process" in stderr
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+
+# Engine configs that do not fit the run: refused before training -------------------------------------------------
+
+
+def engine(distributed_type, **fsdp_options) -> SimpleNamespace:
+    """The parts of an Accelerator that the engine checks read."""
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **fsdp_options) if fsdp_options else None
+    return SimpleNamespace(distributed_type=distributed_type,
+                           state=SimpleNamespace(distributed_type=distributed_type, fsdp_plugin=plugin))
+
+
+def test_fsdp_that_does_not_wrap_each_decoder_layer_is_refused():
+    from helpers import tiny_model
+
+    model = tiny_model()
+    other_layer = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}
+    for options in ({"auto_wrap_policy": "no_wrap"}, {"auto_wrap_policy": "size_based_wrap"}, other_layer):
+        with pytest.raises(ValueError, match="The FSDP config must wrap each decoder layer"):
+            loop.check_engine(engine(DistributedType.FSDP, **options), model)
+    for names in (["LinearAttentionDecoderLayer"], None):  # None: the model's _no_split_modules
+        loop.check_engine(engine(DistributedType.FSDP, auto_wrap_policy="transformer_based_wrap",
+                                 transformer_cls_names_to_wrap=names), model)
+
+
+# What the engines need from the model ----------------------------------------------------------------------------
+
+ONE_B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True)
+PARTS = {  # between them, every module kind `_init_weights` sets up
+    "hedgehog-window-decay": dict(feature_map="hedgehog", feature_dim=64, window_size=64, num_sink_tokens=4,
+                                  decay="vector", softmax_layers=[0]),
+    "t2r-delta-conv-gate": dict(feature_map="t2r", normalize=False, update_rule="delta", decay="scalar", conv_size=4,
+                                output_norm=True, output_gate=True, window_size=64),
+}
+
+
+@pytest.mark.parametrize("parts", PARTS.values(), ids=PARTS.keys())
+@pytest.mark.parametrize("empty", ["meta-device", "init_empty_weights"])
+def test_a_1b_shaped_model_is_built_empty_in_seconds(parts, empty):
+    """FSDP's and ZeRO-3's memory-efficient loading build the model without weights, then load them: a 1B-shaped
+    model builds on the meta device in under 5 s, every parameter and buffer without storage; the decoder layer is
+    the unit `_no_split_modules` names (the one FSDP wraps)."""
+    from accelerate import init_empty_weights
+
+    from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM
+    from hf_linear_attn.modeling_linear_attention import LinearAttentionDecoderLayer
+
+    config = LinearAttentionConfig(**ONE_B, **parts)
+    started = time.perf_counter()
+    with torch.device("meta") if empty == "meta-device" else init_empty_weights():
+        model = LinearAttentionForCausalLM(config)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 5, f"{elapsed:.1f} s"
+    assert sum(p.numel() for p in model.parameters()) > 1e9
+    assert all(p.is_meta for p in model.parameters())
+    if empty == "meta-device":
+        assert all(b.is_meta for b in model.buffers())
+    assert set(model._no_split_modules) == {LinearAttentionDecoderLayer.__name__}
+    assert sum(isinstance(m, LinearAttentionDecoderLayer) for m in model.modules()) == config.num_hidden_layers
+
+
+@pytest.mark.parametrize("parts", PARTS.values(), ids=PARTS.keys())
+def test_parameters_and_buffers_are_all_made_in_init(parts):
+    """A forward and backward create no parameter or buffer (FSDP shards what exists when it wraps); the only
+    buffers are the rotary frequencies, not saved, the same on every process, and recomputed by `_init_weights`
+    in a model built on the meta device and then given storage (what loading an empty model does)."""
+    from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM
+
+    config = LinearAttentionConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   **{**parts, "feature_dim": 16 if "feature_dim" in parts else None,
+                                      "window_size": 8, "softmax_layers": []})
+    model = LinearAttentionForCausalLM(config)
+    before = ({n: p.shape for n, p in model.named_parameters()}, {n: b.shape for n, b in model.named_buffers()})
+    model(torch.randint(3, 96, (2, 24)), labels=torch.randint(3, 96, (2, 24))).loss.backward()
+    assert ({n: p.shape for n, p in model.named_parameters()}, {n: b.shape for n, b in model.named_buffers()}) == before
+    assert {name.rsplit(".", 1)[-1] for name in before[1]} <= {"inv_freq", "original_inv_freq"}
+    assert not set(before[1]) & model.state_dict().keys()
+    with torch.device("meta"):
+        empty = LinearAttentionForCausalLM(config)
+    empty.to_empty(device="cpu").apply(empty._init_weights)
+    for (name, buffer), (_, expected) in zip(empty.named_buffers(), model.named_buffers(), strict=True):
+        assert torch.equal(buffer, expected), name
