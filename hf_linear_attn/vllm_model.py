@@ -24,6 +24,7 @@ switches the first off for this architecture and refuses the second, with the ot
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -48,6 +49,8 @@ from .modeling_linear_attention import (
 )
 
 ARCHITECTURE = "LinearAttentionForCausalLM"
+PAGE_ALIGNMENT = 8  # bytes: the widest state element (fp32 here; a long would need 8)
+PADDING = "padding"  # the name of the bytes that align a state page (`state_tensors`), which no cache layer reads
 logger = init_logger(__name__)
 
 
@@ -99,7 +102,9 @@ def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tup
     - delta_window: "window_beta", fp32 [S + w, H];
     - window kinds: "window_keys", "window_values" [S + w, H_kv, D] and "window_mask" bool [S + w] (S sinks,
       w = window_size ring slots);
-    - conv_size = W > 0: "conv_inputs" [W − 1, (H + 2 H_kv) · D].
+    - conv_size = W > 0: "conv_inputs" [W − 1, (H + 2 H_kv) · D];
+    - PADDING, bytes that round the page up to a multiple of PAGE_ALIGNMENT (vLLM views every slot's page at a
+      stride of the page size, which must be a multiple of the widest element size).
     """
     kind = recurrent_kind(config)
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -116,7 +121,9 @@ def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tup
         specs.append(("conv_inputs", (config.conv_size - 1, (heads + 2 * kv_heads) * head_dim), dtype))
     if kind in ("window", "delta_window"):
         specs.append(("window_mask", (slots,), torch.bool))
-    return sorted(specs, key=lambda spec: -spec[2].itemsize)  # (stable: the order above within a width)
+    specs.sort(key=lambda spec: -spec[2].itemsize)  # (stable: the order above within a width)
+    padding = -sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs) % PAGE_ALIGNMENT
+    return specs + ([(PADDING, (padding,), torch.uint8)] if padding else [])
 
 
 class StateSlots(MambaBase):
@@ -169,7 +176,8 @@ class StateSlots(MambaBase):
 
     def slot_views(self, slot: int) -> dict[str, torch.Tensor]:
         """Views of state slot `slot`, by attribute name, each [1, *shape] (a batch of one)."""
-        return {name: tensor[slot : slot + 1] for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)}
+        return {name: tensor[slot : slot + 1] for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
+                if name != PADDING}
 
     def cache_layer(self, slot: int, context: int) -> LinearStateLayer:
         """The kind's cache layer for a request at `context` positions: empty at 0 (the slot may hold a finished
