@@ -22,9 +22,15 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds its venv and runs these tests")
 
 from helpers import save_with_tokenizer  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from hf_linear_attn import LinearAttentionCache, LinearAttentionConfig, LinearAttentionForCausalLM  # noqa: E402
+from hf_linear_attn import (  # noqa: E402
+    LinearAttentionCache,
+    LinearAttentionConfig,
+    LinearAttentionForCausalLM,
+    convert_to_linear_attention,
+)
 from hf_linear_attn.cache_linear_attention import LinearStateLayer  # noqa: E402
 from hf_linear_attn.vllm_model import PADDING, state_tensors  # noqa: E402
 
@@ -39,6 +45,10 @@ KINDS = {
     "delta_window": dict(**WINDOW, update_rule="delta", normalize=False, decay="scalar", conv_size=4),
     "window_no_softmax": dict(**WINDOW, decay="fixed", feature_map="hedgehog", feature_dim=16, softmax_layers=[]),
 }
+# The engine tests' models: one per kind, and a checkpoint converted from a softmax model (biases, tied embeddings,
+# q/k norms: Qwen3) with the demo's options.
+MODELS = {**{kind: (lambda options=options: tiny_model(options)) for kind, options in KINDS.items()},
+          "converted_qwen3": lambda: converted_model()}
 PROMPT_LENGTHS = (1, 7, 40, 130, 300)  # beyond the window (16) and the step's token budget (64)
 NEW_TOKENS = 10
 ENGINE = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, seed=0,
@@ -59,6 +69,18 @@ def tiny_model(options: dict) -> LinearAttentionForCausalLM:
     return model
 
 
+def converted_model() -> LinearAttentionForCausalLM:
+    torch.manual_seed(0)
+    source = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+        attention_bias=True, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
+    return convert_to_linear_attention(source, softmax_layers=[1], **KINDS["demo"]).eval()
+
+
 def prompts(lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 96, (n,), generator=generator).tolist() for n in lengths]
@@ -75,10 +97,10 @@ def generate_tokens(model: LinearAttentionForCausalLM, prompt: list[int], n: int
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
+@pytest.fixture(scope="module", params=list(MODELS))
 def served(request, tmp_path_factory):
-    """(kind, transformers model, its checkpoint folder, a vLLM engine on it)."""
-    model = tiny_model(KINDS[request.param])
+    """(name, transformers model, its checkpoint folder, a vLLM engine on it)."""
+    model = MODELS[request.param]()
     path = tmp_path_factory.mktemp(request.param)
     save_with_tokenizer(model, path)
     llm = LLM(str(path), **ENGINE)
