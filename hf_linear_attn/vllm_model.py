@@ -51,7 +51,7 @@ from .modeling_linear_attention import (
 ARCHITECTURE = "LinearAttentionForCausalLM"
 PAGE_ALIGNMENT = 8  # bytes: the widest state element (fp32 here; a long would need 8)
 PADDING = "padding"  # the name of the bytes that align a state page (`state_tensors`), which no cache layer reads
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logger, whose handlers print INFO
 
 
 def register() -> None:

@@ -175,11 +175,20 @@ def test_state_bytes_are_constant_and_those_of_the_cache(kind):
         assert sum(layer.nbytes() for layer in states) == recurrent * per_layer
 
 
-def test_unsupported_option_is_refused_at_load(tmp_path):
-    model = tiny_model(dict(**WINDOW, sparse_cache_size=8))
-    save_with_tokenizer(model, tmp_path)
-    with pytest.raises(ValueError, match="sparse_cache_size=8"):
-        LLM(str(tmp_path), **ENGINE)
+def test_prefix_caching_is_switched_off(served):
+    """vLLM turns prefix caching on for hybrid models; a recurrent state is kept for a request's last token only."""
+    assert not served[3].llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+
+@pytest.mark.parametrize("options, engine, error", [
+    (dict(**WINDOW, sparse_cache_size=8), {}, "sparse_cache_size=8"),
+    (KINDS["demo"], dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                             "prompt_lookup_max": 3}), "speculative decoding is not supported"),
+])
+def test_unsupported_option_is_refused_at_load(tmp_path, options, engine, error):
+    save_with_tokenizer(tiny_model(options), tmp_path)
+    with pytest.raises(ValueError, match=error):
+        LLM(str(tmp_path), **ENGINE, **engine)
 
 
 def free_port() -> int:
