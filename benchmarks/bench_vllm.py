@@ -41,6 +41,12 @@ def prepare(args: argparse.Namespace) -> None:
     source = dict(gguf_file=args.gguf_file) if args.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(args.teacher, **source)
     teacher = load_teacher(args.teacher, **source).eval()
+    if args.gguf_file:  # a model loaded from GGUF (dequantised) does not save: its weights in a plain model
+        config = teacher.config
+        config.__dict__.pop("quantization_config", None)
+        plain = type(teacher)(config).eval()
+        plain.load_state_dict(teacher.state_dict())
+        teacher = plain
     output_dir = args.output_dir
     for name, model in (("teacher", teacher), ("converted", convert_to_linear_attention(teacher, **options))):
         model.save_pretrained(output_dir / name)

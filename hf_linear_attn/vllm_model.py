@@ -151,8 +151,8 @@ class StateSlots(MambaBase):
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return tuple(dtype for _, _, dtype in self.specs)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                *unused) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
         """hidden_states [N, hidden] (every scheduled token), position_embeddings the cos / sin tables of their
         positions [1, N, 1, D] -> [N, hidden]. Request i owns tokens query_start_loc[i] .. [i + 1] and state slot
         state_indices_tensor[i]; its context before them is seq_lens[i] minus their number. Tokens past the last
@@ -186,7 +186,7 @@ class StateSlots(MambaBase):
         if context > 0:
             for name, view in self.slot_views(slot).items():
                 setattr(layer, name, view)
-            layer.seen = torch.tensor(context, dtype=torch.long, device=view.device)
+            layer.seen = torch.tensor(context, dtype=torch.long, device=self.kv_cache[0].device)
         return layer
 
     def store(self, cache_layer: LinearStateLayer, slot: int) -> None:
@@ -217,8 +217,8 @@ class PagedSoftmaxAttention(SoftmaxAttention):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
                               cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                *unused) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
         """hidden_states [N, hidden], position_embeddings [1, N, 1, D] each -> [N, hidden]."""
         n = hidden_states.shape[0]
         q, k, v = (x.reshape(n, -1) for x in self.project(hidden_states[None], position_embeddings))
@@ -273,7 +273,7 @@ class LinearAttentionForCausalLM(nn.Module, IsHybrid, HasInnerState):
         config = vllm_config.model_config.hf_config
         check_supported(config)
         self.config = config
-        self.model = LinearAttentionModel(config, vllm_config, f"{prefix}model" if not prefix else f"{prefix}.model")
+        self.model = LinearAttentionModel(config, vllm_config, f"{prefix}.model" if prefix else "model")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
