@@ -191,6 +191,19 @@ def test_unsupported_option_is_refused_at_load(tmp_path, options, engine, error)
         LLM(str(tmp_path), **ENGINE, **engine)
 
 
+def test_transformers_loads_a_checkpoint_without_the_plugin(tmp_path):
+    """The checkpoint's remote code does not include the vLLM model, and loading it with transformers (here, where
+    vLLM is installed) imports neither vLLM nor the plugin."""
+    save_with_tokenizer(tiny_model(KINDS["demo"]), tmp_path)
+    assert not (tmp_path / "vllm_model.py").exists()
+    code = ("import sys; from transformers import AutoModelForCausalLM; "
+            "AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m.endswith('vllm_model')))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                         cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
