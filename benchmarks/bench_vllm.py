@@ -8,8 +8,9 @@ Two steps, in two venvs (vLLM lives in the vLLM venv):
     python benchmarks/bench_vllm.py run                  # vLLM venv: both served, one engine each
 
 `run` measures, for each context C and concurrency N: N requests of C random prompt tokens each generating
---new_tokens tokens, submitted together; the decode phase's output tokens/s (N · new_tokens over the time after the
-prefill, measured as the same requests with one new token) and its per-token latency. Then, for a fixed KV + state
+--new_tokens tokens, submitted together; from the engine's timestamps of each request's first and last token, the
+decode phase's output tokens/s (N · (new_tokens − 1) tokens from the last request's first token to the last
+token) and its per-token latency (a request's time between tokens, averaged). Then, for a fixed KV + state
 budget (--budget_bytes), the number of concurrent --budget_context-token requests vLLM's own KV cache accounting
 admits for each model. Prints a table and writes JSON under --output_dir.
 """
@@ -65,23 +66,23 @@ def run(args: argparse.Namespace) -> None:
     for name in MODELS:
         llm = LLM(str(args.output_dir / name), dtype="float32", max_model_len=longest + args.new_tokens,
                   max_num_seqs=max(args.concurrency), kv_cache_memory_bytes=args.kv_cache_bytes,
-                  gpu_memory_utilization=0.05)
+                  gpu_memory_utilization=0.05, disable_log_stats=False)
         # the first requests pay one-off costs (torch.compile of the teacher, kernel warm-up): untimed
         llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(max_tokens=2), use_tqdm=False)
         for context in args.contexts:
             for n in args.concurrency:
                 prompts = [{"prompt_token_ids": torch.randint(100, 40000, (context,), generator=generator).tolist()}
                            for _ in range(n)]
-                timings = []
-                for new_tokens in (1, args.new_tokens):
-                    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
-                    start = time.perf_counter()
-                    llm.generate(prompts, params, use_tqdm=False)
-                    timings.append(time.perf_counter() - start)
-                decode = timings[1] - timings[0]
-                rows.append(dict(model=name, context=context, concurrency=n, prefill_s=timings[0],
-                                 output_tokens_per_s=n * (args.new_tokens - 1) / decode,
-                                 per_token_latency_ms=1000 * decode / (args.new_tokens - 1)))
+                params = SamplingParams(temperature=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens)
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                wall = time.perf_counter() - start
+                first = [o.metrics.first_token_ts for o in outputs]  # engine timestamps of each request's tokens
+                last = [o.metrics.last_token_ts for o in outputs]
+                steps = args.new_tokens - 1
+                rows.append(dict(model=name, context=context, concurrency=n, wall_s=wall,
+                                 output_tokens_per_s=n * steps / (max(last) - max(first)),
+                                 per_token_latency_ms=1000 * (sum(last) - sum(first)) / (n * steps)))
                 print(json.dumps(rows[-1]), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -96,9 +97,9 @@ def run(args: argparse.Namespace) -> None:
                   threads=os.environ.get("OMP_NUM_THREADS"))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "bench_vllm.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{'model':10} {'context':>8} {'conc.':>5} {'prefill s':>10} {'out tok/s':>10} {'ms/token':>9}")
+    print(f"\n{'model':10} {'context':>8} {'conc.':>5} {'wall s':>10} {'out tok/s':>10} {'ms/token':>9}")
     for row in rows:
-        print(f"{row['model']:10} {row['context']:8} {row['concurrency']:5} {row['prefill_s']:10.2f} "
+        print(f"{row['model']:10} {row['context']:8} {row['concurrency']:5} {row['wall_s']:10.2f} "
               f"{row['output_tokens_per_s']:10.1f} {row['per_token_latency_ms']:9.1f}")
     print(f"\nconcurrent {args.budget_context}-token requests in {args.budget_bytes / 2**30:.2f} GiB of KV + state: "
           + ", ".join(f"{name} {value:.1f}" for name, value in capacity.items()))
