@@ -9,10 +9,10 @@ Two steps, in two venvs (vLLM lives in the vLLM venv):
 
 `run` measures, for each context C and concurrency N: N requests of C random prompt tokens each generating
 --new_tokens tokens, submitted together; from the engine's timestamps of each request's first and last token, the
-decode phase's output tokens/s (N · (new_tokens − 1) tokens from the last request's first token to the last
-token) and its per-token latency (a request's time between tokens, averaged). Then, for a fixed KV + state
-budget (--budget_bytes), the number of concurrent --budget_context-token requests vLLM's own KV cache accounting
-admits for each model. Prints a table and writes JSON under --output_dir.
+decode phase, from the last request's first token (every request decoding) to the last token: its output tokens/s
+(N · (new_tokens − 1) tokens) and its per-token latency (the time of one decode step of the N requests). Then, for a
+fixed KV + state budget (--budget_bytes), the number of concurrent --budget_context-token requests vLLM's own KV cache
+accounting admits for each model. Prints a table and writes JSON under --output_dir.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> None:
     longest = max(args.contexts)
     generator = torch.Generator().manual_seed(0)
     rows, capacity = [], {}
-    for name in MODELS:
+    for name in args.models:
         llm = LLM(str(args.output_dir / name), dtype="float32", max_model_len=longest + args.new_tokens,
                   max_num_seqs=max(args.concurrency), kv_cache_memory_bytes=args.kv_cache_bytes,
                   gpu_memory_utilization=0.05, disable_log_stats=False)
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
                 steps = args.new_tokens - 1
                 rows.append(dict(model=name, context=context, concurrency=n, wall_s=wall,
                                  output_tokens_per_s=n * steps / (max(last) - max(first)),
-                                 per_token_latency_ms=1000 * (sum(last) - sum(first)) / (n * steps)))
+                                 per_token_latency_ms=1000 * (max(last) - max(first)) / steps))
                 print(json.dumps(rows[-1]), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -113,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf_file", help="prepare: the teacher's GGUF file in that folder, if it is one")
     parser.add_argument("--recipe", type=Path, default=Path("configs/demo.yaml"),
                         help="prepare: the YAML recipe whose attention options the conversion takes")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new_tokens", type=int, default=32, help="≥ 2: tokens generated per request")
     parser.add_argument("--kv_cache_bytes", type=int, default=4 << 30, help="the timed engines' KV cache")
-    parser.add_argument("--budget_context", type=int, default=16384)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--budget_context", type=int, default=8192, help="≤ the models' max_position_embeddings "
+                        "(8192 for SmolLM2-135M)")
     parser.add_argument("--budget_bytes", type=int, default=1 << 30, help="the fixed KV + state budget")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
