@@ -86,7 +86,7 @@ class EngineOptions(VerifyAndUpdateConfig):
 
 def check_supported(config: LinearAttentionConfig) -> None:
     """Refuse a checkpoint whose options the vLLM model does not serve, naming the option and what is allowed."""
-    if getattr(config, "sparse_cache_size", 0) > 0:
+    if config.sparse_cache_size > 0:
         raise ValueError(f"LinearAttentionForCausalLM in vLLM: sparse_cache_size={config.sparse_cache_size} (the "
                          "sparse exact memory) is not supported; serve the checkpoint with sparse_cache_size=0 "
                          "(set it in config.json), or use transformers' generate()")
@@ -115,8 +115,7 @@ def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tup
     if kind == "delta_window":
         specs.append(("window_beta", (slots, heads), torch.float32))
     if kind in ("window", "delta_window"):
-        specs += [("window_keys", (slots, kv_heads, head_dim), dtype), ("window_values", (slots, kv_heads, head_dim),
-                                                                         dtype)]
+        specs += [(name, (slots, kv_heads, head_dim), dtype) for name in ("window_keys", "window_values")]
     if config.conv_size > 0:
         specs.append(("conv_inputs", (config.conv_size - 1, (heads + 2 * kv_heads) * head_dim), dtype))
     if kind in ("window", "delta_window"):
