@@ -213,7 +213,8 @@ def free_port() -> int:
 @pytest.mark.full
 def test_openai_server_answers_concurrent_clients_as_sequential_ones(tmp_path):
     """`vllm serve` on 127.0.0.1 (the demo's kind): 4 concurrent completion requests get the tokens the same
-    requests get one at a time, and generate()'s."""
+    requests get one at a time, and generate()'s; a request beyond the maximum length is refused, the server stays
+    up."""
     import requests
 
     model = tiny_model(KINDS["demo"])
@@ -249,6 +250,10 @@ def test_openai_server_answers_concurrent_clients_as_sequential_ones(tmp_path):
         with ThreadPoolExecutor(len(batch)) as pool:
             concurrent = list(pool.map(complete, batch))
         assert concurrent == sequential == [generate_tokens(model, p) for p in batch]
+        # A request longer than the model's maximum is refused; the server keeps answering the others.
+        too_long = {"model": str(tmp_path), "prompt": prompts((600,))[0], "max_tokens": 1}
+        assert requests.post(f"{url}/v1/completions", json=too_long, timeout=60).status_code == 400
+        assert complete(batch[0]) == sequential[0]
     finally:
         server.terminate()
         server.wait(timeout=60)
