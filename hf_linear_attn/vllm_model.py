@@ -1,0 +1,326 @@
+"""The vLLM model of `LinearAttentionForCausalLM` checkpoints: an out-of-tree model plugin.
+
+vLLM imports this module through the package's `vllm.general_plugins` entry point (`register`); transformers never
+does (a checkpoint's remote code is `modeling_linear_attention.py` and what it imports), so loading a model with
+transformers needs no vLLM.
+
+The layers are the transformers model's own modules, run on vLLM's flat batch ([N, hidden]: the N scheduled tokens of
+every request, decodes first, then prefills and prefill chunks). No math is repeated here:
+
+- softmax layers (`config.softmax_layers`) project and rotate as the transformers layer does and attend with vLLM's
+  paged attention (`Attention`), its KV cache growing with the context;
+- every other layer runs the transformers layer (`attend`: the ops of `hf_linear_attn.ops`, the one-token steps
+  for a decode) once per request, on that request's tokens, with a cache layer (`cache_linear_attention`) whose
+  tensors are views of the request's fixed state slot in vLLM's cache (`MambaBase`): linear state and normaliser,
+  window ring and sinks, delta-rule write strengths, convolution inputs (`state_tensors` lists them). A request's
+  memory in these layers does not grow with its length.
+
+vLLM reuses a slot without clearing it: a request (or a prefill chunk) at context 0 gets an empty cache layer, as
+`generate()` starts, and its final tensors are copied into the slot; later chunks and decode steps read and update
+the slot in place. Prefix caching of the recurrent states and speculative decoding are not supported: `register`
+switches the first off for this architecture and refuses the second, with the other unsupported options, at load
+(`EngineOptions`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from .cache_linear_attention import LinearStateLayer, state_layer
+from .configuration_linear_attention import LinearAttentionConfig, recurrent_kind
+from .modeling_linear_attention import (
+    ATTENTION_CLASSES,
+    LinearAttentionMLP,
+    LinearAttentionRMSNorm,
+    LinearAttentionRotaryEmbedding,
+    SoftmaxAttention,
+)
+
+ARCHITECTURE = "LinearAttentionForCausalLM"
+PAGE_ALIGNMENT = 8  # bytes: the widest state element (fp32 here; a long would need 8)
+PADDING = "padding"  # the name of the bytes that align a state page (`state_tensors`), which no cache layer reads
+logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logger, whose handlers print INFO
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: the model class for `ARCHITECTURE` and its engine options."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:LinearAttentionForCausalLM")
+    MODELS_CONFIG_MAP[ARCHITECTURE] = EngineOptions
+
+
+class EngineOptions(VerifyAndUpdateConfig):
+    """What the engine must do for this model, checked before vLLM allocates anything (a clear error at load)."""
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        check_supported(vllm_config.model_config.hf_config)
+        if vllm_config.speculative_config is not None:
+            raise ValueError("LinearAttentionForCausalLM: speculative decoding is not supported (a recurrent state "
+                             "cannot be rolled back to the accepted tokens); start the engine without it")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError("LinearAttentionForCausalLM runs unsharded: tensor_parallel_size and "
+                             "pipeline_parallel_size must be 1, got "
+                             f"{parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}")
+        if vllm_config.cache_config.enable_prefix_caching:
+            # A request's recurrent state is kept for its last token only: a cached prefix could not restore it.
+            logger.info("LinearAttentionForCausalLM: prefix caching switched off (recurrent states are not cached)")
+            vllm_config.cache_config.enable_prefix_caching = False
+
+
+def check_supported(config: LinearAttentionConfig) -> None:
+    """Refuse a checkpoint whose options the vLLM model does not serve, naming the option and what is allowed."""
+    if config.sparse_cache_size > 0:
+        raise ValueError(f"LinearAttentionForCausalLM in vLLM: sparse_cache_size={config.sparse_cache_size} (the "
+                         "sparse exact memory) is not supported; serve the checkpoint with sparse_cache_size=0 "
+                         "(set it in config.json), or use transformers' generate()")
+
+
+def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The tensors of one request's state in a recurrent layer, as the kind's cache layer names them: (attribute,
+    shape without the batch dimension, dtype), widest dtype first (vLLM packs them into one byte page, and each view
+    must start at a multiple of its element size). `dtype` is the model's, kept for keys, values and conv inputs.
+
+    - "state": the recurrent state, fp32 [H, K, V] (delta kinds), [H, K, V + 1] (the window hybrid, and linear
+      attention with normalize=True: the normaliser column);
+    - delta_window: "window_beta", fp32 [S + w, H];
+    - window kinds: "window_keys", "window_values" [S + w, H_kv, D] and "window_mask" bool [S + w] (S sinks,
+      w = window_size ring slots);
+    - conv_size = W > 0: "conv_inputs" [W − 1, (H + 2 H_kv) · D];
+    - PADDING, bytes that round the page up to a multiple of PAGE_ALIGNMENT (vLLM views every slot's page at a
+      stride of the page size, which must be a multiple of the widest element size).
+    """
+    kind = recurrent_kind(config)
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    keys = config.feature_output_dim
+    normaliser = kind == "window" or (kind == "linear" and config.normalize)
+    specs = [("state", (heads, keys, head_dim + int(normaliser)), torch.float32)]
+    slots = config.num_sink_tokens + config.window_size
+    if kind == "delta_window":
+        specs.append(("window_beta", (slots, heads), torch.float32))
+    if kind in ("window", "delta_window"):
+        specs += [(name, (slots, kv_heads, head_dim), dtype) for name in ("window_keys", "window_values")]
+    if config.conv_size > 0:
+        specs.append(("conv_inputs", (config.conv_size - 1, (heads + 2 * kv_heads) * head_dim), dtype))
+    if kind in ("window", "delta_window"):
+        specs.append(("window_mask", (slots,), torch.bool))
+    specs.sort(key=lambda spec: -spec[2].itemsize)  # (stable: the order above within a width)
+    padding = -sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs) % PAGE_ALIGNMENT
+    return specs + ([(PADDING, (padding,), torch.uint8)] if padding else [])
+
+
+class StateSlots(MambaBase):
+    """What turns a transformers recurrent attention layer into a vLLM layer with per-request state slots (mixed in
+    front of the layer's class, `vllm_attention_class`): the slot layout vLLM allocates (`get_state_shape`,
+    `get_state_dtype`) and a forward over vLLM's flat batch that runs the layer once per request."""
+
+    def setup_slots(self, config: LinearAttentionConfig, vllm_config: VllmConfig, prefix: str) -> None:
+        """Register the layer with vLLM under `prefix` (its name in the model) and fix its state layout."""
+        self.layer_name = prefix
+        self.specs = state_tensors(config, vllm_config.model_config.dtype)
+        self.kv_cache = ()  # vLLM binds the slots (`bind_kv_cache`) after its profiling run
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name {prefix!r}")
+        context[prefix] = self
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR  # its metadata: query_start_loc, seq_lens, state_indices_tensor
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape, _ in self.specs)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, _, dtype in self.specs)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        """hidden_states [N, hidden] (every scheduled token), position_embeddings the cos / sin tables of their
+        positions [1, N, 1, D] -> [N, hidden]. Request i owns tokens query_start_loc[i] .. [i + 1] and state slot
+        state_indices_tensor[i]; its context before them is seq_lens[i] minus their number. Tokens past the last
+        request's (vLLM's padding) get 0; so does every token in vLLM's profiling run, which binds no slots."""
+        output = torch.zeros_like(hidden_states)
+        metadata = get_forward_context().attn_metadata
+        metadata = None if metadata is None else metadata.get(self.layer_name)
+        if metadata is None:
+            return output
+        starts = metadata.query_start_loc.tolist()
+        seq_lens, slots = metadata.seq_lens.tolist(), metadata.state_indices_tensor.tolist()
+        for i in range(metadata.num_decodes + metadata.num_prefills):
+            start, end = starts[i], starts[i + 1]
+            cache_layer = self.cache_layer(slots[i], seq_lens[i] - (end - start))
+            output[start:end] = super().forward(
+                hidden_states[None, start:end], tuple(x[:, start:end] for x in position_embeddings), None,
+                cache_layer, None,
+            )[0]
+            self.store(cache_layer, slots[i])
+        return output
+
+    def slot_views(self, slot: int) -> dict[str, torch.Tensor]:
+        """Views of state slot `slot`, by attribute name, each [1, *shape] (a batch of one)."""
+        return {name: tensor[slot : slot + 1] for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
+                if name != PADDING}
+
+    def cache_layer(self, slot: int, context: int) -> LinearStateLayer:
+        """The kind's cache layer for a request at `context` positions: empty at 0 (the slot may hold a finished
+        request's state), else reading and writing the slot in place."""
+        layer = state_layer(self.config, self.layer_idx)
+        if context > 0:
+            for name, view in self.slot_views(slot).items():
+                setattr(layer, name, view)
+            layer.seen = torch.tensor(context, dtype=torch.long, device=self.kv_cache[0].device)
+        return layer
+
+    def store(self, cache_layer: LinearStateLayer, slot: int) -> None:
+        """Copy into the slot what the forward allocated anew (a request's first chunk; later ones wrote in place)."""
+        for name, view in self.slot_views(slot).items():
+            tensor = getattr(cache_layer, name)
+            if tensor is None:
+                raise RuntimeError(f"{type(self).__name__} left its cache's {name!r} unset: the vLLM state layout "
+                                   "(state_tensors) does not match the layer's cache")
+            if tensor.data_ptr() != view.data_ptr():
+                view.copy_(tensor)
+
+
+def vllm_attention_class(kind: str) -> type[nn.Module]:
+    """The vLLM layer of a recurrent layer kind: `StateSlots` in front of the transformers class."""
+    base = ATTENTION_CLASSES[kind]
+    return type(f"Vllm{base.__name__}", (StateSlots, base), {})
+
+
+VLLM_ATTENTION_CLASSES = {kind: vllm_attention_class(kind) for kind in ATTENTION_CLASSES if kind != "softmax"}
+
+
+class PagedSoftmaxAttention(SoftmaxAttention):
+    """A softmax layer: the transformers layer's projections and RoPE, vLLM's paged attention (`self.attn`)."""
+
+    def __init__(self, config: LinearAttentionConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__(config, layer_idx)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        """hidden_states [N, hidden], position_embeddings [1, N, 1, D] each -> [N, hidden]."""
+        n = hidden_states.shape[0]
+        q, k, v = (x.reshape(n, -1) for x in self.project(hidden_states[None], position_embeddings))
+        return self.project_out(self.attn(q, k, v).view(1, n, -1))[0]
+
+
+class DecoderLayer(nn.Module):
+    """The transformers decoder layer's blocks (same names and checkpoint keys), with the vLLM attention of its kind."""
+
+    def __init__(self, config: LinearAttentionConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        kind = config.layer_kind(layer_idx)
+        attention_prefix = f"{prefix}.self_attn"
+        if kind == "softmax":
+            self.self_attn = PagedSoftmaxAttention(config, layer_idx, vllm_config, attention_prefix)
+        else:
+            self.self_attn = VLLM_ATTENTION_CLASSES[kind](config, layer_idx)
+            self.self_attn.setup_slots(config, vllm_config, attention_prefix)
+        self.mlp = LinearAttentionMLP(config)
+        self.input_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        """hidden_states [N, hidden] -> [N, hidden] (pre-norm residual blocks, as the transformers layer)."""
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LinearAttentionModel(nn.Module):
+    def __init__(self, config: LinearAttentionConfig, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LinearAttentionRotaryEmbedding(config)
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden] (embedded tokens), positions [N] -> the final norm's output [N, hidden]."""
+        position_embeddings = self.rotary_emb.rotation(hidden_states[None], positions[None])
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings)
+        return self.norm(hidden_states)
+
+
+class LinearAttentionForCausalLM(nn.Module, IsHybrid, HasInnerState):
+    """vLLM's model for `ARCHITECTURE` (see the module docstring)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_supported(config)
+        self.config = config
+        self.model = LinearAttentionModel(config, vllm_config, f"{prefix}.model" if prefix else "model")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape, _ in cls._state_tensors(vllm_config))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, _, dtype in cls._state_tensors(vllm_config))
+
+    @classmethod
+    def _state_tensors(cls, vllm_config: VllmConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        model_config = vllm_config.model_config
+        return state_tensors(model_config.hf_config, model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        """vLLM copies states between slots only for prefix caching's "align" mode and speculative decoding, which
+        `EngineOptions` switches off and refuses."""
+        raise NotImplementedError("LinearAttentionForCausalLM keeps one state per request: no prefix caching of "
+                                  "recurrent states, no speculative decoding")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [N] (or inputs_embeds [N, hidden]), positions [N] -> hidden states [N, hidden]."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        return self.model(inputs_embeds, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [n, hidden] -> logits [n, vocab]."""
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy the checkpoint's tensors (the transformers model's names) into the parameters; returns the names
+        loaded. A tied lm_head is the embedding and needs no tensor of its own."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                raise ValueError(f"the checkpoint holds {name!r}, which LinearAttentionForCausalLM does not have")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,259 @@
+"""The vLLM model plugin (hf_linear_attn/vllm_model.py) on vLLM's CPU build: tokens equal generate()'s.
+
+These tests need vLLM, which the main test venv does not have (its transformers pin differs): `make test-vllm` builds
+the vLLM venv (`make vllm-env`) and runs them there; elsewhere they skip. Each engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) on one thread, with a small KV cache and a small token budget per step, so that
+long prompts are prefilled in chunks beside other requests' decode steps.
+"""
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds its venv and runs these tests")
+
+from helpers import save_with_tokenizer  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from hf_linear_attn import (  # noqa: E402
+    LinearAttentionCache,
+    LinearAttentionConfig,
+    LinearAttentionForCausalLM,
+    convert_to_linear_attention,
+)
+from hf_linear_attn.cache_linear_attention import LinearStateLayer  # noqa: E402
+from hf_linear_attn.vllm_model import PADDING, state_tensors  # noqa: E402
+
+WINDOW = dict(window_size=16, num_sink_tokens=2)
+# One small model per kind the plugin serves (head dim 32: one of vLLM's CPU attention sizes). "demo" is the demo's
+# kind: the window hybrid with sinks and a decay, the hedgehog feature map, a softmax layer.
+KINDS = {
+    "demo": dict(**WINDOW, decay="scalar", feature_map="hedgehog", feature_dim=16),
+    "linear": dict(decay="vector", feature_map="hedgehog", feature_dim=16, normalize=True),
+    "delta": dict(update_rule="delta", normalize=False, decay="scalar", conv_size=4, output_gate=True,
+                  output_norm=True),
+    "delta_window": dict(**WINDOW, update_rule="delta", normalize=False, decay="scalar", conv_size=4),
+    "window_no_softmax": dict(**WINDOW, decay="fixed", feature_map="hedgehog", feature_dim=16, softmax_layers=[]),
+}
+# The engine tests' models: one per kind, and a checkpoint converted from a softmax model (biases, tied embeddings,
+# q/k norms: Qwen3) with the demo's options.
+MODELS = {**{kind: (lambda options=options: tiny_model(options)) for kind, options in KINDS.items()},
+          "converted_qwen3": lambda: converted_model()}
+PROMPT_LENGTHS = (1, 7, 40, 130, 300)  # beyond the window (16) and the step's token budget (64)
+NEW_TOKENS = 10
+ENGINE = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, seed=0,
+              gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20)
+
+
+def tiny_model(options: dict) -> LinearAttentionForCausalLM:
+    """A random 3-layer model (layer 1 softmax unless the options say otherwise) with weights large enough that
+    greedy tokens do not hinge on rounding."""
+    torch.manual_seed(0)
+    config = LinearAttentionConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, **{"softmax_layers": [1], **options})
+    model = LinearAttentionForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def converted_model() -> LinearAttentionForCausalLM:
+    torch.manual_seed(0)
+    source = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+        attention_bias=True, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
+    return convert_to_linear_attention(source, softmax_layers=[1], **KINDS["demo"]).eval()
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    # min_tokens keeps EOS out, as generate()'s min_new_tokens does
+    return SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+
+
+def generate_tokens(model: LinearAttentionForCausalLM, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """generate()'s greedy continuation of one prompt (unpadded: its own batch)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request, tmp_path_factory):
+    """(name, transformers model, its checkpoint folder, a vLLM engine on it)."""
+    model = MODELS[request.param]()
+    path = tmp_path_factory.mktemp(request.param)
+    save_with_tokenizer(model, path)
+    llm = LLM(str(path), **ENGINE)
+    yield request.param, model, path, llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_greedy_tokens_equal_generate(served):
+    """A batch of mixed lengths, long ones prefilled in chunks while the short ones decode."""
+    _, model, _, llm = served
+    batch = prompts()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [generate_tokens(model, p) for p in batch]
+
+
+def fill_state_slots(model) -> None:
+    """Write garbage into every state slot of the vLLM model's recurrent layers, as a finished request leaves it."""
+    for layer in model.model.layers:
+        for tensor in getattr(layer.self_attn, "kv_cache", ()):
+            tensor.fill_(True if tensor.dtype == torch.bool else 3)
+
+
+def test_requests_arriving_and_leaving_while_others_decode(served):
+    """Continuous batching: requests join at different steps, one is cancelled half-way; every other request's
+    tokens equal generate()'s. Every state slot holds garbage first (vLLM reuses slots without clearing them)."""
+    _, model, _, llm = served
+    llm.apply_model(fill_state_slots)
+    engine = llm.llm_engine
+    batch = prompts((300, 5, 130, 1, 40, 64), seed=2)
+    arrivals = {0: [0, 1], 3: [2, "cancelled"], 6: [3], 12: [4, 5]}  # step -> requests added before it
+    tokens, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for name in arrivals.get(step, []):
+            prompt = batch[0] if name == "cancelled" else batch[name]
+            engine.add_request(str(name), {"prompt_token_ids": prompt}, greedy(NEW_TOKENS * 2))
+        if step == 8:
+            engine.abort_request(["cancelled"])
+        for output in engine.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+        step += 1
+    assert {int(i): tokens[i] for i in tokens if i != "cancelled"} == {
+        i: generate_tokens(model, p, NEW_TOKENS * 2) for i, p in enumerate(batch)}
+
+
+def test_seeded_sampling_is_reproducible(served):
+    llm = served[3]
+    batch = [{"prompt_token_ids": p} for p in prompts((3, 50))]
+
+    def sample(seed: int) -> list[list[int]]:
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_state_bytes_are_constant_and_those_of_the_cache(kind):
+    """A request's state in vLLM is the transformers cache of its recurrent layers, byte for byte, whatever its
+    context (the page adds alignment only)."""
+    model = tiny_model(KINDS[kind])
+    recurrent = sum(model.config.layer_kind(i) != "softmax" for i in range(model.config.num_hidden_layers))
+    specs = state_tensors(model.config, torch.float32)
+    per_layer = sum(math.prod(shape) * dtype.itemsize for name, shape, dtype in specs if name != PADDING)
+    assert sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs) % 8 == 0
+    for length in (5, 300):
+        cache = LinearAttentionCache(model.config)
+        with torch.no_grad():
+            model(torch.tensor(prompts((length,))), cache=cache)
+        states = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
+        assert len(states) == recurrent
+        assert sum(layer.nbytes() for layer in states) == recurrent * per_layer
+
+
+def test_prefix_caching_is_switched_off(served):
+    """vLLM turns prefix caching on for hybrid models; a recurrent state is kept for a request's last token only."""
+    assert not served[3].llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+
+@pytest.mark.parametrize("options, engine, error", [
+    (dict(**WINDOW, sparse_cache_size=8), {}, "sparse_cache_size=8"),
+    (KINDS["demo"], dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                             "prompt_lookup_max": 3}), "speculative decoding is not supported"),
+])
+def test_unsupported_option_is_refused_at_load(tmp_path, options, engine, error):
+    save_with_tokenizer(tiny_model(options), tmp_path)
+    with pytest.raises(ValueError, match=error):
+        LLM(str(tmp_path), **ENGINE, **engine)
+
+
+def test_transformers_loads_a_checkpoint_without_the_plugin(tmp_path):
+    """The checkpoint's remote code does not include the vLLM model, and loading it with transformers (here, where
+    vLLM is installed) imports neither vLLM nor the plugin."""
+    save_with_tokenizer(tiny_model(KINDS["demo"]), tmp_path)
+    assert not (tmp_path / "vllm_model.py").exists()
+    code = ("import sys; from transformers import AutoModelForCausalLM; "
+            "AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m.endswith('vllm_model')))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                         cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.full
+def test_openai_server_answers_concurrent_clients_as_sequential_ones(tmp_path):
+    """`vllm serve` on 127.0.0.1 (the demo's kind): 4 concurrent completion requests get the tokens the same
+    requests get one at a time, and generate()'s; a request beyond the maximum length is refused, the server stays
+    up."""
+    import requests
+
+    model = tiny_model(KINDS["demo"])
+    save_with_tokenizer(model, tmp_path)
+    port = free_port()
+    server = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(tmp_path), "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
+         "--kv-cache-memory-bytes", str(64 << 20), "--gpu-memory-utilization", "0.05"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert server.poll() is None, f"vllm serve exited: {server.stderr.read()[-3000:]}"
+            assert time.time() < deadline, "vllm serve did not come up within 240 s"
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        batch = prompts((3, 40, 130, 250), seed=3)
+
+        def complete(prompt: list[int]) -> list[int]:
+            body = {"model": str(tmp_path), "prompt": prompt, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+            response.raise_for_status()
+            return response.json()["choices"][0]["token_ids"]
+
+        sequential = [complete(p) for p in batch]
+        with ThreadPoolExecutor(len(batch)) as pool:
+            concurrent = list(pool.map(complete, batch))
+        assert concurrent == sequential == [generate_tokens(model, p) for p in batch]
+        # A request longer than the model's maximum is refused; the server keeps answering the others.
+        too_long = {"model": str(tmp_path), "prompt": prompts((600,))[0], "max_tokens": 1}
+        assert requests.post(f"{url}/v1/completions", json=too_long, timeout=60).status_code == 400
+        assert complete(batch[0]) == sequential[0]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
