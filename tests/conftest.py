@@ -98,6 +98,9 @@ TIERS = {
     "test_softmax_heads.py::test_the_triton_backend_agrees": ONE,
     "test_softmax_heads.py::test_every_head_restored_is_the_teacher": COVER,
     "test_softmax_heads.py::test_a_model_with_softmax_heads_compiles_without_a_graph_break_and_exports": FULL,
+    # A vLLM OpenAI server and a transformers server, each started on 127.0.0.1 (vLLM venv only: make test-vllm).
+    "test_vllm.py::test_openai_server_answers_concurrent_clients_as_sequential_ones": FULL,
+    "test_transformers_serve.py::test_chat_completion_equals_generate": FULL,
 }
 
 

@@ -37,7 +37,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.full
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="transformers serve resolves the model class in the transformers module, not by auto_map")
 def test_chat_completion_equals_generate(tmp_path):

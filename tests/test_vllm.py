@@ -210,7 +210,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.full
 def test_openai_server_answers_concurrent_clients_as_sequential_ones(tmp_path):
     """`vllm serve` on 127.0.0.1 (the demo's kind): 4 concurrent completion requests get the tokens the same
     requests get one at a time, and generate()'s; a request beyond the maximum length is refused, the server stays
