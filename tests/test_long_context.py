@@ -250,8 +250,8 @@ def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents,
         needle, question = {
             "single": (" The pass key is 12345. Remember it. 12345 is the pass key. ",
                        " What is the pass key? The pass key is"),
-            "chat": ("\n\nThe secret pass key is 12345.\n\n",
-                     "\n\nWhat is the secret pass key?<|im_end|>\n<|im_start|>assistant\nThe secret pass key is")}[variant]
+            "chat": ("\n\nThe secret pass key is 12345.\n\n", "\n\nWhat is the secret pass key?<|im_end|>\n"
+                     "<|im_start|>assistant\nThe secret pass key is")}[variant]
         head = len(("<|im_start|>user\n" if variant == "chat" else "") + PREAMBLE)  # bytes: tokens
         budget = 400 - head - len(question) - len(needle)
         assert [t.needle_start - head for t in trials] == [round(t.depth * budget) for t in trials]

@@ -9,10 +9,10 @@ converted checkpoint also names its softmax source in `config.base_model_name_or
 `evaluation.json`, which `training/evaluate.py` writes into every linear-attention checkpoint it
 evaluates, adds the comparison with the softmax teacher and its sliding-window baseline (short held-out
 perplexity; long-context perplexity, passkey retrieval (greedy accuracy, the key's log-probability and argmax
-accuracy, beside the teacher's) and cache bytes by context; decode cache bytes and latency, as measured). The metadata (`ModelCardData`) carries licence, base model (the first
-of these two that is a Hub id), datasets, tags and the evaluation as model-index results. The licence
-is, in order: the one given, the one the run recorded, or the one in the card of the fine-tuned or
-the source model (read locally or from the Hub).
+accuracy, beside the teacher's) and cache bytes by context; decode cache bytes and latency, as measured). The
+metadata (`ModelCardData`) carries licence, base model (the first of these two that is a Hub id), datasets, tags
+and the evaluation as model-index results. The licence is, in order: the one given, the one the run recorded, or
+the one in the card of the fine-tuned or the source model (read locally or from the Hub).
 
 Writing a card runs no model: it renders what the runs recorded. The memory table is measured, not
 estimated, by `training.measure.cache_memory` (a model with this checkpoint's attention layout and tiny
@@ -94,8 +94,9 @@ def _human_bytes(count: int) -> str:
 def long_context_tables(evaluation: dict[str, Any], label: str | None = None) -> dict[str, str]:
     """{title: Markdown table} of the long-context part of an evaluation record (what `training.evaluation`
     measured): perplexity by context with its ratio to the teacher's, passkey scores (`passkey_cell`) per length,
-    haystack and variant with the models (the teacher first) side by side, and cache bytes by context with their share of the teacher's. The row (or column) of model `label`
-    is in bold. A part that was not measured gives no table."""
+    haystack and variant with the models (the teacher first) side by side, and cache bytes by context with their
+    share of the teacher's. The row (or column) of model `label` is in bold. A part that was not measured gives
+    no table."""
     long_rows, passkey = evaluation.get("long_context") or [], evaluation.get("passkey") or []
     bold = lambda text, model: f"**{text}**" if model == label else text  # noqa: E731
     tables = {}
