@@ -188,10 +188,20 @@ def perplexity(model, rows: list[dict], batch_size: int) -> float:
     return math.exp(weighted_mean(packed_loss(model, batch) for batch in batches))
 
 
-def check_arguments(args: EvaluateArguments, labels: list[str]) -> None:
-    """ValueError naming the first bad argument; `labels` are those of every model measured."""
+def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """ValueError naming the first bad argument, reading no file (the checkpoints' configs are
+    `check_memory_models`'). Returns the models {label: path}, those measured with each of `sparse_cache_sizes`,
+    and the labels of every model measured (teacher, baseline, models, memory variants)."""
     if not args.teacher and not args.models:
         raise ValueError("give --teacher and/or --models label=path ...")
+    models = parse_models(args.models)
+    unknown = sorted(set(args.memory_models or []) - set(models))
+    if unknown:
+        raise ValueError(f"memory_models {unknown} are not among --models {list(models)}")
+    with_memory = {label: models[label] for label in (models if args.memory_models is None else args.memory_models)}
+    labels = [*(["teacher"] if args.teacher else []),
+              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
+              *(memory_label(label, size) for label in with_memory for size in args.sparse_cache_sizes)]
     for name in ("max_eval_rows", "eval_batch_size", "document_tokens", "documents_per_source",
                  "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk"):
         if getattr(args, name) < 1:
@@ -220,6 +230,7 @@ def check_arguments(args: EvaluateArguments, labels: list[str]) -> None:
     if len(set(labels)) < len(labels):
         raise ValueError(f"--models labels must differ from each other, from 'teacher' and from the baseline's "
                          f"({baseline_label(args)!r}); the labels are {labels}")
+    return models, with_memory, labels
 
 
 def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
@@ -227,16 +238,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     """Measure the teacher, its sliding-window baseline and every model of `args.models` (see the module
     docstring), printing progress through `log`. Raises ValueError (bad arguments) or FileNotFoundError (no
     long texts in `args.long_context_data`: the message names the prepare command) before loading any model."""
-    models = parse_models(args.models)
-    with_memory = {label: models[label] for label in (models if args.memory_models is None else args.memory_models)
-                   if label in models}
-    labels = [*(["teacher"] if args.teacher else []),
-              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
-              *(memory_label(label, size) for label in with_memory for size in args.sparse_cache_sizes)]
-    check_arguments(args, labels)
-    unknown = sorted(set(args.memory_models or []) - set(models))
-    if unknown:
-        raise ValueError(f"memory_models {unknown} are not among --models {list(models)}")
+    models, with_memory, labels = check_arguments(args)
     check_memory_models(with_memory, args.sparse_cache_sizes)
     passkey_settings = [(length, haystack, variant) for length in args.passkey_lengths
                         for haystack in args.passkey_haystacks for variant in args.passkey_variants
