@@ -250,7 +250,8 @@ def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents,
         needle, question = {
             "single": (" The pass key is 12345. Remember it. 12345 is the pass key. ",
                        " What is the pass key? The pass key is"),
-            "chat": ("\n\nThe secret pass key is 12345.\n\n", "\n\nWhat is the secret pass key?<|im_end|>\n"
+            "chat": ("\n\nThe secret pass key is 12345. Remember it: the secret pass key is 12345.\n\n",
+                     "\n\nWhat is the secret pass key?<|im_end|>\n"
                      "<|im_start|>assistant\nThe secret pass key is")}[variant]
         head = len(("<|im_start|>user\n" if variant == "chat" else "") + PREAMBLE)  # bytes: tokens
         budget = 400 - head - len(question) - len(needle)
@@ -264,7 +265,8 @@ def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents,
             assert needle.startswith(f" The pass key is {trial.answer}.")
             assert text.startswith(PREAMBLE) and text.endswith(" What is the pass key? The pass key is")
         elif variant == "chat":  # one user turn of the chat template, the assistant's turn opened
-            assert needle.startswith(f"\n\nThe secret pass key is {trial.answer}.\n\n")
+            assert needle.startswith(f"\n\nThe secret pass key is {trial.answer}. Remember it: the secret pass key "
+                                     f"is {trial.answer}.\n\n")
             assert text.startswith("<|im_start|>user\n" + PREAMBLE)
             assert text.endswith("\n\nWhat is the secret pass key?<|im_end|>\n<|im_start|>assistant\n"
                                  "The secret pass key is")

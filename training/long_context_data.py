@@ -17,7 +17,9 @@ KJV's are not all Genesis). Everything is deterministic: no sampling anywhere bu
 from `seed`.
 
 Passkey prompts of length L: exactly L tokens (preamble, haystack with the needle(s) inserted at token level,
-question), the asked-for needle at depth (i + 0.5) / trials in trial i.
+question), the asked-for needle at depth (i + 0.5) / trials in trial i, the answer " " + the key right after the
+prompt. Variants (`passkey_trials`): `chat`, asked in the tokenizer's chat template, is the one the instruct
+teacher passes (docs/design.md, "The retrieval evaluation"); `single` and `multi` are harder.
 """
 
 from __future__ import annotations
@@ -255,7 +257,7 @@ def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials
     """`trials` prompts of `length` tokens. The asked-for needle of trial i sits at depth (i + 0.5) / trials
     (evenly spread); keys (5 digits) and haystack offsets come from `seed`. `haystack`: "natural" (a window of
     the long documents, document i mod count) or "filler" (a repeated sentence block). `variant`:
-    - "chat": one secret pass key, stated once in a paragraph of its own, asked for in the tokenizer's chat
+    - "chat": one secret pass key, stated twice in a paragraph of its own, asked for in the tokenizer's chat
       template (the user's turn; the assistant's starts "The secret pass key is");
     - "single": one pass key stated twice inside the running text, asked for in plain text;
     - "multi": `keys` doors with a key each, the others at random depths, one door asked for in plain text.
@@ -292,7 +294,8 @@ def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials
             question = f" What is the pass key of the {doors[0]} door? The pass key of the {doors[0]} door is"
         else:
             key = str(rng.randint(10000, 99999))
-            needle = (f"\n\nThe secret pass key is {key}.\n\n" if variant == "chat"
+            needle = (f"\n\nThe secret pass key is {key}. Remember it: the secret pass key is {key}.\n\n"
+                      if variant == "chat"
                       else f" The pass key is {key}. Remember it. {key} is the pass key. ")
             needles = [(depth, needle)]
         ids, starts = passkey_prompt(tokenizer, source, length, needles, question, head)
