@@ -17,7 +17,7 @@ from training import evaluate
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
 from training.long_context_data import SOURCES, VARIANTS, load_texts, long_documents, passkey_trials
 from training.long_context_metrics import passkey_scores, perplexity_windows
-from training.model_card import EVALUATION_FILE
+from training.model_card import EVALUATION_FILE, passkey_cell
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK = 64
@@ -300,3 +300,9 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra
     with pytest.raises(SystemExit):
         evaluate.main(argv)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_passkey_cell_shows_the_scores_and_a_record_from_before_them_its_accuracy():
+    row = {"accuracy": 0.96, "key_log_prob": -0.6417, "key_log_prob_se": 0.083, "argmax_accuracy": 0.993}
+    assert passkey_cell(row) == "96% (-0.64 ± 0.08; 99%)"
+    assert passkey_cell({"accuracy": 0.6, "trials": 5}) == "60%"
