@@ -348,7 +348,7 @@ def direct_key_log_probs(model, trial) -> torch.Tensor:
 
 def test_passkey_scores_are_the_means_of_the_key_scores(tokenizer, documents):
     model = byte_llama()
-    trials = passkey_trials(tokenizer, documents, 300, 3, "filler", "chat")
+    trials = passkey_trials(tokenizer, documents, 400, 3, "filler", "chat")
     scores = passkey_scores(model, trials)
     per_trial = torch.stack([direct_key_log_probs(model, t) for t in trials]).double()  # [trials, K]
     sums = per_trial.sum(1)
@@ -373,7 +373,7 @@ def test_greedy_exact_match_is_what_greedy_decoding_emits(tokenizer, documents, 
     model = {"softmax": teacher, "window-baseline": WindowBaseline(teacher, window=8, sinks=2),
              "linear": tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8,
                                   num_sink_tokens=2)}[kind]
-    for trial in passkey_trials(tokenizer, documents, 300, 2, "natural", "chat"):
+    for trial in passkey_trials(tokenizer, documents, 400, 2, "natural", "chat"):
         count = trial.answer_ids.shape[1]
         greedy = greedy_generate(model, trial.input_ids, count, tokenizer)
         real = key_score(model, trial)
