@@ -83,7 +83,8 @@ def next_token_logits(model, input_ids: torch.Tensor, logits_to_keep: int = 0) -
 
 def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokenizer) -> list[int]:
     """Greedy continuation of one row `input_ids` [1, T]: `generate()` for a plain model; for a `WindowBaseline`
-    a cached decoding loop whose every step gets its row of the window mask."""
+    a cached decoding loop whose every step gets its row of the window mask. (What `key_score`'s exact match
+    stands for, without generating; the lm-eval needle tasks generate this way.)"""
     input_ids = input_ids.to(model_device(model))
     if not isinstance(model, WindowBaseline):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
