@@ -15,14 +15,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from hf_linear_attn import convert_to_linear_attention
 from training import evaluate
 from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
-from training.long_context_data import SOURCES, load_texts, long_documents, passkey_trials
-from training.long_context_metrics import passkey_accuracy, perplexity_windows
-from training.model_card import EVALUATION_FILE
+from training.long_context_data import SOURCES, VARIANTS, load_texts, long_documents, passkey_trials
+from training.long_context_metrics import passkey_scores, perplexity_windows
+from training.model_card import EVALUATION_FILE, passkey_cell
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK = 64
 CONTEXTS = (32, 64)
 SCORED = 48
+MIN_ROWS = 3  # binds at context 64 (48 scored tokens take 2 rows of 32), not at 32 (3 rows of 16)
 BASELINE = "SWA(8)+2 sinks"
 
 
@@ -81,6 +82,7 @@ def arguments(root, *extra: str) -> list[str]:
             "--block_size", str(BLOCK), "--max_eval_rows", "6", "--baseline_window", "8", "--baseline_sinks", "2",
             "--long_context_data", str(root / "texts"), "--document_tokens", "512", "--documents_per_source", "2",
             "--long_contexts", *map(str, CONTEXTS), "--long_scored_tokens", str(SCORED),
+            "--long_min_rows", str(MIN_ROWS),
             "--passkey_lengths", "400", "--passkey_trials", "2", "--passkey_keys", "2",
             "--passkey_models", "teacher", BASELINE, "narrow",
             "--decode_contexts", "40", "160", "--decode_tokens", "2", "--prefill_chunk", "64",
@@ -133,7 +135,8 @@ def test_long_context_perplexity_and_cache_bytes_equal_direct_computations(evalu
     got = {(r["model"], r["context"]): r for r in long_rows}
     narrow = AutoModelForCausalLM.from_pretrained(root / "narrow").eval()
     for context in CONTEXTS:
-        windows = perplexity_windows(documents, context, SCORED)
+        windows = perplexity_windows(documents, context, SCORED, MIN_ROWS)
+        assert len(windows) == MIN_ROWS == got["teacher", context]["rows"]
         assert got["teacher", context]["scored_tokens"] == len(windows) * (context - context // 2) >= SCORED
         assert got["teacher", context]["perplexity"] == pytest.approx(second_half_perplexity(teacher, windows),
                                                                       rel=1e-5)
@@ -155,14 +158,15 @@ def test_long_context_perplexity_and_cache_bytes_equal_direct_computations(evalu
 def test_passkey_runs_each_setting_for_the_chosen_models_with_the_seeded_trials(evaluated):
     root, teacher, _, documents = evaluated
     passkey = json.loads((root / "out" / "evaluation.json").read_text())["passkey"]
-    settings = [(400, h, v) for h in ("natural", "filler") for v in ("single", "multi")]
+    settings = [(400, h, v) for h in ("natural", "filler") for v in VARIANTS]  # every variant by default
     assert [(r["model"], r["length"], r["haystack"], r["variant"]) for r in passkey] == [
         (m, *s) for m in ("teacher", BASELINE, "narrow") for s in settings]  # not "wide": not in passkey_models
     assert all(r["trials"] == 2 for r in passkey)
     tokenizer = byte_level_tokenizer()
-    for r in passkey[:4]:  # the teacher's, against trials built here with the same seed
+    for r in passkey[:len(settings)]:  # the teacher's, against trials built here with the same seed
         trials = passkey_trials(tokenizer, documents, 400, 2, r["haystack"], r["variant"], seed=0, keys=2)
-        assert r["accuracy"] == passkey_accuracy(teacher, tokenizer, trials)
+        expected = passkey_scores(teacher, trials)
+        assert {key: r[key] for key in expected} == pytest.approx(expected, rel=1e-5)
 
 
 def test_decode_profile_cache_is_constant_for_linear_attention_and_grows_for_the_teacher(evaluated):
@@ -188,9 +192,13 @@ def test_the_report_has_every_table_and_the_plot(evaluated):
     ratio = ppl["narrow", 32] / ppl["teacher", 32]
     assert f"| narrow | {ppl['narrow', 32]:.3g} ({ratio:.2f}×) | " in report
     assert f"| teacher | {ppl['teacher', 32]:.3g} | {ppl['teacher', 64]:.3g} |" in report
-    assert "### Passkey retrieval (share of 2 trials, greedy decoding)" in report
-    assert f"| length, haystack, key(s) | teacher | {BASELINE} | narrow |" in report
-    assert "| 400 natural multi |" in report
+    assert ("### Passkey retrieval (2 trials per setting): greedy accuracy (key log-probability, mean ± s.e. over "
+            "trials; share of the key's tokens that are the argmax)") in report
+    assert f"| length, haystack, variant | teacher | {BASELINE} | narrow |" in report
+    passkey = json.loads((root / "out" / "evaluation.json").read_text())["passkey"]
+    cells = [f"{r['accuracy']:.0%} ({r['key_log_prob']:.2f} ± {r['key_log_prob_se']:.2f}; {r['argmax_accuracy']:.0%})"
+             for r in passkey if r["haystack"] == "natural" and r["variant"] == "chat"]
+    assert f"| 400 natural chat | {' | '.join(cells)} |" in report  # the teacher's beside each model's
     assert "### Decoding cache by context (share of the teacher's)" in report
     assert (root / "out" / "evaluation.png").stat().st_size > 0  # matplotlib is a dev dependency
 
@@ -212,7 +220,7 @@ def test_each_linear_checkpoint_gets_the_numbers_in_its_model_card(evaluated):
         assert "#### Held-out perplexity by context" in card and "#### Passkey retrieval" in card
         context = next(r for r in written["long_context"] if r["model"] == label and r["context"] == 64)
         assert f"**{context['perplexity']:.3g} ({context['vs_teacher']:.2f}×)**" in card
-    assert "| length, haystack, key(s) | teacher | SWA(8)+2 sinks | **narrow** |" in (
+    assert "| length, haystack, variant | teacher | SWA(8)+2 sinks | **narrow** |" in (
         root / "narrow" / "README.md").read_text()
 
 
@@ -222,12 +230,13 @@ def test_a_sparse_memory_variant_is_measured_as_the_model_with_sparse_cache_size
             "--memory_models", "narrow", "--block_size", str(BLOCK),
             "--max_eval_rows", "2", "--long_context_data", str(root / "texts"), "--document_tokens", "512",
             "--documents_per_source", "2", "--long_contexts", "64", "--long_scored_tokens", str(SCORED),
-            "--passkey_lengths", "400", "--passkey_trials", "0", "--decode_contexts", "40", "--decode_tokens", "1",
+            "--long_min_rows", str(MIN_ROWS), "--passkey_lengths", "400", "--passkey_trials", "0",
+            "--decode_contexts", "40", "--decode_tokens", "1",
             "--update_model_cards", "false", "--output_dir", str(tmp_path / "out")]
     assert evaluate.main(argv) == 0
     long_rows = {r["model"]: r for r in json.loads((tmp_path / "out" / "evaluation.json").read_text())["long_context"]}
     assert sorted(long_rows) == ["narrow", "narrow + memory 3", "wide"]
-    windows = perplexity_windows(documents, 64, SCORED)
+    windows = perplexity_windows(documents, 64, SCORED, MIN_ROWS)
     with_memory = AutoModelForCausalLM.from_pretrained(root / "narrow", sparse_cache_size=3).eval()
     assert long_rows["narrow + memory 3"]["perplexity"] == pytest.approx(
         second_half_perplexity(with_memory, windows), rel=1e-5)
@@ -247,6 +256,22 @@ def test_sparse_memory_sizes_need_window_hybrids(evaluated, tmp_path, capsys):
     assert "model 'plain'" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
+def test_the_chat_variant_needs_a_chat_template_and_says_so_before_any_model_loads(tmp_path, capsys, dataset_cache):
+    write_long_texts(tmp_path / "texts")
+    tokenizer = byte_level_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "plain")
+    argv = ["--teacher", str(tmp_path / "no-teacher"), "--tokenizer_name", str(tmp_path / "plain"),
+            "--long_context_data", str(tmp_path / "texts"), "--document_tokens", "512", "--documents_per_source", "2",
+            "--long_contexts", "64", "--long_scored_tokens", str(SCORED), "--passkey_lengths", "400",
+            "--block_size", str(BLOCK),
+            "--cache_dir", str(dataset_cache), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit):
+        evaluate.main(argv)
+    assert "this tokenizer has none: use the variants 'single' or 'multi'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command(tmp_path, capsys):
     # The teacher and model paths do not exist: reaching them would fail differently.
     argv = ["--teacher", str(tmp_path / "no-teacher"), "--models", f"m={tmp_path / 'no-model'}",
@@ -262,6 +287,8 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
     (["--passkey_models", "teacher", "stage 9"], r"passkey_models \['stage 9'\] are not evaluated"),
     (["--passkey_lengths", "16384"], "raise document_tokens"),
     (["--passkey_haystacks", "noise"], "passkey_haystacks must be"),
+    (["--passkey_variants", "chat", "twice"], r"passkey_variants must be a non-empty list of \['chat', 'single'"),
+    (["--long_min_rows", "0"], "long_min_rows must be ≥ 1, got 0"),
     (["--long_contexts", "1"], "long_contexts must be"),
     (["--models", "teacher=x"], "labels must differ"),
     (["--models", "m=x", "--sparse_cache_sizes", "0"], "sparse_cache_sizes must be distinct sizes ≥ 1"),
@@ -273,3 +300,9 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra
     with pytest.raises(SystemExit):
         evaluate.main(argv)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_passkey_cell_shows_the_scores_and_a_record_from_before_them_its_accuracy():
+    row = {"accuracy": 0.96, "key_log_prob": -0.6417, "key_log_prob_se": 0.083, "argmax_accuracy": 0.993}
+    assert passkey_cell(row) == "96% (-0.64 ± 0.08; 99%)"
+    assert passkey_cell({"accuracy": 0.6, "trials": 5}) == "60%"

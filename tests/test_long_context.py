@@ -1,6 +1,7 @@
-"""training/long_context.py: held-out texts, perplexity by context, passkey prompts and scoring, window baseline
-decoding and cache bytes, on tiny models and synthetic texts."""
+"""training/long_context.py: held-out texts, perplexity by context, passkey prompts and their teacher-forced
+scores (against greedy decoding), window baseline decoding and cache bytes, on tiny models and synthetic texts."""
 
+import dataclasses
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from training import long_context
 from training.data import byte_level_tokenizer
 from training.long_context_data import (
     PREAMBLE,
+    VARIANTS,
     austen_novels,
     load_texts,
     long_documents,
@@ -30,7 +32,8 @@ from training.long_context_metrics import (
     answer_matches,
     cache_bytes_at,
     greedy_generate,
-    passkey_accuracy,
+    key_score,
+    passkey_scores,
     perplexity_by_context,
     perplexity_windows,
 )
@@ -171,9 +174,19 @@ def test_every_model_scores_the_same_rows_and_the_second_half_of_each(documents)
     # Row r: window r // 4 of document r % 4.
     expected = [documents[r % 4].input_ids[32 * (r // 4):32 * (r // 4 + 1)] for r in range(7)]
     assert all(torch.equal(seen[0], row) for seen, row in zip(first.seen[:7], expected, strict=True))
-    assert perplexity_windows(documents, 32, 100, max_rows=3)[2].shape == (1, 32)
+    # min_rows: at least that many rows, when scored_tokens would take fewer (the rows are the same, more of them).
+    assert len(perplexity_windows(documents, 64, 100, min_rows=6)) == 6
+    assert all(torch.equal(a, b) for a, b in zip(perplexity_windows(documents, 64, 100),
+                                                 perplexity_windows(documents, 64, 100, min_rows=6), strict=False))
+    assert len(perplexity_windows(documents, 32, 100, min_rows=2)) == 7
+    by_rows = perplexity_by_context({"a": Uniform()}, documents, [64], scored_tokens=1, min_rows=5, log=str)
+    assert by_rows[0]["rows"] == 5 and by_rows[0]["scored_tokens"] == 5 * 32
     with pytest.raises(ValueError, match="context 256 needs 129 rows"):
         perplexity_windows(documents, 256, 128 * 129)
+    with pytest.raises(ValueError, match="context 256 needs 9 rows"):
+        perplexity_windows(documents, 256, 1, min_rows=9)
+    with pytest.raises(ValueError, match="min_rows ≥ 1"):
+        perplexity_windows(documents, 64, 100, min_rows=0)
 
 
 def direct_perplexity(model, windows, mask_of=None) -> float:
@@ -226,23 +239,37 @@ def test_passkey_prompt_puts_each_needle_at_its_depth_and_has_the_exact_length(t
 
 
 @pytest.mark.parametrize("haystack", ["natural", "filler"])
-@pytest.mark.parametrize("variant", ["single", "multi"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents, haystack, variant):
     trials = passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
     again = passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=3, keys=3)
     assert [t.answer for t in trials] == [t.answer for t in again]
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(trials, again, strict=True))
     assert [t.depth for t in trials] == [0.1, 0.3, 0.5, 0.7, 0.9]
-    if variant == "single":  # haystack tokens before the needle: depth × all of them
-        head, tail = len(tokenizer(PREAMBLE).input_ids), len(" What is the pass key? The pass key is")
-        budget = 400 - head - tail - len(" The pass key is 12345. Remember it. 12345 is the pass key. ")
+    if variant != "multi":  # haystack tokens before the needle: depth × all of them
+        needle, question = {
+            "single": (" The pass key is 12345. Remember it. 12345 is the pass key. ",
+                       " What is the pass key? The pass key is"),
+            "chat": ("\n\nThe secret pass key is 12345. Remember it: the secret pass key is 12345.\n\n",
+                     "\n\nWhat is the secret pass key?<|im_end|>\n"
+                     "<|im_start|>assistant\nThe secret pass key is")}[variant]
+        head = len(("<|im_start|>user\n" if variant == "chat" else "") + PREAMBLE)  # bytes: tokens
+        budget = 400 - head - len(question) - len(needle)
         assert [t.needle_start - head for t in trials] == [round(t.depth * budget) for t in trials]
     for trial in trials:
         assert trial.input_ids.shape == (1, 400) and re.fullmatch(r"\d{5}", trial.answer)
+        assert trial.answer_ids.tolist() == [tokenizer(" " + trial.answer).input_ids]
         text = tokenizer.decode(trial.input_ids[0])
         needle = tokenizer.decode(trial.input_ids[0, trial.needle_start:])
         if variant == "single":
             assert needle.startswith(f" The pass key is {trial.answer}.")
+            assert text.startswith(PREAMBLE) and text.endswith(" What is the pass key? The pass key is")
+        elif variant == "chat":  # one user turn of the chat template, the assistant's turn opened
+            assert needle.startswith(f"\n\nThe secret pass key is {trial.answer}. Remember it: the secret pass key "
+                                     f"is {trial.answer}.\n\n")
+            assert text.startswith("<|im_start|>user\n" + PREAMBLE)
+            assert text.endswith("\n\nWhat is the secret pass key?<|im_end|>\n<|im_start|>assistant\n"
+                                 "The secret pass key is")
         else:
             door = re.search(r"pass key of the (\w+) door\?", text).group(1)
             assert needle.startswith(f" The pass key of the {door} door is {trial.answer}.")
@@ -251,8 +278,22 @@ def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents,
         assert any(sentence in text for sentence in sentences) == (haystack == "filler")
     other_seed = passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=4, keys=3)
     assert [t.answer for t in other_seed] != [t.answer for t in trials]
-    with pytest.raises(ValueError, match="haystack"):
-        passkey_trials(tokenizer, documents, 400, 5, "noise", variant)
+
+
+def test_passkey_trials_refuse_bad_input(tokenizer, documents):
+    with pytest.raises(ValueError, match="haystack must be one of"):
+        passkey_trials(tokenizer, documents, 400, 5, "noise", "chat")
+    with pytest.raises(ValueError, match=r"variant must be one of \['chat', 'single', 'multi'\], got 'twice'"):
+        passkey_trials(tokenizer, documents, 400, 5, "natural", "twice")
+    with pytest.raises(ValueError, match="trials must be ≥ 1, got 0"):
+        passkey_trials(tokenizer, documents, 400, 0, "natural", "chat")
+    with pytest.raises(ValueError, match="keys must be in"):
+        passkey_trials(tokenizer, documents, 400, 5, "natural", "multi", keys=1)
+    plain = byte_level_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="has none: use the variants 'single' or 'multi'"):
+        passkey_trials(plain, documents, 400, 5, "natural", "chat")
+    assert len(passkey_trials(plain, documents, 400, 2, "natural", "single")) == 2
 
 
 def test_answer_check_is_exact():
@@ -264,29 +305,85 @@ def test_answer_check_is_exact():
     assert not answer_matches(" the key", "12345")
 
 
-class Reader(torch.nn.Module):
-    """A fake model whose `generate` reads the asked-for key out of the prompt (plus `offset`)."""
+class Oracle(torch.nn.Module):
+    """A fake model that knows the whole sequence (prompt + key) and puts logit `confidence` on the token that
+    follows each position, `shift` positions off (0: the true next token)."""
 
-    def __init__(self, tokenizer, offset: int = 0):
+    def __init__(self, sequence: torch.Tensor, confidence: float, shift: int = 0):
         super().__init__()
-        self.tokenizer, self.offset = tokenizer, offset
+        self.sequence, self.confidence, self.shift = sequence, confidence, shift
 
-    def generate(self, input_ids, max_new_tokens, **kwargs):
-        text = self.tokenizer.decode(input_ids[0])
-        door = re.search(r"pass key of the (\w+) door\?", text)
-        pattern = rf"pass key of the {door.group(1)} door is (\d+)" if door else r"pass key is (\d+)"
-        answer = f" {int(re.search(pattern, text).group(1)) + self.offset}. And"
-        new = self.tokenizer(answer, add_special_tokens=False).input_ids[:max_new_tokens]
-        return torch.cat([input_ids, torch.tensor([new])], dim=1)
+    def forward(self, input_ids, logits_to_keep=0):
+        length = input_ids.shape[1]
+        assert torch.equal(input_ids, self.sequence[:, :length])  # the prompt and the key but its last token
+        targets = self.sequence[0, 1 + self.shift:length + 1 + self.shift]
+        logits = torch.zeros(1, length, VOCAB)
+        logits[0, torch.arange(len(targets)), targets] = self.confidence
+        return type("Output", (), {"logits": logits[:, -logits_to_keep:]})
 
 
-@pytest.mark.parametrize("haystack", ["natural", "filler"])
-@pytest.mark.parametrize("variant", ["single", "multi"])
-def test_a_model_that_copies_the_key_scores_100_percent_and_one_that_does_not_0(tokenizer, documents, haystack,
-                                                                                variant):
-    trials = passkey_trials(tokenizer, documents, 400, 4, haystack, variant)
-    assert passkey_accuracy(Reader(tokenizer), tokenizer, trials) == 1.0
-    assert passkey_accuracy(Reader(tokenizer, offset=1), tokenizer, trials) == 0.0
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_model_that_predicts_the_key_scores_it_exactly_and_one_position_off_does_not(tokenizer, documents,
+                                                                                      variant):
+    trial = passkey_trials(tokenizer, documents, 400, 1, "natural", variant)[0]
+    sequence = torch.cat([trial.input_ids, trial.answer_ids], dim=1)
+    count = trial.answer_ids.shape[1]
+    right = key_score(Oracle(sequence, 50.0), trial)
+    assert right.exact and right.argmax_hits == right.tokens == count == 6  # " " and 5 digits
+    assert right.log_prob == pytest.approx(0.0, abs=1e-12)
+    # Logit 1 on the right token: each has probability e / (e + VOCAB - 1).
+    soft = key_score(Oracle(sequence, 1.0), trial)
+    assert soft.log_prob == pytest.approx(count * (1 - math.log(math.e + VOCAB - 1)))
+    off = key_score(Oracle(sequence, 50.0, shift=1), trial)
+    assert not off.exact and off.argmax_hits == 0
+
+
+def direct_key_log_probs(model, trial) -> torch.Tensor:
+    """The key's per-token log-probabilities [K], from a full forward over the prompt and the whole key."""
+    sequence = torch.cat([trial.input_ids, trial.answer_ids], dim=1)
+    with torch.no_grad():
+        logits = model(sequence).logits[0, -trial.answer_ids.shape[1] - 1:-1].log_softmax(-1)
+    return logits.gather(-1, trial.answer_ids[0, :, None])[:, 0]
+
+
+def test_passkey_scores_are_the_means_of_the_key_scores(tokenizer, documents):
+    model = byte_llama()
+    trials = passkey_trials(tokenizer, documents, 400, 3, "filler", "chat")
+    scores = passkey_scores(model, trials)
+    per_trial = torch.stack([direct_key_log_probs(model, t) for t in trials]).double()  # [trials, K]
+    sums = per_trial.sum(1)
+    assert scores["trials"] == 3
+    assert scores["key_log_prob"] == pytest.approx(sums.mean().item(), rel=1e-4)
+    assert scores["key_log_prob_se"] == pytest.approx(sums.std().item() / math.sqrt(3), rel=1e-3)
+    assert scores["key_log_prob_per_token"] == pytest.approx(per_trial.mean().item(), rel=1e-4)
+    hits = [key_score(model, t).argmax_hits for t in trials]
+    assert scores["argmax_accuracy"] == sum(hits) / per_trial.numel()
+    assert scores["accuracy"] == sum(key_score(model, t).exact for t in trials) / 3
+    assert passkey_scores(model, trials[:1])["key_log_prob_se"] == 0.0
+    with pytest.raises(ValueError, match="at least one trial"):
+        passkey_scores(model, [])
+
+
+@pytest.mark.parametrize("kind", ["softmax", "window-baseline", "linear"])
+def test_greedy_exact_match_is_what_greedy_decoding_emits(tokenizer, documents, kind):
+    """The teacher-forced exact match agrees with `greedy_generate`: true for a key that is the model's own
+    greedy continuation (every token the argmax), false when only its last token differs (all but that one
+    the argmax), and for the trial's real key exactly when greedy decoding emits it."""
+    teacher = byte_llama()
+    model = {"softmax": teacher, "window-baseline": WindowBaseline(teacher, window=8, sinks=2),
+             "linear": tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8,
+                                  num_sink_tokens=2)}[kind]
+    for trial in passkey_trials(tokenizer, documents, 400, 2, "natural", "chat"):
+        count = trial.answer_ids.shape[1]
+        greedy = greedy_generate(model, trial.input_ids, count, tokenizer)
+        real = key_score(model, trial)
+        assert real.exact == (greedy == trial.answer_ids[0].tolist())
+        assert len(greedy) == count  # no end-of-sequence token in the way
+        own = key_score(model, dataclasses.replace(trial, answer_ids=torch.tensor([greedy])))
+        assert own.exact and own.argmax_hits == count
+        last = (greedy[-1] + 1) % VOCAB
+        other = key_score(model, dataclasses.replace(trial, answer_ids=torch.tensor([[*greedy[:-1], last]])))
+        assert not other.exact and other.argmax_hits == count - 1
 
 
 # ------------------------------------------------------------------------------------------ lm-eval needle data

@@ -76,7 +76,9 @@ def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
     (["--feature_map", "identity", "--feature_dim", "32"], "feature_dim"),
     (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--memory_sizes", "64"],
      "memory_sizes"),
-], ids=["attention option", "memory without window"])
+    (["--passkey_variants", "chat", "twice"], "passkey_variants must be"),
+    (["--long_min_rows", "0"], "long_min_rows must be ≥ 1"),
+], ids=["attention option", "memory without window", "passkey variant", "perplexity rows"])
 def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, capsys):
     from training import demo
     with pytest.raises(SystemExit) as exit_info:
@@ -101,3 +103,20 @@ def test_demo_recipes_parse_into_valid_attention_options(recipe):
     parsed = parse_recipe_args(DemoArguments, ["--config", str(recipe)])
     AttentionOptions(**attention_options(parsed))  # the recipe's options are valid together
     assert not parsed.memory_sizes or parsed.window_size > 0
+
+
+def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
+    from training import demo
+    args = parse_recipe_args(DemoArguments, ["--output_dir", str(tmp_path)], default_recipe=DEMO_RECIPE)
+    models = demo.stage_models(args, tmp_path)
+    assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 3 softmax layers": tmp_path / "stage1-softmax",
+                      "stage 2": tmp_path / "stage2"}
+    evaluate_args = demo.evaluation_arguments(args, "smollm2", models)
+    assert evaluate_args.models == [f"{label}={path}" for label, path in models.items()]
+    assert evaluate_args.passkey_models == ["teacher", "stage 2", "stage 2 + memory 128"]
+    assert (evaluate_args.passkey_variants, evaluate_args.passkey_trials, evaluate_args.long_min_rows) == (
+        ["chat"], 5, 2)
+    assert evaluate_args.output_dir == str(tmp_path / "evaluation")
+    short = parse_recipe_args(DemoArguments, ["--recovery_steps", "0", "--softmax_layers_k", "0"],
+                              default_recipe=DEMO_RECIPE)
+    assert demo.stage_models(short, tmp_path) == {"stage 1": tmp_path / "stage1"}

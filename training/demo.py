@@ -16,7 +16,8 @@
    next-token distribution (`kl_weight`), merged into the weights; skipped with `--recovery_steps 0`.
 5. Evaluate (`training.evaluation`) the teacher, the training-free sliding-window baseline and the model
    after each stage: held-out perplexity on short rows and, by context up to 4K tokens, on long texts no
-   stage trains on; passkey retrieval (teacher and final model); decode cache bytes and latency. The numbers
+   stage trains on; passkey retrieval (teacher and final model; the key's log-probability beside the greedy
+   accuracy, fewer trials than the full evaluation's 50); decode cache bytes and latency. The numbers
    also go into the model card (README.md) of each checkpoint.
 6. Generate a sample and print a summary; the final checkpoint is OUTPUT_DIR/stage2 (stage1 without stage 2).
 """
@@ -39,7 +40,13 @@ from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from training.checkpoint_conversion import restore_ranked_layers
 from training.command_line import exit_on_bad_input
 from training.data import DataArguments
-from training.evaluation import EvaluateArguments, evaluate_models, memory_label, write_evaluation
+from training.evaluation import (
+    EvaluateArguments,
+    check_arguments,
+    evaluate_models,
+    memory_label,
+    write_evaluation,
+)
 from training.hub import HubArguments
 from training.long_context_data import DEFAULT_DATA_DIR, check_texts
 from training.loop import TrainArguments
@@ -73,11 +80,13 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     eval_block_size: int = field(default=256, metadata={"help": "Tokens per row of the short held-out perplexity."})
     long_contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096],
                                      metadata={"help": "Contexts of the held-out long-document perplexity."})
-    long_scored_tokens: int = field(default=2048, metadata={"help": "Tokens scored per long context and model."})
+    long_scored_tokens: int = field(default=1024, metadata={"help": "Tokens scored at least per long context."})
+    long_min_rows: int = field(default=2, metadata={"help": "Rows scored at least per long context (2: one window "
+                                                            "of each held-out text)."})
     passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     passkey_trials: int = 5
     passkey_haystacks: list[str] = field(default_factory=lambda: ["natural"])
-    passkey_variants: list[str] = field(default_factory=lambda: ["single"])
+    passkey_variants: list[str] = field(default_factory=lambda: ["chat"])
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
     memory_sizes: list[int] = field(default_factory=list, metadata={
         "help": "Also evaluate the final model with a sparse exact memory of each size (training-free: its config's "
@@ -110,6 +119,35 @@ def select_layers(out: Path, teacher, tokenizer, data: DataArguments, k: int, ro
     return out / "stage1-softmax"
 
 
+def stage_models(args: DemoArguments, out: Path) -> dict[str, Path]:
+    """{label: folder} of the models the demo trains and evaluates, in training order: stage 1, with
+    `softmax_layers_k` the stage-1 model with those layers restored, with `recovery_steps` stage 2 (started from
+    the model before it). The converted model before training is left out: what it scores says little, and every
+    model evaluated costs minutes of long-context perplexity on the demo's CPU."""
+    models = {"stage 1": out / "stage1"}
+    if args.softmax_layers_k > 0:
+        models[f"stage 1 + {args.softmax_layers_k} softmax layers"] = out / "stage1-softmax"
+    if args.recovery_steps > 0:
+        models["stage 2"] = out / "stage2"
+    return models
+
+
+def evaluation_arguments(args: DemoArguments, folder: str, models: dict[str, Path]) -> EvaluateArguments:
+    """Step 5: the teacher (the GGUF file in `folder`), its sliding-window baseline and `models`; retrieval, the
+    slow part, for the teacher and the final model (with each memory size)."""
+    final_label = list(models)[-1]
+    return EvaluateArguments(
+        teacher=folder, gguf_file=GGUF_FILE, models=[f"{label}={path}" for label, path in models.items()],
+        max_eval_rows=args.eval_rows, baseline_window=args.window_size, baseline_sinks=args.num_sink_tokens,
+        long_contexts=args.long_contexts, long_scored_tokens=args.long_scored_tokens, long_min_rows=args.long_min_rows,
+        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
+        passkey_haystacks=args.passkey_haystacks, passkey_variants=args.passkey_variants,
+        sparse_cache_sizes=args.memory_sizes, memory_models=[final_label],
+        passkey_models=["teacher", final_label, *(memory_label(final_label, m) for m in args.memory_sizes)],
+        decode_contexts=args.decode_contexts, output_dir=str(Path(args.output_dir) / "evaluation"),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_recipe_args(DemoArguments, argv, default_recipe=DEFAULT_RECIPE)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -123,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.long_contexts or (args.passkey_trials and "natural" in args.passkey_haystacks):
             check_texts(DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
         folder = smollm2_folder()
+        models = stage_models(args, out)
+        evaluate_args = evaluation_arguments(args, folder, models)
+        check_arguments(evaluate_args)
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
@@ -142,17 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     distill(
         DistillArguments(model_name_or_path=str(out / "converted")),
         data,
-        TrainArguments(output_dir=str(out / "stage1"), overwrite_output_dir=True, max_steps=args.distill_steps,
+        TrainArguments(output_dir=str(models["stage 1"]), overwrite_output_dir=True, max_steps=args.distill_steps,
                        per_device_train_batch_size=args.distill_batch_size, learning_rate=args.learning_rate,
                        lr_scheduler_type="cosine", warmup_steps=max(1, args.distill_steps // 10),
                        logging_steps=10, report_to="none"),
     )
-    # The models evaluated (the converted model before training is left out: what it scores says little, and
-    # every model evaluated costs minutes of long-context perplexity on the demo's CPU).
-    models = {"stage 1": out / "stage1"}
     if args.softmax_layers_k > 0:
-        models[f"stage 1 + {args.softmax_layers_k} softmax layers"] = select_layers(
-            out, teacher, tokenizer, data, args.softmax_layers_k, args.ranking_rows)
+        select_layers(out, teacher, tokenizer, data, args.softmax_layers_k, args.ranking_rows)
     # Freed here and loaded again by the evaluation (seconds): kept, it would sit idle through stage 2 beside the
     # copy that stage 2 loads for its KL term (`training.stages.finetune` takes the teacher by path).
     del teacher
@@ -161,35 +198,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[4/6] Stage 2: LoRA recovery (r {args.lora_r}), {args.recovery_steps} steps of "
               f"{args.recovery_batch_size} x {args.block_size} tokens, KL weight {args.kl_weight}", flush=True)
         finetune((
-            ModelArguments(model_name_or_path=str(list(models.values())[-1]), use_lora=True, lora_r=args.lora_r,
+            ModelArguments(model_name_or_path=str(list(models.values())[-2]), use_lora=True, lora_r=args.lora_r,
                            lora_alpha=args.lora_alpha, teacher_name_or_path=folder, teacher_gguf_file=GGUF_FILE,
                            kl_weight=args.kl_weight),
             data,
-            TrainArguments(output_dir=str(out / "stage2"), overwrite_output_dir=True, max_steps=args.recovery_steps,
+            TrainArguments(output_dir=str(models["stage 2"]), overwrite_output_dir=True, max_steps=args.recovery_steps,
                            per_device_train_batch_size=args.recovery_batch_size,
                            learning_rate=args.recovery_learning_rate, lr_scheduler_type="cosine",
                            warmup_steps=max(1, args.recovery_steps // 10), logging_steps=10, save_steps=0,
                            report_to="none"),
             HubArguments(license="apache-2.0"),  # SmolLM2's licence, for the model card (offline: not looked up)
         ))
-        models["stage 2"] = out / "stage2"
     else:
         print("[4/6] Stage 2 skipped (--recovery_steps 0)", flush=True)
     final = list(models.values())[-1]
 
     print("[5/6] Evaluating the teacher, its sliding-window baseline and the trained models", flush=True)
-    final_label = list(models)[-1]
-    evaluate_args = EvaluateArguments(
-        teacher=folder, gguf_file=GGUF_FILE, models=[f"{label}={path}" for label, path in models.items()],
-        max_eval_rows=args.eval_rows, baseline_window=args.window_size, baseline_sinks=args.num_sink_tokens,
-        long_contexts=args.long_contexts, long_scored_tokens=args.long_scored_tokens,
-        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
-        passkey_haystacks=args.passkey_haystacks, passkey_variants=args.passkey_variants,
-        sparse_cache_sizes=args.memory_sizes, memory_models=[final_label],
-        # Retrieval is the slow part: the teacher and the final model (with each memory size).
-        passkey_models=["teacher", final_label, *(memory_label(final_label, m) for m in args.memory_sizes)],
-        decode_contexts=args.decode_contexts, output_dir=str(out / "evaluation"),
-    )
     evaluate_data = DataArguments(block_size=args.eval_block_size)
     evaluation = evaluate_models(evaluate_args, evaluate_data)
     quality_table, decode_table = write_evaluation(evaluation, evaluate_args, evaluate_data)

@@ -3,13 +3,16 @@
     python -m training.long_context prepare               # once: the held-out long texts (make long-context-data)
     python training/evaluate.py --teacher SRC --models converted=DIR stage1=DIR2 [--gguf_file F] \
         [--config RECIPE.yaml] [--block_size 512 --max_eval_rows 16 ...] \
-        [--long_contexts 256 512 1024 2048 4096 --long_scored_tokens 8192] \
-        [--passkey_lengths 1024 2048 4096 --passkey_trials 20 --passkey_models teacher stage1]
+        [--long_contexts 256 512 1024 2048 4096 --long_scored_tokens 8192 --long_min_rows 8] \
+        [--passkey_lengths 1024 2048 4096 --passkey_trials 50 --passkey_variants chat single multi \
+         --passkey_models teacher stage1]
     hf-linear-attn-evaluate ...                           # the same, installed as a command
 
 Reports, for the teacher, its training-free sliding-window baseline and every `label=path` model
 (`training.evaluation`): short held-out perplexity, long-context perplexity and cache bytes by context,
-passkey retrieval (natural and filler haystacks, one or several keys), decode cache bytes / latency. Writes
+passkey retrieval (natural and filler haystacks; the chat variant the instruct teacher passes, one key in plain
+text, several keyed doors; greedy accuracy, the key's log-probability ± its standard error and argmax accuracy,
+one teacher-forced forward per trial), decode cache bytes / latency. Writes
 `evaluation.{md,json,png}` and `decode.{md,json,png}` to `--output_dir` and prints the tables. Unless
 `--update_model_cards false`, every linear-attention checkpoint evaluated also gets the numbers in its folder
 (`evaluation.json`) and a model card (`README.md`) that shows them.

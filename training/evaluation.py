@@ -5,14 +5,18 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
 `SWA(64)+4 sinks`), and every `label=path` model of `args.models`:
 - short held-out perplexity on the validation rows of the data pipeline (`training.data`; documents kept
   apart, the same rows for every model);
-- long-context held-out perplexity at each of `long_contexts` tokens, on long public-domain documents that no
+- long-context held-out perplexity at each of `long_contexts` tokens (at least `long_scored_tokens` tokens and
+  `long_min_rows` rows each), on long public-domain documents that no
   training stage reads (`training.long_context`; prepared once into `long_context_data` by
   `python -m training.long_context prepare`), and the bytes of the decoding cache after each of those contexts
   (softmax layers counted; computed from the attention layout, `training.measure.cache_bytes_by_context`);
 - passkey retrieval at each of `passkey_lengths` tokens: `passkey_trials` trials with the needle's depth spread
-  over the context, for each haystack (natural text, repeated filler) and variant (one key, or several keyed
-  doors with one asked for), greedy decoding; for the models of `passkey_models` (default all), as it is the
-  expensive part;
+  over the context, for each haystack (natural text, repeated filler) and variant (`chat`: one key asked for in
+  the tokenizer's chat template, which the instruct teacher passes; `single`: one key in plain text; `multi`:
+  several keyed doors, one asked for), each trial scored by one teacher-forced forward over the prompt and the
+  key (`long_context_metrics.passkey_scores`): greedy accuracy (the key is what greedy decoding emits), the
+  key's mean log-probability with its standard error over trials, and the share of its tokens that are the
+  argmax; for the models of `passkey_models` (default all), as it is the expensive part;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
   (`training.measure`).
 With `sparse_cache_sizes`, the models of `memory_models` (default all; window hybrids) are measured again with a
@@ -22,8 +26,9 @@ perplexity and cache bytes against context) and, with `update_model_cards`, into
 checkpoint evaluated (`evaluation.json`) with a model card (`README.md`) that shows them.
 
 Every argument is checked, and the long texts and the passkey prompts built, before any model is loaded; the
-models are then loaded and measured one at a time. The costs grow with `long_scored_tokens` (tokens scored per
-context), the passkey grid (lengths × haystacks × variants × trials × models) and the longest context.
+models are then loaded and measured one at a time. The costs grow with `long_scored_tokens` and `long_min_rows`
+(tokens and rows scored per context), the passkey grid (lengths × haystacks × variants × trials × models; one
+forward of the prompt's length per trial) and the longest context.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from training.data import DataArguments, build_datasets, collate_rows
 from training.long_context_data import (
     DEFAULT_DATA_DIR,
     DOORS,
+    HAYSTACKS,
     PREPARE_COMMAND,
+    VARIANTS,
     load_texts,
     long_documents,
     passkey_trials,
@@ -54,7 +61,7 @@ from training.long_context_metrics import (
     WindowBaseline,
     cache_bytes_at,
     document_mask,
-    passkey_accuracy,
+    passkey_scores,
     perplexity_by_context,
     perplexity_windows,
 )
@@ -62,9 +69,6 @@ from training.losses import causal_lm_loss, predicted_tokens, token_cross_entrop
 from training.measure import cache_bytes_by_context, cache_memory, decode_profile
 from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
 from training.report import log_log_plot, machine, write_report
-
-HAYSTACKS = ("natural", "filler")
-VARIANTS = ("single", "multi")
 
 
 @dataclass
@@ -82,16 +86,19 @@ class EvaluateArguments:
     long_contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096],
                                      metadata={"help": "Context lengths of the long-context perplexity."})
     long_scored_tokens: int = field(default=8192, metadata={
-        "help": "Tokens scored at each long context (the second half of each row)."})
+        "help": "Tokens scored at least at each long context (the second half of each row)."})
+    long_min_rows: int = field(default=8, metadata={
+        "help": "Rows (windows of the documents) scored at least at each long context, the longest included."})
     document_tokens: int = field(default=8192, metadata={"help": "Tokens per long document (≥ every length)."})
     documents_per_source: int = field(default=4, metadata={"help": "Long documents taken from each text."})
     passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096],
                                        metadata={"help": "Prompt tokens of the passkey trials."})
-    passkey_trials: int = field(default=20, metadata={"help": "Trials per length, haystack and variant (0: skip)."})
+    passkey_trials: int = field(default=50, metadata={"help": "Trials per length, haystack and variant (0: skip)."})
     passkey_haystacks: list[str] = field(default_factory=lambda: list(HAYSTACKS),
                                          metadata={"help": "natural (long documents) and/or filler."})
     passkey_variants: list[str] = field(default_factory=lambda: list(VARIANTS),
-                                        metadata={"help": "single (one key) and/or multi (keyed doors)."})
+                                        metadata={"help": "chat (one key, asked in the tokenizer's chat template), "
+                                                          "single (one key, plain text), multi (keyed doors)."})
     passkey_keys: int = field(default=4, metadata={"help": "Doors of the multi-key variant."})
     sparse_cache_sizes: list[int] = field(default_factory=list, metadata={
         "help": "Also measure the models of memory_models with a sparse exact memory of each size (training-free; "
@@ -116,7 +123,7 @@ class Evaluation:
 
     quality: list[dict[str, Any]]  # per model (and baseline): short perplexity, vs_teacher
     long_context: list[dict[str, Any]]  # per model and context: perplexity, vs_teacher, scored_tokens, cache_bytes
-    passkey: list[dict[str, Any]]  # per model, length, haystack and variant: trials, accuracy
+    passkey: list[dict[str, Any]]  # per model, length, haystack and variant: `passkey_scores`
     decode: list[dict[str, Any]]  # per model and context: cache_bytes, ms_per_token
     models: dict[str, str]  # label -> path of the models given
     linear: list[str]  # the labels of the linear-attention checkpoints among them (not their memory variants)
@@ -181,12 +188,22 @@ def perplexity(model, rows: list[dict], batch_size: int) -> float:
     return math.exp(weighted_mean(packed_loss(model, batch) for batch in batches))
 
 
-def check_arguments(args: EvaluateArguments, labels: list[str]) -> None:
-    """ValueError naming the first bad argument; `labels` are those of every model measured."""
+def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """ValueError naming the first bad argument, reading no file (the checkpoints' configs are
+    `check_memory_models`'). Returns the models {label: path}, those measured with each of `sparse_cache_sizes`,
+    and the labels of every model measured (teacher, baseline, models, memory variants)."""
     if not args.teacher and not args.models:
         raise ValueError("give --teacher and/or --models label=path ...")
+    models = parse_models(args.models)
+    unknown = sorted(set(args.memory_models or []) - set(models))
+    if unknown:
+        raise ValueError(f"memory_models {unknown} are not among --models {list(models)}")
+    with_memory = {label: models[label] for label in (models if args.memory_models is None else args.memory_models)}
+    labels = [*(["teacher"] if args.teacher else []),
+              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
+              *(memory_label(label, size) for label in with_memory for size in args.sparse_cache_sizes)]
     for name in ("max_eval_rows", "eval_batch_size", "document_tokens", "documents_per_source",
-                 "long_scored_tokens", "decode_tokens", "prefill_chunk"):
+                 "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
     if args.baseline_window < 0 or args.baseline_sinks < 0 or args.passkey_trials < 0:
@@ -213,6 +230,7 @@ def check_arguments(args: EvaluateArguments, labels: list[str]) -> None:
     if len(set(labels)) < len(labels):
         raise ValueError(f"--models labels must differ from each other, from 'teacher' and from the baseline's "
                          f"({baseline_label(args)!r}); the labels are {labels}")
+    return models, with_memory, labels
 
 
 def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
@@ -220,16 +238,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     """Measure the teacher, its sliding-window baseline and every model of `args.models` (see the module
     docstring), printing progress through `log`. Raises ValueError (bad arguments) or FileNotFoundError (no
     long texts in `args.long_context_data`: the message names the prepare command) before loading any model."""
-    models = parse_models(args.models)
-    with_memory = {label: models[label] for label in (models if args.memory_models is None else args.memory_models)
-                   if label in models}
-    labels = [*(["teacher"] if args.teacher else []),
-              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
-              *(memory_label(label, size) for label in with_memory for size in args.sparse_cache_sizes)]
-    check_arguments(args, labels)
-    unknown = sorted(set(args.memory_models or []) - set(models))
-    if unknown:
-        raise ValueError(f"memory_models {unknown} are not among --models {list(models)}")
+    models, with_memory, labels = check_arguments(args)
     check_memory_models(with_memory, args.sparse_cache_sizes)
     passkey_settings = [(length, haystack, variant) for length in args.passkey_lengths
                         for haystack in args.passkey_haystacks for variant in args.passkey_variants
@@ -249,13 +258,14 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     documents = [] if texts is None else long_documents(tokenizer, texts, args.document_tokens,
                                                            args.documents_per_source)
     for context in args.long_contexts:  # raises now, not after the first models, when the documents are too few
-        perplexity_windows(documents, context, args.long_scored_tokens)
+        perplexity_windows(documents, context, args.long_scored_tokens, args.long_min_rows)
     passkey_sets = {(length, haystack, variant): passkey_trials(
         tokenizer, documents, length, args.passkey_trials, haystack, variant, args.seed, args.passkey_keys)
         for length, haystack, variant in passkey_settings}
     passkey_models = set(labels if args.passkey_models is None else args.passkey_models)
     log(f"Evaluating {len(labels)} models: {len(rows)} held-out rows of {data_args.block_size} tokens; "
-        f"long-context perplexity at {args.long_contexts} ({args.long_scored_tokens} tokens each); "
+        f"long-context perplexity at {args.long_contexts} (≥ {args.long_scored_tokens} tokens and "
+        f"≥ {args.long_min_rows} rows each); "
         f"{len(passkey_sets)} passkey settings x {args.passkey_trials} trials for {sorted(passkey_models)}")
 
     candidates: list[tuple[str, Callable[[], PreTrainedModel]]] = []
@@ -281,14 +291,15 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
             progress(f"{name}: short perplexity {quality[-1]['perplexity']:.2f}")
             cache_bytes = dict(zip(args.long_contexts, cache_bytes_at(candidate, args.long_contexts), strict=True))
             for row in perplexity_by_context({name: candidate}, documents, args.long_contexts,
-                                                args.long_scored_tokens, log=progress):
+                                                args.long_scored_tokens, args.long_min_rows, log=progress):
                 long_rows.append({**row, "cache_bytes": cache_bytes[row["context"]]})
             if name in passkey_models:
                 for (length, haystack, variant), setting_trials in passkey_sets.items():
-                    accuracy = passkey_accuracy(candidate, tokenizer, setting_trials)
+                    scores = passkey_scores(candidate, setting_trials)
                     passkey.append({"model": name, "length": length, "haystack": haystack, "variant": variant,
-                                    "trials": len(setting_trials), "accuracy": accuracy})
-                    progress(f"{name}: passkey @{length} {haystack}/{variant} {accuracy:.0%}")
+                                    **scores})
+                    progress(f"{name}: passkey @{length} {haystack}/{variant} {scores['accuracy']:.0%}, key "
+                             f"log-prob {scores['key_log_prob']:.2f} ± {scores['key_log_prob_se']:.2f}")
         profile = decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk)
         for entry, cache_bytes in zip(profile, cache_bytes_by_context(model, args.decode_contexts), strict=True):
             decode.append({"model": label, "context": entry["context"], "cache_bytes": cache_bytes,

@@ -17,7 +17,9 @@ KJV's are not all Genesis). Everything is deterministic: no sampling anywhere bu
 from `seed`.
 
 Passkey prompts of length L: exactly L tokens (preamble, haystack with the needle(s) inserted at token level,
-question), the asked-for needle at depth (i + 0.5) / trials in trial i.
+question), the asked-for needle at depth (i + 0.5) / trials in trial i, the answer " " + the key right after the
+prompt. Variants (`passkey_trials`): `chat`, asked in the tokenizer's chat template, is the one the instruct
+teacher passes (docs/design.md, "The retrieval evaluation"); `single` and `multi` are harder.
 """
 
 from __future__ import annotations
@@ -196,6 +198,10 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 PREAMBLE = ("There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
             "I will quiz you about it.\n\n")
 DOORS = ("red", "green", "blue", "amber", "violet", "silver", "black", "white")
+# "chat" (the default) is the one an instruct teacher passes; "single" and "multi" are harder.
+VARIANTS = ("chat", "single", "multi")
+HAYSTACKS = ("natural", "filler")
+_MARKER = "\x00haystack\x00"
 
 
 @dataclass(frozen=True)
@@ -204,21 +210,22 @@ class PasskeyTrial:
     answer: str  # the digits a correct model generates
     needle_start: int  # position of the asked-for needle's first token in input_ids
     depth: float  # the requested depth of that needle in the haystack (0: first, 1: last)
+    answer_ids: torch.Tensor  # [1, K]: the tokens that answer, as they follow the prompt (" " + the key's digits)
 
 
 def passkey_prompt(tokenizer, haystack_ids: list[int], length: int, needles: list[tuple[float, str]],
-                   question: str) -> tuple[torch.Tensor, list[int]]:
-    """Token ids [1, length]: the preamble, the first tokens of `haystack_ids` with each (depth, text) needle
+                   question: str, head: str = PREAMBLE) -> tuple[torch.Tensor, list[int]]:
+    """Token ids [1, length]: `head`, the first tokens of `haystack_ids` with each (depth, text) needle
     inserted after round(depth × haystack tokens) of them, then `question`. Also the needles' start positions.
     Pieces are tokenized separately and concatenated, so the needle sits exactly where asked."""
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     needle_ids = [(depth, encode(text)) for depth, text in sorted(needles, key=lambda n: n[0])]
-    head, tail = encode(PREAMBLE), encode(question)
-    budget = length - len(head) - len(tail) - sum(len(ids) for _, ids in needle_ids)
+    head_ids, tail = encode(head), encode(question)
+    budget = length - len(head_ids) - len(tail) - sum(len(ids) for _, ids in needle_ids)
     if budget < 1 or len(haystack_ids) < budget:
         raise ValueError(f"a passkey prompt of length {length} leaves {budget} haystack tokens "
                          f"(haystack has {len(haystack_ids)}); use a longer length or haystack")
-    ids, starts, taken = list(head), [], 0
+    ids, starts, taken = list(head_ids), [], 0
     for depth, piece in needle_ids:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"needle depth must be in [0, 1], got {depth}")
@@ -232,20 +239,43 @@ def passkey_prompt(tokenizer, haystack_ids: list[int], length: int, needles: lis
     return torch.tensor([ids]), [starts[order.index(i)] for i in range(len(needles))]
 
 
+def chat_frame(tokenizer, question: str, answer_start: str) -> tuple[str, str]:
+    """(text before the haystack, text after it) of a prompt that is one user turn of the tokenizer's chat
+    template (PREAMBLE, the haystack, `question`), then the opening of the assistant's turn and `answer_start`.
+    ValueError for a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the 'chat' passkey variant asks in the tokenizer's chat template and this tokenizer has "
+                         "none: use the variants 'single' or 'multi'")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PREAMBLE + _MARKER + question}],
+                                         tokenize=False, add_generation_prompt=True)
+    head, _, tail = text.partition(_MARKER)
+    return head, tail + answer_start
+
+
 def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials: int, haystack: str, variant: str,
                    seed: int = 0, keys: int = 4) -> list[PasskeyTrial]:
     """`trials` prompts of `length` tokens. The asked-for needle of trial i sits at depth (i + 0.5) / trials
     (evenly spread); keys (5 digits) and haystack offsets come from `seed`. `haystack`: "natural" (a window of
-    the long documents, document i mod count) or "filler" (a repeated sentence block). `variant`: "single" (one
-    pass key) or "multi" (`keys` doors with a key each, the others at random depths; one door is asked for)."""
-    if haystack not in ("natural", "filler"):
-        raise ValueError(f"haystack must be 'natural' or 'filler', got {haystack!r}")
-    if variant not in ("single", "multi"):
-        raise ValueError(f"variant must be 'single' or 'multi', got {variant!r}")
+    the long documents, document i mod count) or "filler" (a repeated sentence block). `variant`:
+    - "chat": one secret pass key, stated twice in a paragraph of its own, asked for in the tokenizer's chat
+      template (the user's turn; the assistant's starts "The secret pass key is");
+    - "single": one pass key stated twice inside the running text, asked for in plain text;
+    - "multi": `keys` doors with a key each, the others at random depths, one door asked for in plain text.
+    The answer of every variant is " " + the key, right after the prompt."""
+    if trials < 1:
+        raise ValueError(f"passkey trials must be ≥ 1, got {trials}")
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack must be one of {list(HAYSTACKS)}, got {haystack!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if variant == "multi" and not 2 <= keys <= len(DOORS):
         raise ValueError(f"keys must be in [2, {len(DOORS)}] for the multi-key variant, got {keys}")
+    head, question = PREAMBLE, " What is the pass key? The pass key is"
+    if variant == "chat":
+        head, question = chat_frame(tokenizer, "\n\nWhat is the secret pass key?", "The secret pass key is")
     rng = random.Random(f"{seed}/{length}/{haystack}/{variant}")
-    filler = tokenizer(FILLER * (length // 8 + 2), add_special_tokens=False).input_ids
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    filler = encode(FILLER * (length // 8 + 2))
     result = []
     for i in range(trials):
         depth = (i + 0.5) / trials
@@ -255,19 +285,21 @@ def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials
             source = document[start:]
         else:
             source = filler
-        if variant == "single":
-            key = str(rng.randint(10000, 99999))
-            needles = [(depth, f" The pass key is {key}. Remember it. {key} is the pass key. ")]
-            question = " What is the pass key? The pass key is"
-        else:
+        if variant == "multi":
             doors = rng.sample(DOORS, keys)
             values = [str(rng.randint(10000, 99999)) for _ in doors]
             needles = [(depth if j == 0 else rng.random(), f" The pass key of the {door} door is {value}. ")
                        for j, (door, value) in enumerate(zip(doors, values, strict=True))]
             key = values[0]
             question = f" What is the pass key of the {doors[0]} door? The pass key of the {doors[0]} door is"
-        ids, starts = passkey_prompt(tokenizer, source, length, needles, question)
-        result.append(PasskeyTrial(ids, key, starts[0], depth))
+        else:
+            key = str(rng.randint(10000, 99999))
+            needle = (f"\n\nThe secret pass key is {key}. Remember it: the secret pass key is {key}.\n\n"
+                      if variant == "chat"
+                      else f" The pass key is {key}. Remember it. {key} is the pass key. ")
+            needles = [(depth, needle)]
+        ids, starts = passkey_prompt(tokenizer, source, length, needles, question, head)
+        result.append(PasskeyTrial(ids, key, starts[0], depth, torch.tensor([encode(" " + key)])))
     return result
 
 # --------------------------------------------------------------------------------------------- lm-eval needle data

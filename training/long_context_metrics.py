@@ -3,14 +3,18 @@ perplexity against context length, passkey retrieval, and cache bytes at each le
 (`training/evaluate.py`) runs them on the teacher, its sliding-window baseline and each model.
 
 Perplexity at context L: rows of L consecutive document tokens (row r is window r // D, not overlapping, of
-document r % D of the D documents), added until `scored_tokens` tokens are scored. Each row scores its second
+document r % D of the D documents), added until `scored_tokens` tokens are scored and at least `min_rows` rows
+are (so that a long context is not decided by one window). Each row scores its second
 half, positions L // 2 .. L - 1, every token predicted from all tokens before it in the row: each scored token
 has at least L / 2 tokens of context, so a model that uses context can only gain from a longer L. The rows are
 the same for every model at a given L (they are different windows at different L: compare models at one L, and
 each model's trend over L).
 
-Passkey retrieval at length L: the prompts of `long_context_data.passkey_trials`; greedy decoding; a trial
-counts when the first run of digits of the continuation is exactly the key.
+Passkey retrieval at length L: the prompts of `long_context_data.passkey_trials`, each scored teacher-forced
+(`key_score`: one forward over the prompt and the key's tokens): the log-probability of the key's tokens, the
+share of them that are the argmax, and greedy exact match (every key token the argmax: greedy decoding emits
+the key; the tests check this against `greedy_generate`). The lm-eval needle tasks read a greedy continuation
+instead and count a trial when its first run of digits is the key (`answer_matches`).
 
 Every model is a `PreTrainedModel` (the teacher, a converted linear-attention checkpoint, ...) or a
 `WindowBaseline`: a softmax model restricted by an attention mask to a sliding window plus sink tokens (the
@@ -79,7 +83,8 @@ def next_token_logits(model, input_ids: torch.Tensor, logits_to_keep: int = 0) -
 
 def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, tokenizer) -> list[int]:
     """Greedy continuation of one row `input_ids` [1, T]: `generate()` for a plain model; for a `WindowBaseline`
-    a cached decoding loop whose every step gets its row of the window mask."""
+    a cached decoding loop whose every step gets its row of the window mask. (What `key_score`'s exact match
+    stands for, without generating; the lm-eval needle tasks generate this way.)"""
     input_ids = input_ids.to(model_device(model))
     if not isinstance(model, WindowBaseline):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
@@ -117,19 +122,17 @@ def cache_bytes_at(model, contexts: list[int]) -> list[int]:
 # --------------------------------------------------------------------------------------------- perplexity
 
 def perplexity_windows(documents: list[LongDocument], context: int, scored_tokens: int,
-                       max_rows: int | None = None) -> list[torch.Tensor]:
+                       min_rows: int = 1) -> list[torch.Tensor]:
     """The rows [1, context] scored at `context`: enough to score `scored_tokens` tokens (each row scores its last
-    `context - context // 2`), at most `max_rows`. Row r is window r // len(documents) (consecutive, not
+    `context - context // 2`), and at least `min_rows`. Row r is window r // len(documents) (consecutive, not
     overlapping) of document r % len(documents), so the rows spread over every document."""
-    if context < 2:
-        raise ValueError(f"context must be ≥ 2, got {context}")
-    rows = math.ceil(scored_tokens / (context - context // 2))
-    if max_rows is not None:
-        rows = min(rows, max_rows)
+    if context < 2 or min_rows < 1:
+        raise ValueError(f"context must be ≥ 2 and min_rows ≥ 1, got {context} and {min_rows}")
+    rows = max(math.ceil(scored_tokens / (context - context // 2)), min_rows)
     per_document = min(len(d.input_ids) for d in documents) // context
     if rows > per_document * len(documents):
         raise ValueError(f"context {context} needs {rows} rows; the documents hold {per_document * len(documents)} "
-                         f"(use longer or more documents, or fewer scored_tokens)")
+                         f"(use longer or more documents, fewer scored_tokens or fewer min_rows)")
     return [documents[r % len(documents)].input_ids[None, (r // len(documents)) * context:
                                                      (r // len(documents) + 1) * context] for r in range(rows)]
 
@@ -145,13 +148,13 @@ def scored_loss(model, row: torch.Tensor) -> tuple[float, int]:
 
 
 def perplexity_by_context(models: dict[str, object], documents: list[LongDocument], contexts: list[int],
-                          scored_tokens: int = 8192, max_rows: int | None = None,
+                          scored_tokens: int = 8192, min_rows: int = 1,
                           log: Callable[[str], None] = print) -> list[dict]:
-    """Held-out perplexity of every model at every context: the same rows, and so the same scored token positions,
-    for every model at a given context. One row per (model, context)."""
+    """Held-out perplexity of every model at every context (`perplexity_windows`): the same rows, and so the same
+    scored token positions, for every model at a given context. One row per (model, context)."""
     results = []
     for context in contexts:
-        windows = perplexity_windows(documents, context, scored_tokens, max_rows)
+        windows = perplexity_windows(documents, context, scored_tokens, min_rows)
         for label, model in models.items():
             total, count = 0.0, 0
             for row in windows:
@@ -172,12 +175,43 @@ def answer_matches(generated: str, answer: str) -> bool:
     return digits is not None and digits.group() == answer
 
 
-@torch.no_grad()
-def passkey_accuracy(model, tokenizer, trials: list[PasskeyTrial]) -> float:
-    """Share of trials whose greedy continuation (answer digits + 3 tokens) starts with the right digits."""
-    hits = 0
-    for trial in trials:
-        new = greedy_generate(model, trial.input_ids, len(trial.answer) + 3, tokenizer)
-        hits += answer_matches(tokenizer.decode(new, skip_special_tokens=True), trial.answer)
-    return hits / len(trials)
+@dataclass(frozen=True)
+class KeyScore:
+    """The teacher-forced score of one passkey trial: the model reads the prompt and then the key's tokens."""
+    log_prob: float  # summed log-probability of the key's tokens, each given the prompt and the key before it
+    tokens: int  # the key's tokens
+    argmax_hits: int  # key tokens that are the argmax of the model's distribution at their position
+    exact: bool  # every key token is the argmax: greedy decoding emits exactly the key's tokens first
 
+
+@torch.no_grad()
+def key_score(model, trial: PasskeyTrial) -> KeyScore:
+    """One forward over the prompt and the key's tokens but the last ([1, length + K - 1]) scores the K key
+    tokens (`trial.answer_ids`). Greedy decoding emits the key exactly when each key token is the argmax given
+    the prompt and the key tokens before it, which is what `exact` checks (by induction over the K steps)."""
+    answer = trial.answer_ids.to(trial.input_ids.device)
+    count = answer.shape[1]
+    logits = next_token_logits(model, torch.cat([trial.input_ids, answer[:, :-1]], dim=1), logits_to_keep=count)
+    logits = logits[0].float()  # [K, vocab]: position t predicts key token t
+    target = answer[0].to(logits.device)
+    hits = logits.argmax(-1) == target
+    log_prob = logits.log_softmax(-1).gather(-1, target[:, None]).sum().item()
+    return KeyScore(log_prob, count, int(hits.sum()), bool(hits.all()))
+
+
+def passkey_scores(model, trials: list[PasskeyTrial]) -> dict[str, float]:
+    """The passkey measurements of one model on one set of trials (one forward each, `key_score`):
+    `accuracy` (share of trials greedy decoding answers exactly), `key_log_prob` (mean over trials of the key's
+    summed log-probability) with `key_log_prob_se` (its standard error over trials; 0 for one trial),
+    `key_log_prob_per_token` (mean per key token) and `argmax_accuracy` (share of key tokens that are the
+    argmax)."""
+    if not trials:
+        raise ValueError("passkey scores need at least one trial")
+    scores = [key_score(model, trial) for trial in trials]
+    log_probs = torch.tensor([s.log_prob for s in scores], dtype=torch.float64)
+    tokens = sum(s.tokens for s in scores)
+    se = log_probs.std().item() / math.sqrt(len(scores)) if len(scores) > 1 else 0.0
+    return {"trials": len(scores), "accuracy": sum(s.exact for s in scores) / len(scores),
+            "key_log_prob": log_probs.mean().item(), "key_log_prob_se": se,
+            "key_log_prob_per_token": log_probs.sum().item() / tokens,
+            "argmax_accuracy": sum(s.argmax_hits for s in scores) / tokens}

@@ -8,11 +8,11 @@ script, base model, datasets, steps, tokens seen, held-out metrics, licence and 
 converted checkpoint also names its softmax source in `config.base_model_name_or_path`.
 `evaluation.json`, which `training/evaluate.py` writes into every linear-attention checkpoint it
 evaluates, adds the comparison with the softmax teacher and its sliding-window baseline (short held-out
-perplexity; long-context perplexity, passkey retrieval and cache bytes by context; decode cache bytes and
-latency, as measured). The metadata (`ModelCardData`) carries licence, base model (the first
-of these two that is a Hub id), datasets, tags and the evaluation as model-index results. The licence
-is, in order: the one given, the one the run recorded, or the one in the card of the fine-tuned or
-the source model (read locally or from the Hub).
+perplexity; long-context perplexity, passkey retrieval (greedy accuracy, the key's log-probability and argmax
+accuracy, beside the teacher's) and cache bytes by context; decode cache bytes and latency, as measured). The
+metadata (`ModelCardData`) carries licence, base model (the first of these two that is a Hub id), datasets, tags
+and the evaluation as model-index results. The licence is, in order: the one given, the one the run recorded, or
+the one in the card of the fine-tuned or the source model (read locally or from the Hub).
 
 Writing a card runs no model: it renders what the runs recorded. The memory table is measured, not
 estimated, by `training.measure.cache_memory` (a model with this checkpoint's attention layout and tiny
@@ -93,9 +93,10 @@ def _human_bytes(count: int) -> str:
 
 def long_context_tables(evaluation: dict[str, Any], label: str | None = None) -> dict[str, str]:
     """{title: Markdown table} of the long-context part of an evaluation record (what `training.evaluation`
-    measured): perplexity by context with its ratio to the teacher's, passkey accuracy per length, haystack and
-    variant, and cache bytes by context with their share of the teacher's. The row (or column) of model `label`
-    is in bold. A part that was not measured gives no table."""
+    measured): perplexity by context with its ratio to the teacher's, passkey scores (`passkey_cell`) per length,
+    haystack and variant with the models (the teacher first) side by side, and cache bytes by context with their
+    share of the teacher's. The row (or column) of model `label` is in bold. A part that was not measured gives
+    no table."""
     long_rows, passkey = evaluation.get("long_context") or [], evaluation.get("passkey") or []
     bold = lambda text, model: f"**{text}**" if model == label else text  # noqa: E731
     tables = {}
@@ -123,11 +124,22 @@ def long_context_tables(evaluation: dict[str, Any], label: str | None = None) ->
         for r in passkey:
             setting = (r["length"], r["haystack"], r["variant"])
             rows.setdefault(setting, {"setting": f"{r['length']:,} {r['haystack']} {r['variant']}"})[r["model"]] = bold(
-                f"{r['accuracy']:.0%}", r["model"])
-        title = f"Passkey retrieval (share of {max(r['trials'] for r in passkey)} trials, greedy decoding)"
-        tables[title] = markdown_table(list(rows.values()), {"setting": "length, haystack, key(s)",
+                passkey_cell(r), r["model"])
+        trials = sorted({r["trials"] for r in passkey})
+        title = (f"Passkey retrieval ({' / '.join(map(str, trials))} trials per setting): greedy accuracy (key "
+                 "log-probability, mean ± s.e. over trials; share of the key's tokens that are the argmax)")
+        tables[title] = markdown_table(list(rows.values()), {"setting": "length, haystack, variant",
                                                              **{m: bold(m, m) for m in models}})
     return tables
+
+
+def passkey_cell(row: dict[str, Any]) -> str:
+    """One passkey measurement as "accuracy (log-prob ± s.e.; argmax accuracy)"; a record written before the
+    teacher-forced scores existed has the accuracy alone."""
+    if "key_log_prob" not in row:
+        return f"{row['accuracy']:.0%}"
+    return (f"{row['accuracy']:.0%} ({row['key_log_prob']:.2f} ± {row['key_log_prob_se']:.2f}; "
+            f"{row['argmax_accuracy']:.0%})")
 
 
 def comparison_tables(evaluation: dict[str, Any]) -> dict[str, Any]:
