@@ -362,7 +362,7 @@ def test_convert_cli_keeps_the_teachers_retrieval_heads(tmp_path, capsys, datase
               "--num_sink_tokens", "1", "--block_size", "96", "--cache_dir", str(dataset_cache)]
     for bad, message in (
         (["--softmax_heads", "auto:5"], "N must be in [1, 4]"),  # 2 layers x 2 KV heads
-        (["--softmax_heads", "auto:2", "--softmax_layers", "0"], "N must be in [1, 2]"),
+        (["--softmax_heads", "auto:3", "--softmax_layers", "0"], "N must be in [1, 2]"),
         (["--softmax_heads", "auto:0"], "N ≥ 1"),
         (["--softmax_heads", "1:2"], "KV head indices must lie in [0, 1]"),
         (["--softmax_heads", "1-0"], "not a LAYER:HEAD"),

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from hf_linear_attn.head_selection import RetrievalPrompt
+
 DEFAULT_DATA_DIR = "outputs/long_context_data"
 PREPARE_COMMAND = "python -m training.long_context prepare"
 SOURCES = ("kjv", "austen")
@@ -211,6 +213,20 @@ class PasskeyTrial:
     needle_start: int  # position of the asked-for needle's first token in input_ids
     depth: float  # the requested depth of that needle in the haystack (0: first, 1: last)
     answer_ids: torch.Tensor  # [1, K]: the tokens that answer, as they follow the prompt (" " + the key's digits)
+
+    def retrieval_prompt(self) -> RetrievalPrompt:
+        """The trial teacher-forced, for ranking heads by retrieval: the prompt followed by the answer's tokens, with
+        where the needle states those same tokens (their first occurrence from the needle's start). ValueError when
+        the needle, tokenized on its own, holds them differently (a tokenizer that merges the key with what precedes
+        it)."""
+        answer, row = self.answer_ids[0].tolist(), self.input_ids[0].tolist()
+        start = next((i for i in range(self.needle_start, len(row) - len(answer) + 1)
+                      if row[i:i + len(answer)] == answer), None)
+        if start is None:
+            raise ValueError(f"the answer's tokens {answer} do not appear in the prompt after its needle (position "
+                             f"{self.needle_start}): this tokenizer splits the key differently inside the needle")
+        ids = torch.cat([self.input_ids, self.answer_ids], dim=1)
+        return RetrievalPrompt(ids, (start, start + len(answer)), (ids.shape[1] - len(answer), ids.shape[1]))
 
 
 def passkey_prompt(tokenizer, haystack_ids: list[int], length: int, needles: list[tuple[float, str]],
