@@ -153,13 +153,18 @@ def parse_softmax_heads(spec: str | Sequence[str] | dict | None) -> SoftmaxHeadS
     return SoftmaxHeadSpec(heads=heads)
 
 
-def top_heads(scores: torch.Tensor, n: int, exclude_layers: Sequence[int] = ()) -> dict[int, list[int]]:
+def top_heads(scores: torch.Tensor, n: int, exclude_layers: Sequence[int] = (),
+              taken: dict[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
     """The `n` highest-scoring (layer, KV head) pairs of `scores` [L, H_kv], outside `exclude_layers` (e.g. the
-    softmax layers, whose heads are all exact already), as {layer: sorted heads} (the form of `softmax_heads`)."""
+    softmax layers, whose heads are all exact already) and the heads of `taken` ({layer: [kv_head, ...]}, heads a
+    model keeps exact already), as {layer: sorted heads} (the form of `softmax_heads`)."""
     layers, kv_heads = scores.shape
-    allowed = [(layer, head) for layer in range(layers) if layer not in set(exclude_layers) for head in range(kv_heads)]
+    skip = {(layer, head) for layer, heads in (taken or {}).items() for head in heads}
+    allowed = [(layer, head) for layer in range(layers) if layer not in set(exclude_layers) for head in range(kv_heads)
+               if (layer, head) not in skip]
     if not 0 <= n <= len(allowed):
-        raise ValueError(f"n must be in [0, {len(allowed)}] (the KV heads outside the excluded layers), got {n}")
+        raise ValueError(f"n must be in [0, {len(allowed)}] (the KV heads outside the excluded layers and the heads "
+                         f"taken already), got {n}")
     ranked = sorted(allowed, key=lambda lh: (-float(scores[lh]), lh))[:n]
     chosen: dict[int, list[int]] = {}
     for layer, head in sorted(ranked):

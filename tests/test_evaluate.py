@@ -245,6 +245,53 @@ def test_a_sparse_memory_variant_is_measured_as_the_model_with_sparse_cache_size
     assert long_rows["narrow + memory 3"]["cache_bytes"] > long_rows["narrow"]["cache_bytes"]
 
 
+def test_head_variants_restore_the_teachers_best_retrieving_heads_and_the_frontier_sets_quality_against_cache(
+        evaluated, tmp_path, dataset_cache):
+    """`--softmax_head_counts 1`: "narrow + 1 heads" is narrow with the teacher's best retrieving KV head (ranked on
+    the data pipeline's passkey prompts) restored; with a memory size too, every combination; the frontier table
+    puts each model's perplexity and passkey at the longest context beside its cache share."""
+    from hf_linear_attn.head_selection import retrieval_scores, top_heads
+    from hf_linear_attn.layer_selection import restore_softmax_heads
+    from training.checkpoint_conversion import head_ranking_prompts
+    from training.data import byte_level_tokenizer
+
+    root, teacher, _, documents = evaluated
+    argv = ["--teacher", str(root / "teacher"), "--models", f"narrow={root / 'narrow'}", "--softmax_head_counts", "1",
+            "--sparse_cache_sizes", "3", "--head_ranking_prompts", "2", "--head_ranking_length", "400",
+            "--baseline_window", "0", "--block_size", str(BLOCK), "--cache_dir", str(dataset_cache),
+            "--max_eval_rows", "2", "--long_context_data", str(root / "texts"), "--document_tokens", "512",
+            "--documents_per_source", "2", "--long_contexts", "64", "--long_scored_tokens", str(SCORED),
+            "--long_min_rows", str(MIN_ROWS), "--passkey_lengths", "400", "--passkey_trials", "2",
+            "--passkey_variants", "single", "--decode_contexts", "40", "--decode_tokens", "1",
+            "--update_model_cards", "false", "--output_dir", str(tmp_path / "out")]
+    assert evaluate.main(argv) == 0
+    record = json.loads((tmp_path / "out" / "evaluation.json").read_text())
+    long_rows = {r["model"]: r for r in record["long_context"]}
+    assert sorted(long_rows) == ["narrow", "narrow + 1 heads", "narrow + 1 heads + memory 3", "narrow + memory 3",
+                                 "teacher"]
+    prompts = head_ranking_prompts(byte_level_tokenizer(), DataArguments(block_size=400, cache_dir=str(dataset_cache)),
+                                   2)
+    heads = top_heads(retrieval_scores(teacher, prompts, progress=False), 1)
+    restored = restore_softmax_heads(AutoModelForCausalLM.from_pretrained(root / "narrow"), heads).eval()
+    windows = perplexity_windows(documents, 64, SCORED, MIN_ROWS)
+    assert long_rows["narrow + 1 heads"]["perplexity"] == pytest.approx(second_half_perplexity(restored, windows),
+                                                                        rel=1e-5)
+    # A restored head keeps its whole context: the cache grows by its keys and values (2 x 64 tokens x D x 4 bytes).
+    head_dim = teacher.config.hidden_size // teacher.config.num_attention_heads
+    assert long_rows["narrow + 1 heads"]["cache_bytes"] == long_rows["narrow"]["cache_bytes"] + 2 * 64 * head_dim * 4
+    decoded = json.loads((tmp_path / "out" / "decode.json").read_text())["rows"]
+    assert {r["model"] for r in decoded} == {"teacher", "narrow", "narrow + memory 3"}  # head variants: not profiled
+    frontier = {r["model"]: r for r in json.loads((tmp_path / "out" / "frontier.json").read_text())["rows"]}
+    assert sorted(frontier) == sorted(long_rows)
+    for label, row in frontier.items():
+        teacher_bytes = long_rows["teacher"]["cache_bytes"]
+        assert row["cache_share"] == pytest.approx(long_rows[label]["cache_bytes"] / teacher_bytes)
+        assert row["vs_teacher"] == pytest.approx(long_rows[label]["vs_teacher"])
+        scores = next(p for p in record["passkey"] if p["model"] == label)
+        assert row["passkey_400"] == f"{scores['accuracy']:.0%}, {scores['key_log_prob']:.2f}"
+    assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
+
+
 def test_sparse_memory_sizes_need_window_hybrids(evaluated, tmp_path, capsys):
     root, teacher, _, _ = evaluated
     convert_to_linear_attention(teacher, feature_map="hedgehog", feature_dim=8, window_size=0,
@@ -293,6 +340,8 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
     (["--models", "teacher=x"], "labels must differ"),
     (["--models", "m=x", "--sparse_cache_sizes", "0"], "sparse_cache_sizes must be distinct sizes ≥ 1"),
     (["--models", "m=x", "--sparse_cache_sizes", "4", "--memory_models", "n"], r"memory_models \['n'\] are not"),
+    (["--softmax_head_counts", "2", "2"], "softmax_head_counts must be distinct counts ≥ 1"),
+    (["--softmax_head_counts", "0"], "softmax_head_counts must be distinct counts ≥ 1"),
 ])
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra, message):
     write_long_texts(tmp_path / "texts")

@@ -52,6 +52,7 @@ def test_top_heads_orders_by_score_and_skips_excluded_layers():
     assert top_heads(scores, 3) == {0: [1], 1: [0], 2: [0]}
     assert top_heads(scores, 3, exclude_layers=[2]) == {0: [1], 1: [0, 2]}
     assert top_heads(scores, 0) == {}
+    assert top_heads(scores, 2, taken={2: [0], 0: [1]}) == {1: [0, 2]}
     with pytest.raises(ValueError, match=r"n must be in \[0, 6\]"):
         top_heads(scores, 7, exclude_layers=[0])
 

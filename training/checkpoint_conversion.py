@@ -27,7 +27,7 @@ from hf_linear_attn.conversion import (
     load_teacher,
     tokenizer_max_length,
 )
-from hf_linear_attn.head_selection import parse_softmax_heads, retrieval_scores, top_heads
+from hf_linear_attn.head_selection import RetrievalPrompt, parse_softmax_heads, retrieval_scores, top_heads
 from hf_linear_attn.layer_selection import (
     check_layer_selection,
     check_same_conversion,
@@ -146,7 +146,7 @@ class RankedHeads:
     heads: dict[int, list[int]]  # {layer: [kv_head, ...]}, for softmax_heads
     scores: torch.Tensor  # [L, H_kv]: `retrieval_scores`
     prompts: int
-    prompt_tokens: int
+    prompt_tokens: int  # tokens of each prompt before its answer
 
     def write_ranking(self, folder: str | Path, **details: Any) -> Path:
         """`folder/HEAD_RANKING_FILE`: the chosen heads, `details`, the prompts' count and length, and every KV head
@@ -160,25 +160,29 @@ class RankedHeads:
                              prompts=self.prompts, prompt_tokens=self.prompt_tokens)
 
 
-def rank_retrieval_heads(teacher: PreTrainedModel, tokenizer: Any, data_args: DataArguments, prompts: int, n: int,
-                         exclude_layers: list[int]) -> RankedHeads:
-    """Rank the KV heads of `teacher` by `retrieval_scores` on `prompts` passkey prompts of `data_args.block_size`
-    tokens, whose haystacks are windows of the data pipeline's documents (held-out rows first, then training rows),
-    and choose the `n` best outside `exclude_layers` (`top_heads`). The prompts ask in the tokenizer's chat template
-    when it has one (the "chat" passkey variant), else in plain text ("single")."""
+def head_ranking_prompts(tokenizer: Any, data_args: DataArguments, prompts: int) -> list[RetrievalPrompt]:
+    """`prompts` teacher-forced passkey prompts of `data_args.block_size` tokens for `retrieval_scores`, whose
+    haystacks are windows of the data pipeline's documents (held-out rows first, then training rows). They ask in the
+    tokenizer's chat template when it has one (the "chat" passkey variant), else in plain text ("single")."""
     length = data_args.block_size
     rows = build_datasets(data_args, tokenizer)
     tokens = [token for split in ("validation", "train") if split in rows
               for row in rows[split]["input_ids"] for token in row][: (prompts + 1) * length]
     if len(tokens) < 2 * length:
-        raise ValueError(f"--softmax_heads auto:{n}: the data pipeline holds {len(tokens)} tokens, too few for "
-                         f"passkey prompts of --block_size {length} tokens; give more documents or a smaller "
-                         "--block_size")
+        raise ValueError(f"the data pipeline holds {len(tokens)} tokens, too few for passkey prompts of "
+                         f"{length} tokens that rank heads; give more documents or a shorter length")
     variant = "chat" if getattr(tokenizer, "chat_template", None) else "single"
     trials = passkey_trials(tokenizer, [LongDocument("data", 0, torch.tensor(tokens))], length, prompts, "natural",
                             variant)
-    scores = retrieval_scores(teacher, [trial.retrieval_prompt() for trial in trials])
-    return RankedHeads(top_heads(scores, n, exclude_layers), scores, prompts, length)
+    return [trial.retrieval_prompt() for trial in trials]
+
+
+def rank_retrieval_heads(teacher: PreTrainedModel, prompts: list[RetrievalPrompt], n: int,
+                         exclude_layers: list[int]) -> RankedHeads:
+    """Rank the KV heads of `teacher` by `retrieval_scores` on `prompts` (`head_ranking_prompts`) and choose the `n`
+    best outside `exclude_layers` (`top_heads`)."""
+    scores = retrieval_scores(teacher, prompts)
+    return RankedHeads(top_heads(scores, n, exclude_layers), scores, len(prompts), prompts[0].answer[0])
 
 
 def check_head_count(n: int, num_layers: int, kv_heads: int, softmax_layers: int) -> None:
@@ -242,8 +246,8 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
     heads = head_spec.heads
     if head_spec.auto_n is not None:
         layers = list(selection.layers) if restored is None else restored.model.config.softmax_layers
-        ranked_heads = rank_retrieval_heads(teacher, tokenizer, data_args, args.ranking_prompts, head_spec.auto_n,
-                                            layers)
+        ranked_heads = rank_retrieval_heads(teacher, head_ranking_prompts(tokenizer, data_args, args.ranking_prompts),
+                                            head_spec.auto_n, layers)
         heads = ranked_heads.heads
         print(f"Softmax heads {heads}: the teacher's best retrieving KV heads on {args.ranking_prompts} passkey "
               f"prompts of {data_args.block_size} tokens (ranking in {HEAD_RANKING_FILE})")

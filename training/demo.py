@@ -39,14 +39,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from training.checkpoint_conversion import rank_retrieval_heads, restore_ranked_layers
+from training.checkpoint_conversion import head_ranking_prompts, rank_retrieval_heads, restore_ranked_layers
 from training.command_line import exit_on_bad_input
 from training.data import DataArguments
 from training.evaluation import (
     EvaluateArguments,
     check_arguments,
     evaluate_models,
-    memory_label,
+    variant_label,
     write_evaluation,
 )
 from training.hub import HubArguments
@@ -95,6 +95,9 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     passkey_haystacks: list[str] = field(default_factory=lambda: ["natural"])
     passkey_variants: list[str] = field(default_factory=lambda: ["chat"])
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
+    frontier_head_counts: list[int] = field(default_factory=list, metadata={
+        "help": "Also evaluate the final model with N more of the teacher's best retrieving KV heads restored "
+                "(training-free), for each N, with and without each memory size: the frontier table."})
     memory_sizes: list[int] = field(default_factory=list, metadata={
         "help": "Also evaluate the final model with a sparse exact memory of each size (training-free: its config's "
                 "sparse_cache_size switched on), passkey included."})
@@ -149,8 +152,11 @@ def evaluation_arguments(args: DemoArguments, folder: str, models: dict[str, Pat
         long_contexts=args.long_contexts, long_scored_tokens=args.long_scored_tokens, long_min_rows=args.long_min_rows,
         passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
         passkey_haystacks=args.passkey_haystacks, passkey_variants=args.passkey_variants,
-        sparse_cache_sizes=args.memory_sizes, memory_models=[final_label],
-        passkey_models=["teacher", final_label, *(memory_label(final_label, m) for m in args.memory_sizes)],
+        sparse_cache_sizes=args.memory_sizes, softmax_head_counts=args.frontier_head_counts,
+        head_ranking_prompts=args.ranking_prompts, head_ranking_length=args.block_size, memory_models=[final_label],
+        passkey_models=["teacher", final_label, *(variant_label(final_label, n, m) for n in
+                                                  [0, *args.frontier_head_counts] for m in [0, *args.memory_sizes]
+                                                  if n or m)],
         decode_contexts=args.decode_contexts, output_dir=str(Path(args.output_dir) / "evaluation"),
     )
 
@@ -184,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                          max_eval_samples=args.eval_rows)
     heads = None
     if args.softmax_heads_n > 0:
-        heads = rank_retrieval_heads(teacher, tokenizer, data, args.ranking_prompts, args.softmax_heads_n, [])
+        heads = rank_retrieval_heads(teacher, head_ranking_prompts(tokenizer, data, args.ranking_prompts),
+                                     args.softmax_heads_n, [])
         print(f"    softmax heads {heads.heads}: the teacher's {args.softmax_heads_n} best retrieving KV heads on "
               f"{args.ranking_prompts} passkey prompts of {args.block_size} tokens", flush=True)
     student = convert_to_linear_attention(teacher, softmax_heads=heads and heads.heads, **attention_options(args))

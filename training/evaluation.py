@@ -20,7 +20,12 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
   (`training.measure`).
 With `sparse_cache_sizes`, the models of `memory_models` (default all; window hybrids) are measured again with a
-sparse exact memory of each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M".
+sparse exact memory of each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M"; with
+`softmax_head_counts`, again with the N KV heads the teacher retrieves with most restored to softmax
+(`restore_softmax_heads`, training-free; ranked by `hf_linear_attn.head_selection.retrieval_scores` on passkey
+prompts over the data pipeline's documents), "LABEL + N heads", and with both, "LABEL + N heads + memory M". The
+frontier table and plot (`frontier.{md,json,png}`) put every model's quality at the longest context beside its cache
+bytes there, as a share of the teacher's.
 It returns the rows (`Evaluation`); `write_evaluation` writes them as tables (Markdown, JSON, plots of
 perplexity and cache bytes against context) and, with `update_model_cards`, into every linear-attention
 checkpoint evaluated (`evaluation.json`) with a model card (`README.md`) that shows them.
@@ -37,7 +42,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
+from hf_linear_attn.head_selection import retrieval_scores, top_heads
+from hf_linear_attn.layer_selection import restore_softmax_heads
+from training.checkpoint_conversion import head_ranking_prompts
 from training.data import DataArguments, build_datasets, collate_rows
 from training.long_context_data import (
     DEFAULT_DATA_DIR,
@@ -68,7 +76,7 @@ from training.long_context_metrics import (
 from training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
 from training.measure import cache_bytes_by_context, cache_memory, decode_profile
 from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
-from training.report import log_log_plot, machine, write_report
+from training.report import format_cell, log_log_plot, machine, write_report
 
 
 @dataclass
@@ -103,8 +111,16 @@ class EvaluateArguments:
     sparse_cache_sizes: list[int] = field(default_factory=list, metadata={
         "help": "Also measure the models of memory_models with a sparse exact memory of each size (training-free; "
                 "labelled 'LABEL + memory M')."})
+    softmax_head_counts: list[int] = field(default_factory=list, metadata={
+        "help": "Also measure the models of memory_models with, for each N, the N KV heads the teacher retrieves with "
+                "most restored to softmax (training-free, beside those they keep already; labelled 'LABEL + N "
+                "heads', and with each of sparse_cache_sizes 'LABEL + N heads + memory M'). Needs --teacher."})
+    head_ranking_prompts: int = field(default=6, metadata={
+        "help": "Passkey prompts (haystack: the data pipeline's documents) that rank the teacher's heads."})
+    head_ranking_length: int = field(default=2048, metadata={"help": "Tokens of each head-ranking prompt."})
     memory_models: list[str] | None = field(default=None, metadata={
-        "help": "Labels of the models (window hybrids) measured with each of sparse_cache_sizes; default: all."})
+        "help": "Labels of the models measured with each of sparse_cache_sizes (window hybrids) and "
+                "softmax_head_counts; default: all."})
     passkey_models: list[str] | None = field(default=None, metadata={
         "help": "Labels that get the passkey trials (teacher, SWA(W)+S sinks, model labels); default: all."})
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
@@ -147,9 +163,18 @@ def baseline_label(args: EvaluateArguments) -> str:
     return f"SWA({args.baseline_window})+{args.baseline_sinks} sinks"
 
 
-def memory_label(label: str, size: int) -> str:
-    """The label of model `label` measured with a sparse exact memory of `size` tokens."""
-    return f"{label} + memory {size}"
+def variant_label(label: str, heads: int, memory: int) -> str:
+    """The label of model `label` measured with `heads` more KV heads restored and a sparse exact memory of `memory`
+    tokens (0: none of either)."""
+    return label + (f" + {heads} heads" if heads else "") + (f" + memory {memory}" if memory else "")
+
+
+def variants(args: EvaluateArguments, with_variants: dict[str, str]) -> list[tuple[str, str, int, int]]:
+    """(variant label, model label, heads, memory) of every variant measured: each model of `with_variants` with each
+    head count and memory size of the arguments, and each combination of the two."""
+    return [(variant_label(label, heads, memory), label, heads, memory) for label in with_variants
+            for heads in [0, *args.softmax_head_counts] for memory in [0, *args.sparse_cache_sizes]
+            if heads or memory]
 
 
 def check_memory_models(models: dict[str, str], sizes: list[int]) -> None:
@@ -201,9 +226,13 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     with_memory = {label: models[label] for label in (models if args.memory_models is None else args.memory_models)}
     labels = [*(["teacher"] if args.teacher else []),
               *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
-              *(memory_label(label, size) for label in with_memory for size in args.sparse_cache_sizes)]
+              *(name for name, *_ in variants(args, with_memory))]
+    counts = args.softmax_head_counts
+    if counts and (not args.teacher or any(n < 1 for n in counts) or len(set(counts)) < len(counts)):
+        raise ValueError(f"softmax_head_counts must be distinct counts ≥ 1 and need --teacher (whose heads are "
+                         f"ranked), got {counts} with teacher {args.teacher!r}")
     for name in ("max_eval_rows", "eval_batch_size", "document_tokens", "documents_per_source",
-                 "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk"):
+                 "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk", "head_ranking_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
     if args.baseline_window < 0 or args.baseline_sinks < 0 or args.passkey_trials < 0:
@@ -231,6 +260,16 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
         raise ValueError(f"--models labels must differ from each other, from 'teacher' and from the baseline's "
                          f"({baseline_label(args)!r}); the labels are {labels}")
     return models, with_memory, labels
+
+
+def with_heads(model: PreTrainedModel, head_scores: list[torch.Tensor], n: int) -> PreTrainedModel:
+    """`model` with the `n` KV heads that rank highest in `head_scores[0]` (the teacher's `retrieval_scores`)
+    restored to softmax, outside its softmax layers and the heads it keeps already (`model` itself for n = 0)."""
+    if n == 0:
+        return model
+    config = model.config
+    heads = top_heads(head_scores[0], n, exclude_layers=config.softmax_layers, taken=config.softmax_heads)
+    return restore_softmax_heads(model, heads, inplace=True)
 
 
 def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
@@ -263,6 +302,10 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         tokenizer, documents, length, args.passkey_trials, haystack, variant, args.seed, args.passkey_keys)
         for length, haystack, variant in passkey_settings}
     passkey_models = set(labels if args.passkey_models is None else args.passkey_models)
+    ranking_prompts = head_ranking_prompts(tokenizer, replace(data_args, block_size=args.head_ranking_length),
+                                           args.head_ranking_prompts) if args.softmax_head_counts else []
+    head_scores: list[torch.Tensor] = []  # the teacher's retrieval_scores, measured when it is loaded
+    head_variants = {name for name, _, heads, _ in variants(args, with_memory) if heads}
     log(f"Evaluating {len(labels)} models: {len(rows)} held-out rows of {data_args.block_size} tokens; "
         f"long-context perplexity at {args.long_contexts} (≥ {args.long_scored_tokens} tokens and "
         f"≥ {args.long_min_rows} rows each); "
@@ -273,14 +316,18 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         candidates.append(("teacher", lambda: load_teacher(args.teacher, **load_kwargs)))
     for label, path in models.items():
         candidates.append((label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)))
-        candidates += [(memory_label(label, size), lambda p=path, m=size: AutoModelForCausalLM.from_pretrained(
-            p, sparse_cache_size=m)) for size in args.sparse_cache_sizes if label in with_memory]
+        candidates += [(name, lambda p=path, n=heads, m=memory: with_heads(
+            AutoModelForCausalLM.from_pretrained(p, sparse_cache_size=m), head_scores, n))
+            for name, model_label, heads, memory in variants(args, with_memory) if model_label == label]
 
     start = time.perf_counter()
     progress = lambda line: log(f"  [{time.perf_counter() - start:5.0f} s] {line}")  # noqa: E731
     quality, long_rows, passkey, decode, linear_labels = [], [], [], [], []
     for label, load in candidates:
         model = load().eval()
+        if label == "teacher" and ranking_prompts:
+            head_scores.append(retrieval_scores(model, ranking_prompts, progress=False))
+            progress(f"teacher: KV heads ranked by retrieval on {len(ranking_prompts)} prompts")
         measured: list[tuple[str, Any]] = [(label, model)]
         if label == "teacher" and args.baseline_window > 0:
             measured.append((baseline_label(args), WindowBaseline(model, args.baseline_window, args.baseline_sinks)))
@@ -300,6 +347,9 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
                                     **scores})
                     progress(f"{name}: passkey @{length} {haystack}/{variant} {scores['accuracy']:.0%}, key "
                              f"log-prob {scores['key_log_prob']:.2f} ± {scores['key_log_prob_se']:.2f}")
+        if label in head_variants:  # its cache bytes are in the tables above; its decoding is the model's
+            progress(f"{label}: done")
+            continue
         profile = decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk)
         for entry, cache_bytes in zip(profile, cache_bytes_by_context(model, args.decode_contexts), strict=True):
             decode.append({"model": label, "context": entry["context"], "cache_bytes": cache_bytes,
@@ -319,6 +369,54 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
 QUALITY_COLUMNS = {"model": "model", "perplexity": "perplexity", "vs_teacher": "× teacher"}
 
 
+def frontier_rows(evaluation: Evaluation) -> list[dict[str, Any]]:
+    """Quality against cache bytes at the longest long context, one row per model measured there (variants
+    included), when the teacher is: `cache_bytes`, `cache_share` (of the teacher's), `vs_teacher` (perplexity
+    × the teacher's) and, from the first passkey setting measured (haystack and variant), `passkey_N` ("accuracy,
+    key log-prob") at each length N. Empty without the teacher or long contexts."""
+    if not evaluation.long_context:
+        return []
+    longest = max(r["context"] for r in evaluation.long_context)
+    at_longest = [r for r in evaluation.long_context if r["context"] == longest]
+    teacher_bytes = next((r["cache_bytes"] for r in at_longest if r["model"] == "teacher"), None)
+    if not teacher_bytes:
+        return []
+    setting = next(((p["haystack"], p["variant"]) for p in evaluation.passkey), None)
+    rows = []
+    for r in at_longest:
+        row = {"model": r["model"], "context": longest, "cache_bytes": r["cache_bytes"],
+               "cache_share": r["cache_bytes"] / teacher_bytes, "vs_teacher": r["vs_teacher"]}
+        for p in evaluation.passkey:
+            if p["model"] == r["model"] and (p["haystack"], p["variant"]) == setting:
+                row[f"passkey_{p['length']}"] = f"{p['accuracy']:.0%}, {p['key_log_prob']:.2f}"
+                row[f"key_log_prob_{p['length']}"] = p["key_log_prob"]
+        rows.append(row)
+    return rows
+
+
+def frontier_plot(rows: list[dict[str, Any]], lengths: list[int]) -> Callable:
+    """A `plot` for `write_report`: the key's log-probability at the longest passkey length measured, and the
+    perplexity against the teacher's, each against the share of the teacher's cache, one labelled point per model."""
+    key = f"key_log_prob_{max(lengths)}" if lengths else None
+
+    def plot(plt):
+        panels = [("vs_teacher", "perplexity × teacher")] + ([(key, f"key log-prob at {max(lengths)}")]
+                                                               if any(key in r for r in rows) else [])
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+        for ax, (y, ylabel) in zip(axes[0], panels, strict=True):
+            for r in rows:
+                if r.get(y) is not None:
+                    ax.plot(r["cache_share"], r[y], "o")
+                    ax.annotate(r["model"], (r["cache_share"], r[y]), fontsize=7, xytext=(3, 3),
+                                textcoords="offset points")
+            ax.set(xscale="log", xlabel=f"cache at {format_cell(rows[0]['context'])} tokens, × teacher's",
+                   ylabel=ylabel)
+        fig.tight_layout()
+        return fig
+
+    return plot
+
+
 def write_evaluation(evaluation: Evaluation, args: EvaluateArguments, data_args: DataArguments) -> tuple[str, str]:
     """Print and write `evaluation.{md,json,png}` (short perplexity; long-context perplexity, passkey and cache
     bytes by context; the plot of perplexity and cache bytes against context) and `decode.{md,json,png}` to
@@ -336,6 +434,12 @@ def write_evaluation(evaluation: Evaluation, args: EvaluateArguments, data_args:
         evaluation.quality, QUALITY_COLUMNS, args.output_dir, "evaluation", plot,
         meta={"args": asdict(args), "data": asdict(data_args), "long_context": evaluation.long_context,
               "passkey": evaluation.passkey}, sections=long_context_tables(record))
+
+    frontier = frontier_rows(evaluation)
+    if frontier:
+        columns = {"model": "model", "cache_share": "cache × teacher's", "vs_teacher": "perplexity × teacher",
+                   **{f"passkey_{n}": f"passkey {format_cell(n)}" for n in args.passkey_lengths}}
+        write_report(frontier, columns, args.output_dir, "frontier", frontier_plot(frontier, args.passkey_lengths))
 
     plot = log_log_plot(evaluation.decode, "context", "context tokens",
                         [(lambda r: r["cache_bytes"] / 2**20, "decode cache MiB")])
