@@ -182,6 +182,7 @@ def test_prefix_caching_is_switched_off(served):
 
 @pytest.mark.parametrize("options, engine, error", [
     (dict(**WINDOW, sparse_cache_size=8), {}, "sparse_cache_size=8"),
+    (dict(**WINDOW, softmax_heads={0: [0]}), {}, "softmax_heads"),
     (KINDS["demo"], dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                              "prompt_lookup_max": 3}), "speculative decoding is not supported"),
 ])
