@@ -91,9 +91,9 @@ def check_supported(config: LinearAttentionConfig) -> None:
                          "sparse exact memory) is not supported; serve the checkpoint with sparse_cache_size=0 "
                          "(set it in config.json), or use transformers' generate()")
     if config.softmax_heads:
-        raise ValueError(f"LinearAttentionForCausalLM in vLLM: softmax_heads={config.softmax_heads} (KV heads kept as "
-                         "exact softmax inside a recurrent layer) is not supported yet; serve a checkpoint without them "
-                         "(whole softmax_layers are), or use transformers' generate()")
+        raise ValueError(f"LinearAttentionForCausalLM in vLLM: softmax_heads={config.softmax_heads} (KV heads kept "
+                         "as exact softmax inside a recurrent layer) is not supported yet; serve a checkpoint without "
+                         "them (whole softmax_layers are), or use transformers' generate()")
 
 
 def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
