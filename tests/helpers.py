@@ -11,9 +11,11 @@ import json
 import os
 import pkgutil
 import random
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -407,3 +409,30 @@ def with_resets(log_decay: torch.Tensor, seed: int = 3) -> torch.Tensor:
     log_decay = torch.where(draw < 1 / 6, -torch.inf, log_decay)
     log_decay[:, 0] = -torch.inf
     return log_decay.requires_grad_()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Servers started by the tests on 127.0.0.1
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(server: subprocess.Popen, url: str, name: str, timeout: float) -> None:
+    """Poll `url`/health until it answers 200; fail with the server's last stderr if it exits, or after `timeout` s."""
+    import requests
+
+    deadline = time.time() + timeout
+    while True:
+        assert server.poll() is None, f"{name} exited: {server.stderr.read()[-3000:]}"
+        assert time.time() < deadline, f"{name} did not come up within {timeout:.0f} s"
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)

@@ -11,10 +11,8 @@ sentence) must go.
 """
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -22,19 +20,13 @@ SERVING = "transformers serve needs fastapi and uvicorn (pip install transformer
 pytest.importorskip("fastapi", reason=SERVING)
 pytest.importorskip("uvicorn", reason=SERVING)
 
-from helpers import save_with_tokenizer, teacher  # noqa: E402
+from helpers import free_port, save_with_tokenizer, teacher, wait_until_healthy  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from hf_linear_attn import convert_to_linear_attention  # noqa: E402
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 NEW_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -63,16 +55,7 @@ def test_chat_completion_equals_generate(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while True:
-            assert server.poll() is None, f"transformers serve exited: {server.stderr.read()[-3000:]}"
-            assert time.time() < deadline, "transformers serve did not come up within 180 s"
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
+        wait_until_healthy(server, url, "transformers serve", 180)
         body = {"model": str(tmp_path), "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
                 "stream": False}
         response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)

@@ -8,10 +8,8 @@ long prompts are prefilled in chunks beside other requests' decode steps.
 
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds its venv and runs these tests")
 
-from helpers import save_with_tokenizer  # noqa: E402
+from helpers import free_port, save_with_tokenizer, wait_until_healthy  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -205,12 +203,6 @@ def test_transformers_loads_a_checkpoint_without_the_plugin(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_openai_server_answers_concurrent_clients_as_sequential_ones(tmp_path):
     """`vllm serve` on 127.0.0.1 (the demo's kind): 4 concurrent completion requests get the tokens the same
     requests get one at a time, and generate()'s; a request beyond the maximum length is refused, the server stays
@@ -227,16 +219,7 @@ def test_openai_server_answers_concurrent_clients_as_sequential_ones(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 240
-        while True:
-            assert server.poll() is None, f"vllm serve exited: {server.stderr.read()[-3000:]}"
-            assert time.time() < deadline, "vllm serve did not come up within 240 s"
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
+        wait_until_healthy(server, url, "vllm serve", 240)
         batch = prompts((3, 40, 130, 250), seed=3)
 
         def complete(prompt: list[int]) -> list[int]:
