@@ -77,6 +77,11 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2), None
 
 
+def _not_probed(model: PreTrainedModel) -> str:
+    return (f"{type(model).__name__} does not run its attention through transformers' AttentionInterface; "
+            "retrieval_scores measures teachers such as Llama, Mistral, Qwen2, Qwen3")
+
+
 @contextmanager
 def _probing(model: PreTrainedModel) -> Iterator[list[torch.nn.Module]]:
     """The model with its attention switched to `_probe_attention`, yielding its attention modules (those with a
@@ -85,8 +90,7 @@ def _probing(model: PreTrainedModel) -> Iterator[list[torch.nn.Module]]:
     modules = sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")),
                      key=lambda m: m.layer_idx)
     if not modules or not model._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not run its attention through transformers' "
-                         "AttentionInterface; retrieval_scores measures teachers such as Llama, Mistral, Qwen2, Qwen3")
+        raise ValueError(_not_probed(model))
     previous = model.config._attn_implementation
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     try:
@@ -113,6 +117,8 @@ def retrieval_scores(model: PreTrainedModel, prompts: Sequence[RetrievalPrompt],
             for module in modules:
                 module._retrieval_probe = {"rows": rows, "needle": prompt.needle}
             model(input_ids=prompt.input_ids.to(device), use_cache=False, logits_to_keep=1)
+            if not all("mass" in module._retrieval_probe for module in modules):  # an attention that bypassed it
+                raise ValueError(_not_probed(model))
             masses = torch.stack([module._retrieval_probe["mass"].cpu() for module in modules])  # [L, H_kv]
             total = masses if total is None else total + masses
     return total / len(prompts)
