@@ -174,12 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_sizes and args.window_size == 0:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
+        models = stage_models(args, out)
+        # The evaluation's arguments read no file (the teacher's path only labels it here): checked before what
+        # needs the disk.
+        check_arguments(evaluation_arguments(args, GGUF_FILE, models))
         if args.long_contexts or (args.passkey_trials and "natural" in args.passkey_haystacks):
             check_texts(DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
         folder = smollm2_folder()
-        models = stage_models(args, out)
         evaluate_args = evaluation_arguments(args, folder, models)
-        check_arguments(evaluate_args)
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
