@@ -1013,9 +1013,11 @@ def _validated_mask(
 
 
 def _packed_boundaries(position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """cu_seqlens [N + 1] when the caller's position_ids [1, T] restart at 0 at a real token that follows other
-    real tokens (documents packed into one row, as transformers' DataCollatorWithFlattening marks them), else
-    None. A 0 at a pad or at a row's first real token is ordinary padding (generate() gives pads position 0).
+    """cu_seqlens [N + 1] when the caller's position_ids [1, T] (no mask) do not step by one somewhere: documents
+    packed into one row, each starting wherever the position does not continue the previous one (a restart at 0,
+    as transformers' DataCollatorWithFlattening marks them, or any other jump, as transformers' masking reads
+    them), else None. With a mask, a 0 at a pad or at a row's first real token is ordinary padding (generate()
+    gives pads position 0), and a restart at 0 inside the row is refused.
 
     Reading the values is data-dependent: torch.export skips the detection (an exported graph treats
     position_ids as plain positions); torch.compile breaks the graph here."""
@@ -1023,13 +1025,13 @@ def _packed_boundaries(position_ids: torch.Tensor, mask: torch.Tensor | None) ->
         return None
     t = position_ids.shape[1]
     if mask is None:
-        if position_ids.shape[0] != 1 or t < 2 or int(position_ids[0, 0]) != 0:
+        if position_ids.shape[0] != 1 or t < 2:
             return None
-        starts = (position_ids[0] == 0).nonzero().flatten()
-        if starts.numel() < 2:
+        starts = (position_ids[0, 1:] - position_ids[0, :-1] != 1).nonzero().flatten() + 1
+        if starts.numel() == 0:
             return None
-        end = torch.tensor([t], device=starts.device)
-        return torch.cat([starts, end])
+        zero, end = (torch.tensor([i], device=starts.device) for i in (0, t))
+        return torch.cat([zero, starts, end])
     seen_before = mask.long().cumsum(-1)[:, -t:] - 1  # real tokens before each position, [B, T]
     if bool((mask[:, -t:] & (position_ids == 0) & (seen_before > 0)).any()):
         raise ValueError(

@@ -33,9 +33,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from hf_linear_attn import LinearAttentionForCausalLM
 from training import checkpoints, finetune, loop, stages
-from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows, pack_documents
+from training.data import (
+    DataArguments,
+    build_datasets,
+    byte_level_tokenizer,
+    check_data_arguments,
+    check_positions,
+    collate_rows,
+    offset_positions,
+    pack_documents,
+)
 from training.loop import GlobalBatchSampler, TrainArguments, make_accelerator, train
-from training.losses import causal_lm_loss, logit_distillation_loss, packed_forward
+from training.losses import causal_lm_loss, flat_positions, logit_distillation_loss, packed_forward
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -49,18 +58,19 @@ def weights(folder) -> dict[str, torch.Tensor]:
 
 
 def piece_losses(model, rows) -> tuple[float, int]:
-    """Summed next-token loss and token count over the document pieces of packed rows, each piece run
-    through the model alone: what packing must reproduce."""
+    """Summed next-token loss and token count over the document pieces of packed rows (a piece starts wherever
+    the position does not step by one), each piece run through the model alone at its own positions: what packing
+    must reproduce."""
     total, count = 0.0, 0
     for row in rows:
         ids, positions = row["input_ids"], row["position_ids"]
-        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        starts = [i for i in range(len(ids)) if i == 0 or positions[i] != positions[i - 1] + 1] + [len(ids)]
         for begin, end in zip(starts[:-1], starts[1:], strict=True):
             piece = torch.tensor(ids[begin:end])[None]
             if piece.shape[1] < 2:
                 continue
             with torch.no_grad():
-                logits = model(piece, use_cache=False).logits[0, :-1]
+                logits = model(piece, position_ids=torch.tensor(positions[begin:end])[None], use_cache=False).logits[0, :-1]
             total += F.cross_entropy(logits.float(), piece[0, 1:], reduction="sum").item()
             count += piece.shape[1] - 1
     return total, count
@@ -198,6 +208,81 @@ def test_packed_rows_keep_documents_apart():
         expected_sum, expected_count = piece_losses(model, rows)
         assert int(count.sum()) == expected_count
         torch.testing.assert_close(loss_sum.sum().item(), expected_sum, rtol=1e-5, atol=1e-4)
+
+
+def test_position_offsets_move_each_piece_and_keep_its_boundaries():
+    """Each document piece starts at a draw in [0, max_offset] and steps by one inside; a piece never continues the
+    previous piece's positions (a small range forces the draws that would); the draws depend only on the seed and
+    the row's index."""
+    docs = [list(range(3, 3 + n)) for n in (5, 1, 7, 2, 9, 3, 4, 6, 2, 8)] * 6
+    packed = pack_documents(docs, block_size=12)
+    rows = list(range(len(packed["position_ids"])))
+    shifted = offset_positions(packed["position_ids"], rows, max_offset=2, seed=0)
+    continued = 0
+    for before, after in zip(packed["position_ids"], shifted, strict=True):
+        for i, (p, q) in enumerate(zip(before, after, strict=True)):
+            if p == 0:
+                assert 0 <= q <= 2
+                continued += i > 0 and q == after[i - 1] + 1
+            else:
+                assert q == after[i - 1] + 1
+    assert continued == 0
+    assert offset_positions(packed["position_ids"], rows, 2, seed=0) == shifted
+    assert offset_positions(packed["position_ids"], rows, 2, seed=1) != shifted
+    wide = offset_positions(packed["position_ids"], rows, 1000, seed=0)
+    assert len({row[0] for row in wide}) > len(rows) // 2  # rows draw their own offsets
+    assert offset_positions(packed["position_ids"][3:4], [3], 1000, seed=0) == wide[3:4]
+
+
+def test_flattened_rows_stay_apart_when_a_row_would_continue_the_previous_one():
+    positions = torch.tensor([[5, 6, 7], [8, 9, 10], [0, 1, 2], [3, 4, 5]])
+    assert flat_positions(positions).tolist() == [[5, 6, 7, 7, 8, 9, 0, 1, 2, 2, 3, 4]]
+    assert flat_positions(positions[:1]).tolist() == [[5, 6, 7]]
+
+
+def test_offset_rows_keep_documents_apart_in_the_student_and_a_transformers_teacher():
+    """Packed rows whose pieces start at offsets (`offset_positions`, flattened by `packed_forward`): the loss equals
+    every piece run alone at its own positions, for the model and for a Llama teacher (transformers' masking reads
+    the same boundaries)."""
+    docs = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            for n in (9, 30, 2, 17, 25, 40)]
+    for separate in (True, False):
+        packed = pack_documents(docs, block_size=32, separate_documents=separate)
+        indices = list(range(len(packed["position_ids"])))
+        packed["position_ids"] = offset_positions(packed["position_ids"], indices, max_offset=90, seed=3)
+        packed["position_ids"][1] = [p - packed["position_ids"][1][0] + packed["position_ids"][0][-1] + 1
+                                     for p in packed["position_ids"][1]]  # row 1 would continue row 0
+        rows = Dataset.from_dict(packed)
+        teacher = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=256)).eval()
+        for model in (tiny_model(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1,
+                                 decay="scalar", softmax_layers=[1]), teacher):
+            with torch.no_grad():
+                loss_sum, count = causal_lm_loss(model, collate_rows(list(rows)))
+            expected_sum, expected_count = piece_losses(model, rows)
+            assert int(count.sum()) == expected_count
+            torch.testing.assert_close(loss_sum.sum().item(), expected_sum, rtol=1e-5, atol=1e-4)
+
+
+def test_training_rows_get_position_offsets_and_held_out_rows_do_not(tmp_path):
+    (tmp_path / "train.txt").write_text("\n".join(f"line {i} of the training text" for i in range(200)))
+    args = DataArguments(train_file=str(tmp_path / "train.txt"), block_size=16, position_offset=500,
+                         cache_dir=str(tmp_path / "cache"))
+    rows = build_datasets(args, byte_level_tokenizer())
+    assert max(row["position_ids"][0] for row in rows["train"]) > 0
+    assert all(row["position_ids"][0] == 0 for row in rows["validation"])
+    assert max(max(row["position_ids"]) for row in rows["train"]) <= 500 + 15
+
+
+def test_position_offsets_beyond_the_model_are_refused():
+    with pytest.raises(ValueError, match="position_offset -1: must be ≥ 0"):
+        check_data_arguments(DataArguments(position_offset=-1))
+    with pytest.raises(ValueError, match=r"exceeds the model's max_position_embeddings 2048: lower position_offset "
+                                         r"to at most 1536"):
+        check_positions(DataArguments(block_size=512, position_offset=1537), 2048)
+    check_positions(DataArguments(block_size=512, position_offset=1536), 2048)
+    check_positions(DataArguments(block_size=512, position_offset=10**6), None)
 
 
 def micro_batches(sampler, count):

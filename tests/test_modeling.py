@@ -403,18 +403,21 @@ def test_peft_lora_on_attention_projections():
 @pytest.mark.parametrize("name", ["elu-scalar-decay", "t2r-vector-decay", "hedgehog-window-sinks",
                                   "qwen3-like-hybrid", "gated-delta-conv", "hedgehog-window-sinks-vector-decay",
                                   "gated-delta-window-sinks"])
-def test_packed_documents_equal_each_document_alone(name):
-    """DataCollatorWithFlattening's format: one row, position_ids restarting at 0 at each document."""
+@pytest.mark.parametrize("starts", [(0, 0, 0, 0), (5, 40, 0, 3)], ids=["restarts", "offsets"])
+def test_packed_documents_equal_each_document_alone(name, starts):
+    """DataCollatorWithFlattening's format: one row, position_ids restarting at 0 at each document; or each
+    document at its own first position (training with position offsets), a document starting wherever the
+    position does not step by one."""
     model = tiny_model(**VARIANTS[name])
     docs = prompts([9, 70, 1, 23], seed=7)
     ids = torch.cat(docs)[None]
-    position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    positions = [torch.arange(len(d)) + start for d, start in zip(docs, starts, strict=True)]
     with torch.no_grad():
-        packed = model(ids, position_ids=position_ids).logits[0]
-        alone = torch.cat([model(d[None]).logits[0] for d in docs])
+        packed = model(ids, position_ids=torch.cat(positions)[None]).logits[0]
+        alone = torch.cat([model(d[None], position_ids=p[None]).logits[0] for d, p in zip(docs, positions)])
     torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="use_cache=False"):
-        model(ids, position_ids=position_ids, use_cache=True)
+        model(ids, position_ids=torch.cat(positions)[None], use_cache=True)
 
 
 def test_packed_documents_work_with_the_flattening_collator_and_train():

@@ -39,6 +39,7 @@ from hf_linear_attn.modeling_linear_attention import (
     LinearAttentionForCausalLM,
     causal_softmax_attention,
 )
+from training.losses import packed_forward
 
 _LAYER_SIGNATURE = inspect.signature(LinearAttention.forward)
 
@@ -124,8 +125,7 @@ def attention_transfer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) ->
     row, documents kept apart; every row gets the batch's loss with weight 1, so the loop's weighted mean is
     that loss. The LM head plays no part in it: it runs on one position only."""
     rows = batch["input_ids"].shape[0]
-    output = model(input_ids=batch["input_ids"].reshape(1, -1), position_ids=batch["position_ids"].reshape(1, -1),
-                   use_cache=False, logits_to_keep=1)
+    output = packed_forward(model, batch, logits_to_keep=1)
     if output.loss is None:
         raise RuntimeError("attention_transfer_loss needs the model inside `with AttentionTransfer(model):`.")
     return output.loss.expand(rows), torch.ones(rows, device=output.loss.device)

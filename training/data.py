@@ -14,6 +14,17 @@ equal to the tokens except -100 at every restart, so no token is predicted acros
 collator stacks rows into `[rows, block_size]` tensors; `training.loop.packed_forward` flattens them
 into the one-row layout of `transformers.DataCollatorWithFlattening`, which the model maps to
 per-document state resets (no attention or state leaks across documents).
+
+Position offsets (`position_offset` > 0, training rows only). A converted layer's feature maps read q and k after
+RoPE, so what they see depends on the absolute position: trained on rows of `block_size` tokens that all start at
+position 0, they meet rotations of their low-frequency dimensions beyond `block_size` that they never saw, and the
+model degrades there however far its state reaches (the demo's model at 4K–8K, docs/design.md). With an offset,
+each document piece of a training row starts at a random position in [0, position_offset] instead (a draw per
+row seeded by `validation_split_seed` and the row's index: the same on every run and any number of processes), so
+the training covers positions up to position_offset + block_size. Every other part of the model depends on
+positions only through their differences (RoPE), so nothing else changes. A document boundary is then wherever
+the position does not step by one (as transformers' `find_packed_sequence_indices` reads it): the offset drawn
+is never the one that would continue the previous piece. Held-out rows keep positions from 0.
 """
 
 from __future__ import annotations
@@ -74,12 +85,19 @@ class DataArguments:
                           "restart only at row starts; EOS separates documents), as in pretraining, so that rows "
                           "longer than the documents still train attention over the whole row."},
     )
+    position_offset: int = field(
+        default=0,
+        metadata={"help": "Training rows only: each document piece starts at a random position in [0, N] instead of "
+                          "0, so that feature maps on rotated q/k learn every position up to N + block_size (set N "
+                          "to the model's max_position_embeddings - block_size to use them all). 0: off."},
+    )
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "Percent of the documents held out when there is no validation split."}
     )
     validation_split_seed: int = field(
-        default=42, metadata={"help": "Seed of that held-out share: fixed apart from the training seed, so that every "
-                                      "stage and the evaluation hold out the same documents."}
+        default=42, metadata={"help": "Seed of that held-out share (and of the position offsets): fixed apart from the "
+                                      "training seed, so that every stage and the evaluation hold out the same "
+                                      "documents."}
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many rows."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
@@ -108,6 +126,8 @@ def check_data_arguments(args: DataArguments) -> None:
         raise ValueError(f"--sample_by {args.sample_by!r}: use one of {TEXT_SAMPLING}.")
     if args.block_size < 2:
         raise ValueError(f"--block_size {args.block_size}: a row needs at least 2 tokens.")
+    if args.position_offset < 0:
+        raise ValueError(f"--position_offset {args.position_offset}: must be ≥ 0 (0 switches the offsets off).")
     if not 0 < args.validation_split_percentage < 100:
         raise ValueError(f"--validation_split_percentage {args.validation_split_percentage}: must lie in (0, 100).")
 
@@ -236,6 +256,38 @@ def _pack(batch: dict[str, list], block_size: int, separate_documents: bool) -> 
     return pack_documents(batch["input_ids"], block_size, separate_documents)
 
 
+def offset_positions(position_ids: list[list[int]], row_indices: list[int], max_offset: int,
+                     seed: int) -> list[list[int]]:
+    """Packed rows' position_ids (restarting at 0 where a document piece starts) with each piece moved to start
+    at an offset drawn uniformly from [0, max_offset] (numpy's generator seeded by (seed, row index)); an offset
+    that would make a piece continue the previous one's positions is moved on by one, so the boundary stays
+    visible as a step other than +1."""
+    shifted = []
+    for positions, row in zip(position_ids, row_indices, strict=True):
+        positions = np.asarray(positions)
+        piece = np.cumsum(positions == 0) - 1  # which piece each token belongs to, [L]
+        offsets = np.random.default_rng([seed, row]).integers(0, max_offset + 1, size=piece[-1] + 1)
+        ends = np.flatnonzero(np.diff(piece)) if len(piece) > 1 else np.array([], dtype=int)  # last token of a piece
+        for k, end in enumerate(ends, start=1):
+            if offsets[k] == offsets[k - 1] + positions[end] + 1:
+                offsets[k] = (offsets[k] + 1) % (max_offset + 1)
+        shifted.append((positions + offsets[piece]).tolist())
+    return shifted
+
+
+def _offset(batch: dict[str, list], indices: list[int], max_offset: int, seed: int) -> dict[str, list[list[int]]]:
+    return {"position_ids": offset_positions(batch["position_ids"], indices, max_offset, seed)}
+
+
+def check_positions(args: DataArguments, max_position_embeddings: int | None) -> None:
+    """Refuse training positions beyond what the model's RoPE was built for (the offsets plus a row); None: the
+    config states no limit."""
+    if max_position_embeddings is not None and args.position_offset + args.block_size > max_position_embeddings:
+        raise ValueError(f"--position_offset {args.position_offset} + --block_size {args.block_size} exceeds the "
+                         f"model's max_position_embeddings {max_position_embeddings}: lower position_offset to at "
+                         f"most {max(0, max_position_embeddings - args.block_size)}.")
+
+
 def build_datasets(
     args: DataArguments,
     tokenizer: PreTrainedTokenizerBase,
@@ -262,6 +314,12 @@ def build_datasets(
             num_proc=args.preprocessing_num_workers,
             desc=f"Packing into rows of {args.block_size}",
         )
+        if args.position_offset > 0:
+            packed["train"] = packed["train"].map(
+                _offset, batched=True, with_indices=True,
+                fn_kwargs={"max_offset": args.position_offset, "seed": args.validation_split_seed},
+                desc=f"Offsetting training positions by up to {args.position_offset}",
+            )
     for split, rows in packed.items():
         if len(rows) == 0:
             raise ValueError(

@@ -66,6 +66,9 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     block_size: int = field(default=256, metadata={"help": "Tokens per training row (and held-out row)."})
     separate_documents: bool = field(default=True, metadata={
         "help": "Keep documents apart within a training row; false lets them run on (long-range training)."})
+    position_offset: int = field(default=0, metadata={
+        "help": "Training rows start at a random position up to this (training.data: the feature maps read rotated "
+                "q/k and must see every position the model will run at)."})
     softmax_layers_k: int = field(default=0, metadata={
         "help": "After stage 1, restore the K layers that matter most to softmax (0: none)."})
     ranking_rows: int = field(default=2, metadata={"help": "Held-out rows of block_size tokens that rank the layers."})
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("[2/6] Converting to linear attention", flush=True)
     data = DataArguments(block_size=args.block_size, separate_documents=args.separate_documents,
-                         max_eval_samples=args.eval_rows)
+                         position_offset=args.position_offset, max_eval_samples=args.eval_rows)
     heads = None
     if args.softmax_heads_n > 0:
         heads = rank_retrieval_heads(teacher, head_ranking_prompts(tokenizer, data, args.ranking_prompts),

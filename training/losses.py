@@ -27,13 +27,24 @@ from training.data import IGNORE_INDEX
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 
 
+def flat_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids [rows, L] of packed rows -> [1, rows * L], every row still a document piece of its own: a
+    piece starts wherever the position does not step by one, so a row whose first position would continue the
+    previous row's last (rows with position offsets, `training.data.offset_positions`) moves down by one."""
+    rows = position_ids.clone()
+    for r in range(1, len(rows)):
+        if rows[r, 0] == rows[r - 1, -1] + 1:  # (then rows[r, 0] ≥ 1)
+            rows[r] -= 1
+    return rows.reshape(1, -1)
+
+
 def packed_forward(model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
     """Run `model` on packed rows `[rows, block_size]` as one row (DataCollatorWithFlattening's layout):
-    position_ids restarting at 0 mark the documents, which the model keeps apart. Returns the output,
-    whose tensors have the flattened length rows * block_size."""
+    position_ids that do not step by one (a restart at 0, or an offset piece) mark the documents, which the model
+    keeps apart. Returns the output, whose tensors have the flattened length rows * block_size."""
     return model(
         input_ids=batch["input_ids"].reshape(1, -1),
-        position_ids=batch["position_ids"].reshape(1, -1),
+        position_ids=flat_positions(batch["position_ids"]),
         use_cache=False,
         **kwargs,
     )

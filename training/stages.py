@@ -24,7 +24,7 @@ import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 from training.attention_transfer import AttentionTransfer, attention_transfer_loss, transfer_layers
 from training.checkpoints import export_model
-from training.data import DataArguments, build_datasets, check_data_arguments
+from training.data import DataArguments, build_datasets, check_data_arguments, check_positions
 from training.hub import HubArguments, push_to_hub
 from training.loop import (
     TrainArguments,
@@ -76,6 +76,7 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
     if not transfer_layers(model):
         raise ValueError(f"{args.model_name_or_path} has no linear-attention layer to distill (all softmax_layers).")
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    check_positions(data_args, model.config.max_position_embeddings)
     tokenizer.model_max_length = tokenizer_max_length(tokenizer, model.config.max_position_embeddings)
     accelerator = make_accelerator(train_args)
     set_seed(train_args.seed)
@@ -156,6 +157,7 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     config = load_config(model_args)
     tokenizer = load_tokenizer(model_args)
     fit_to_tokenizer(config, tokenizer, from_scratch=bool(model_args.config_name))
+    check_positions(data_args, getattr(config, "max_position_embeddings", None))
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     model = build_model(model_args, config)
     loss_fn = causal_lm_loss
