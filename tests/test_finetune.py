@@ -69,8 +69,9 @@ def piece_losses(model, rows) -> tuple[float, int]:
             piece = torch.tensor(ids[begin:end])[None]
             if piece.shape[1] < 2:
                 continue
+            piece_positions = torch.tensor(positions[begin:end])[None]
             with torch.no_grad():
-                logits = model(piece, position_ids=torch.tensor(positions[begin:end])[None], use_cache=False).logits[0, :-1]
+                logits = model(piece, position_ids=piece_positions, use_cache=False).logits[0, :-1]
             total += F.cross_entropy(logits.float(), piece[0, 1:], reduction="sum").item()
             count += piece.shape[1] - 1
     return total, count
