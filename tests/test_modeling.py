@@ -414,7 +414,8 @@ def test_packed_documents_equal_each_document_alone(name, starts):
     positions = [torch.arange(len(d)) + start for d, start in zip(docs, starts, strict=True)]
     with torch.no_grad():
         packed = model(ids, position_ids=torch.cat(positions)[None]).logits[0]
-        alone = torch.cat([model(d[None], position_ids=p[None]).logits[0] for d, p in zip(docs, positions, strict=True)])
+        alone = torch.cat([model(d[None], position_ids=p[None]).logits[0]
+                           for d, p in zip(docs, positions, strict=True)])
     torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="use_cache=False"):
         model(ids, position_ids=torch.cat(positions)[None], use_cache=True)
