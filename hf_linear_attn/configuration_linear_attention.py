@@ -452,6 +452,7 @@ class LinearAttentionConfig(PretrainedConfig):
             _fail("rope_parameters['partial_rotary_factor']", rope["partial_rotary_factor"],
                   "only 1.0 is supported: RoPE rotates the whole head")
         self.rope_parameters = rope
+        self.rope_theta = rope["rope_theta"]  # one value in config.json (the legacy field mirrors the dict)
         self.standardize_rope_params()  # adds `original_max_position_embeddings` where the rope_type uses it
         try:
             self.validate_rope()  # transformers' checks of the keys each rope_type needs

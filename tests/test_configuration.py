@@ -339,3 +339,9 @@ def test_delta_rule_takes_the_window_and_sinks_and_round_trips(tmp_path):
         tiny_config(**{**DELTA, "normalize": True}, window_size=8)
     with pytest.raises(ValueError, match="`normalize`.*needs normalize=True"):  # the additive hybrid's shared one
         tiny_config(feature_map="hedgehog", normalize=False, window_size=8)
+
+
+def test_the_legacy_rope_theta_mirrors_rope_parameters():
+    config = LinearAttentionConfig(rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    assert config.rope_theta == config.rope_parameters["rope_theta"] == 100000.0
+    assert LinearAttentionConfig.from_dict(config.to_dict()).rope_theta == 100000.0
