@@ -29,8 +29,9 @@ a window), each holding only the tensors of its kind:
   `[B, S + w, H]`, 0 in the sink slots): what a token needs to enter the state when it leaves the window;
 - layers with softmax heads (`config.softmax_heads`): their kind's state (over every head) plus the growing keys and
   values of those KV heads `[B, n, T_seen, D]` (`SoftmaxHeadsState`, the `*WithSoftmaxHeads` classes);
-- full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers'
-  `DynamicLayer`); with the softmax heads, the only parts whose size depends on the context.
+- full-softmax layers (`config.softmax_layers`): an ordinary growing K/V (transformers' `DynamicLayer`, appending in
+  place into a buffer with room ahead: `GrowingLayer`); with the softmax heads, the only parts whose size depends
+  on the context.
 
 Every layer counts the positions it has seen, so `get_seq_length()` is right for `generate()`'s
 cache-reuse slicing even when no layer is a softmax layer (transformers' own recurrent cache layers
@@ -432,6 +433,51 @@ class SparseWindowStateLayer(WindowStateLayer):
         self.store_memory(memory, where=where)
 
 
+def appended(
+    past: torch.Tensor | None, new: torch.Tensor, buffer: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`past` [B, n, T_past, D] (None or empty: nothing yet) with `new` [B, n, T, D] appended along the positions:
+    (the result [B, n, T_past + T, D], the buffer it is a view of). The result is the first T_past + T positions of
+    a buffer with room ahead, so a decode step writes its token in place instead of copying every cached one, as
+    torch.cat does (O(context) per token: at 16K tokens most of a decode step's softmax time). When `past` is not
+    the prefix of `buffer` (the first call, or after a beam reorder or batch change replaced it) or the buffer is
+    full, a new one with an eighth more room (at least 256 positions) is allocated and `past` copied in. Under
+    autograd, which may have saved `past`, it concatenates instead."""
+    if past is None or past.numel() == 0:
+        past = new[:, :, :0]
+    if torch.is_grad_enabled() and (past.requires_grad or new.requires_grad):
+        return torch.cat([past, new], dim=2), None
+    n, t = past.shape[2], new.shape[2]
+    prefix = (buffer is not None and past._base is buffer and past.data_ptr() == buffer.data_ptr()
+              and past.stride() == buffer.stride() and past.shape[:2] == buffer.shape[:2])
+    if not prefix or buffer.shape[2] < n + t:
+        buffer = new.new_empty(*new.shape[:2], n + t + max((n + t) // 8, 256), new.shape[3])
+        buffer[:, :, :n] = past
+    buffer[:, :, n:n + t] = new
+    return buffer[:, :, :n + t], buffer
+
+
+class GrowingLayer(DynamicLayer):
+    """transformers' `DynamicLayer` (a softmax layer's growing keys and values `[B, H_kv, T_seen, D]`) whose `update`
+    appends in place into a buffer with room ahead (`appended`) instead of concatenating: the same tensors, without
+    copying the whole cache at every decode step."""
+
+    key_buffer: torch.Tensor | None = None
+    value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.key_buffer = appended(self.keys, key_states, self.key_buffer)
+        self.values, self.value_buffer = appended(self.values, value_states, self.value_buffer)
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self.key_buffer = self.value_buffer = None
+        super().reset()
+
+
 class SoftmaxHeadsState:
     """The growing keys and values of a layer's softmax heads (`config.softmax_heads`), beside its kind's state: the
     `*WithSoftmaxHeads` classes below combine it with each state class. `head_keys`, `head_values` `[B, n, T_seen, D]`
@@ -440,13 +486,19 @@ class SoftmaxHeadsState:
 
     is_compileable = False
     SOFTMAX_HEAD_TENSORS = ("head_keys", "head_values")
+    head_key_buffer: torch.Tensor | None = None  # what head_keys / head_values are views of (`appended`)
+    head_value_buffer: torch.Tensor | None = None
 
     def update_softmax_heads(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' keys and values `[B, n, T, D]`; returns every one seen, `[B, n, past + T, D]`."""
-        if self.head_keys is not None:
-            keys, values = torch.cat([self.head_keys, keys], dim=2), torch.cat([self.head_values, values], dim=2)
-        self.head_keys, self.head_values = keys, values
-        return keys, values
+        """Append the new tokens' keys and values `[B, n, T, D]` (in place, `appended`); returns every one seen,
+        `[B, n, past + T, D]`."""
+        self.head_keys, self.head_key_buffer = appended(self.head_keys, keys, self.head_key_buffer)
+        self.head_values, self.head_value_buffer = appended(self.head_values, values, self.head_value_buffer)
+        return self.head_keys, self.head_values
+
+    def reset(self) -> None:
+        self.head_key_buffer = self.head_value_buffer = None
+        super().reset()
 
 
 class LinearStateLayerWithSoftmaxHeads(SoftmaxHeadsState, LinearStateLayer):
@@ -488,7 +540,7 @@ def state_layer(config, layer_idx: int) -> CacheLayerMixin:
     its softmax heads when it has some (`config.softmax_heads`)."""
     kind = config.layer_kind(layer_idx)
     if kind == "softmax":
-        return DynamicLayer()
+        return GrowingLayer()
     if kind == "window" and config.sparse_cache_size > 0:
         cls, window = SparseWindowStateLayer, True
     elif kind in ("window", "delta_window"):
