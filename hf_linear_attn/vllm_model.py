@@ -47,6 +47,7 @@ from .modeling_linear_attention import (
     LinearAttentionRotaryEmbedding,
     SoftmaxAttention,
 )
+from .ops_sparse_memory import MEMORY_BLOCK_SIZE
 
 ARCHITECTURE = "LinearAttentionForCausalLM"
 PAGE_ALIGNMENT = 8  # bytes: the widest state element (fp32 here; a long would need 8)
@@ -86,10 +87,6 @@ class EngineOptions(VerifyAndUpdateConfig):
 
 def check_supported(config: LinearAttentionConfig) -> None:
     """Refuse a checkpoint whose options the vLLM model does not serve, naming the option and what is allowed."""
-    if config.sparse_cache_size > 0:
-        raise ValueError(f"LinearAttentionForCausalLM in vLLM: sparse_cache_size={config.sparse_cache_size} (the "
-                         "sparse exact memory) is not supported; serve the checkpoint with sparse_cache_size=0 "
-                         "(set it in config.json), or use transformers' generate()")
     if config.softmax_heads:
         raise ValueError(f"LinearAttentionForCausalLM in vLLM: softmax_heads={config.softmax_heads} (KV heads kept "
                          "as exact softmax inside a recurrent layer) is not supported yet; serve a checkpoint without "
@@ -105,7 +102,11 @@ def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tup
       attention with normalize=True: the normaliser column);
     - delta_window: "window_beta", fp32 [S + w, H];
     - window kinds: "window_keys", "window_values" [S + w, H_kv, D] and "window_mask" bool [S + w] (S sinks,
-      w = window_size ring slots);
+      w ring slots: window_size, plus MEMORY_BLOCK_SIZE with the sparse memory);
+    - the sparse memory (sparse_cache_size = m > 0; F = 1, or K with a vector decay): "window_log_decay" fp32
+      [S + w, H, F] (with a decay), and the m slots per KV head: "memory_keys", "memory_values" [H_kv, m, D],
+      "memory_scores" fp32 [H_kv, m], "memory_positions" long [H_kv, m], "memory_log_decay" fp32 [H, m, F] (with
+      a decay), "memory_mask" bool [H_kv, m];
     - conv_size = W > 0: "conv_inputs" [W − 1, (H + 2 H_kv) · D];
     - PADDING, bytes that round the page up to a multiple of PAGE_ALIGNMENT (vLLM views every slot's page at a
       stride of the page size, which must be a multiple of the widest element size).
@@ -115,11 +116,20 @@ def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tup
     keys = config.feature_output_dim
     normaliser = kind == "window" or (kind == "linear" and config.normalize)
     specs = [("state", (heads, keys, head_dim + int(normaliser)), torch.float32)]
-    slots = config.num_sink_tokens + config.window_size
+    memory = config.sparse_cache_size  # > 0 with the window kind only (the config checks it)
+    slots = config.num_sink_tokens + config.window_size + (MEMORY_BLOCK_SIZE if memory else 0)
     if kind == "delta_window":
         specs.append(("window_beta", (slots, heads), torch.float32))
     if kind in ("window", "delta_window"):
         specs += [(name, (slots, kv_heads, head_dim), dtype) for name in ("window_keys", "window_values")]
+    if memory:
+        decay_width = keys if config.decay == "vector" else 1
+        if config.decay != "none":
+            specs += [("window_log_decay", (slots, heads, decay_width), torch.float32),
+                      ("memory_log_decay", (heads, memory, decay_width), torch.float32)]
+        specs += [(name, (kv_heads, memory, head_dim), dtype) for name in ("memory_keys", "memory_values")]
+        specs += [("memory_scores", (kv_heads, memory), torch.float32),
+                  ("memory_positions", (kv_heads, memory), torch.long), ("memory_mask", (kv_heads, memory), torch.bool)]
     if config.conv_size > 0:
         specs.append(("conv_inputs", (config.conv_size - 1, (heads + 2 * kv_heads) * head_dim), dtype))
     if kind in ("window", "delta_window"):

@@ -42,12 +42,15 @@ KINDS = {
                   output_norm=True),
     "delta_window": dict(**WINDOW, update_rule="delta", normalize=False, decay="scalar", conv_size=4),
     "window_no_softmax": dict(**WINDOW, decay="fixed", feature_map="hedgehog", feature_dim=16, softmax_layers=[]),
+    # the sparse exact memory: 8 slots per KV head, re-chosen every 64 positions (prompts reach 300 + 20 tokens)
+    "window_memory": dict(**WINDOW, decay="vector", feature_map="hedgehog", feature_dim=16, sparse_cache_size=8),
 }
 # The engine tests' models: one per kind, and a checkpoint converted from a softmax model (biases, tied embeddings,
 # q/k norms: Qwen3) with the demo's options.
 MODELS = {**{kind: (lambda options=options: tiny_model(options)) for kind, options in KINDS.items()},
           "converted_qwen3": lambda: converted_model()}
-PROMPT_LENGTHS = (1, 7, 40, 130, 300)  # beyond the window (16) and the step's token budget (64)
+PROMPT_LENGTHS = (1, 7, 40, 120, 300)  # beyond the window (16) and the step's token budget (64); 120 + 10
+# tokens decode across a sparse memory block end (position 127)
 NEW_TOKENS = 10
 ENGINE = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, seed=0,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20)
@@ -179,7 +182,6 @@ def test_prefix_caching_is_switched_off(served):
 
 
 @pytest.mark.parametrize("options, engine, error", [
-    (dict(**WINDOW, sparse_cache_size=8), {}, "sparse_cache_size=8"),
     (dict(**WINDOW, softmax_heads={0: [0]}), {}, "softmax_heads"),
     (KINDS["demo"], dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                              "prompt_lookup_max": 3}), "speculative decoding is not supported"),
