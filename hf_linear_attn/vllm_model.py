@@ -25,7 +25,7 @@ switches the first off for this architecture and refuses the second, with the ot
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,10 +42,12 @@ from .cache_linear_attention import LinearStateLayer, state_layer
 from .configuration_linear_attention import LinearAttentionConfig, recurrent_kind
 from .modeling_linear_attention import (
     ATTENTION_CLASSES,
+    SOFTMAX_HEADS_CLASSES,
     LinearAttentionMLP,
     LinearAttentionRMSNorm,
     LinearAttentionRotaryEmbedding,
     SoftmaxAttention,
+    attention_class,
 )
 from .ops_sparse_memory import MEMORY_BLOCK_SIZE
 
@@ -70,7 +72,6 @@ class EngineOptions(VerifyAndUpdateConfig):
 
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        check_supported(vllm_config.model_config.hf_config)
         if vllm_config.speculative_config is not None:
             raise ValueError("LinearAttentionForCausalLM: speculative decoding is not supported (a recurrent state "
                              "cannot be rolled back to the accepted tokens); start the engine without it")
@@ -83,14 +84,6 @@ class EngineOptions(VerifyAndUpdateConfig):
             # A request's recurrent state is kept for its last token only: a cached prefix could not restore it.
             logger.info("LinearAttentionForCausalLM: prefix caching switched off (recurrent states are not cached)")
             vllm_config.cache_config.enable_prefix_caching = False
-
-
-def check_supported(config: LinearAttentionConfig) -> None:
-    """Refuse a checkpoint whose options the vLLM model does not serve, naming the option and what is allowed."""
-    if config.softmax_heads:
-        raise ValueError(f"LinearAttentionForCausalLM in vLLM: softmax_heads={config.softmax_heads} (KV heads kept "
-                         "as exact softmax inside a recurrent layer) is not supported yet; serve a checkpoint without "
-                         "them (whole softmax_layers are), or use transformers' generate()")
 
 
 def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -142,10 +135,13 @@ def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tup
 class StateSlots(MambaBase):
     """What turns a transformers recurrent attention layer into a vLLM layer with per-request state slots (mixed in
     front of the layer's class, `vllm_attention_class`): the slot layout vLLM allocates (`get_state_shape`,
-    `get_state_dtype`) and a forward over vLLM's flat batch that runs the layer once per request."""
+    `get_state_dtype`), the paged attention of its softmax heads if it has some (`softmax_heads`), and a forward over
+    vLLM's flat batch that runs the layer's kind once per group of requests (`groups`)."""
 
     def setup_slots(self, config: LinearAttentionConfig, vllm_config: VllmConfig, prefix: str) -> None:
-        """Register the layer with vLLM under `prefix` (its name in the model) and fix its state layout."""
+        """Register the layer with vLLM under `prefix` (its name in the model) and fix its state layout; a layer with
+        softmax heads (`SoftmaxHeadsMixin`: `softmax_query_heads`, `softmax_kv_heads`) also gets their paged
+        attention, an `Attention` under `prefix`.softmax_heads whose KV cache grows in pages as a softmax layer's."""
         self.layer_name = prefix
         self.specs = state_tensors(config, vllm_config.model_config.dtype)
         self.kv_cache = ()  # vLLM binds the slots (`bind_kv_cache`) after its profiling run
@@ -153,6 +149,12 @@ class StateSlots(MambaBase):
         if prefix in context:
             raise ValueError(f"duplicate layer name {prefix!r}")
         context[prefix] = self
+        self.softmax_heads = None
+        if config.softmax_heads_of(self.layer_idx):
+            self.softmax_heads = Attention(
+                len(self.softmax_query_heads), self.head_dim, self.head_dim**-0.5,
+                num_kv_heads=len(self.softmax_kv_heads), cache_config=vllm_config.cache_config,
+                prefix=f"{prefix}.softmax_heads")
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -167,59 +169,98 @@ class StateSlots(MambaBase):
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
                 ) -> torch.Tensor:
         """hidden_states [N, hidden] (every scheduled token), position_embeddings the cos / sin tables of their
-        positions [1, N, 1, D] -> [N, hidden]. Request i owns tokens query_start_loc[i] .. [i + 1] and state slot
-        state_indices_tensor[i]; its context before them is seq_lens[i] minus their number. Tokens past the last
-        request's (vLLM's padding) get 0; so does every token in vLLM's profiling run, which binds no slots."""
+        positions [1, N, 1, D] -> [N, hidden]. The transformers layer's ops in its order: per group of requests
+        (`groups`) the projections, short convolution and RoPE (`rotated_qkv`) and the kind's attention (`attend`)
+        on the group's cache layer; then, with softmax heads, the paged attention of their q / k / v over every
+        token replaces those query heads' outputs (as `SoftmaxHeadsMixin.forward`); then o_proj. Tokens past the
+        last request's (vLLM's padding) get 0; so does every token in vLLM's profiling run, which binds no slots."""
         output = torch.zeros_like(hidden_states)
         metadata = get_forward_context().attn_metadata
         metadata = None if metadata is None else metadata.get(self.layer_name)
         if metadata is None:
             return output
-        starts = metadata.query_start_loc.tolist()
-        seq_lens, slots = metadata.seq_lens.tolist(), metadata.state_indices_tensor.tolist()
-        for i in range(metadata.num_decodes + metadata.num_prefills):
-            start, end = starts[i], starts[i + 1]
-            cache_layer = self.cache_layer(slots[i], seq_lens[i] - (end - start))
-            output[start:end] = super().forward(
-                hidden_states[None, start:end], tuple(x[:, start:end] for x in position_embeddings), None,
-                cache_layer, None,
-            )[0]
-            self.store(cache_layer, slots[i])
+        n, head_dim = hidden_states.shape[0], self.head_dim
+        o = hidden_states.new_zeros(n, self.num_heads, head_dim)  # [N, H, V]: the attention before o_proj
+        if self.softmax_heads is not None:  # q [N, H, D], k, v [N, H_kv, D] of every token, for the softmax heads
+            qkv = [hidden_states.new_zeros(n, heads, head_dim)
+                   for heads in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
+        cos, sin = (x[0] for x in position_embeddings)  # [N, 1, D]
+        for tokens, slots, context in self.groups(metadata):  # tokens [B, T], slots [B]
+            x = hidden_states[tokens]  # [B, T, hidden]
+            cache_layer = self.cache_layer(slots, context)
+            q, k, v = self.rotated_qkv(x, (cos[tokens], sin[tokens]), None, cache_layer, None)
+            o[tokens] = self.attend(x, q, k, v, None, cache_layer, None)
+            self.store(cache_layer, slots)
+            if self.softmax_heads is not None:
+                for buffer, part in zip(qkv, (q, k, v), strict=True):
+                    buffer[tokens] = part
+        if self.softmax_heads is not None:
+            q, k, v = qkv
+            kv_heads = self.softmax_kv_heads
+            heads = self.softmax_heads(q[:, self.softmax_query_heads].reshape(n, -1),
+                                       k[:, kv_heads].reshape(n, -1), v[:, kv_heads].reshape(n, -1))
+            o[:, self.softmax_query_heads] = heads.view(n, -1, head_dim).to(o.dtype)
+        real = int(metadata.query_start_loc[-1])
+        output[:real] = self.project_out(o[None, :real])[0]
         return output
 
-    def slot_views(self, slot: int) -> dict[str, torch.Tensor]:
-        """Views of state slot `slot`, by attribute name, each [1, *shape] (a batch of one)."""
-        return {name: tensor[slot : slot + 1] for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
+    def groups(self, metadata) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """The requests of the batch in groups that one call of the layer runs: (their tokens' indices [B, T], their
+        state slots [B], the context before their tokens). Request i owns tokens query_start_loc[i] .. [i + 1] and
+        state slot state_indices_tensor[i]; its context is seq_lens[i] minus their number. Decode steps (one token
+        each, first in vLLM's batch) run as one batch per context, or, where the kind's step does not read the
+        position (no window: linear, delta), as one batch of every decode after a filled state; a request starting
+        (context 0, a fresh cache layer) and every prefill (chunk) run alone."""
+        starts = metadata.query_start_loc.tolist()
+        seq_lens, slots = metadata.seq_lens.tolist(), metadata.state_indices_tensor.tolist()
+        device = metadata.query_start_loc.device
+        batches: dict[int | None, list[int]] = {}
+        for i in range(metadata.num_decodes):
+            context = seq_lens[i] - 1
+            batches.setdefault(context if context == 0 or self.window_size > 0 else None, []).append(i)
+        for context, requests in batches.items():
+            yield (torch.tensor([starts[i] for i in requests], device=device)[:, None],
+                   torch.tensor([slots[i] for i in requests], device=device),
+                   seq_lens[requests[0]] - 1 if context is None else context)
+        for i in range(metadata.num_decodes, metadata.num_decodes + metadata.num_prefills):
+            start, end = starts[i], starts[i + 1]
+            yield (torch.arange(start, end, device=device)[None], torch.tensor([slots[i]], device=device),
+                   seq_lens[i] - (end - start))
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """vLLM's state tensors of this layer, by attribute name, each [slots, *shape]."""
+        return {name: tensor for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
                 if name != PADDING}
 
-    def cache_layer(self, slot: int, context: int) -> LinearStateLayer:
-        """The kind's cache layer for a request at `context` positions: empty at 0 (the slot may hold a finished
-        request's state), else reading and writing the slot in place."""
+    def cache_layer(self, slots: torch.Tensor, context: int) -> LinearStateLayer:
+        """The kind's cache layer for B requests (state slots `slots` [B]) at `context` positions: empty at 0 (the
+        slots may hold finished requests' states), else holding copies of their slots, [B, *shape] (`store` writes
+        them back). Its position counter is `context`, which only the window kinds read (their groups share it)."""
         layer = state_layer(self.config, self.layer_idx)
         if context > 0:
-            for name, view in self.slot_views(slot).items():
-                setattr(layer, name, view)
-            layer.seen = torch.tensor(context, dtype=torch.long, device=self.kv_cache[0].device)
+            for name, tensor in self.slot_tensors().items():
+                setattr(layer, name, tensor.index_select(0, slots))
+            layer.seen = torch.tensor(context, dtype=torch.long, device=slots.device)
         return layer
 
-    def store(self, cache_layer: LinearStateLayer, slot: int) -> None:
-        """Copy into the slot what the forward allocated anew (a request's first chunk; later ones wrote in place)."""
-        for name, view in self.slot_views(slot).items():
-            tensor = getattr(cache_layer, name)
-            if tensor is None:
+    def store(self, cache_layer: LinearStateLayer, slots: torch.Tensor) -> None:
+        """Copy the cache layer's tensors [B, *shape] after the forward into state slots `slots` [B]."""
+        for name, tensor in self.slot_tensors().items():
+            value = getattr(cache_layer, name)
+            if value is None:
                 raise RuntimeError(f"{type(self).__name__} left its cache's {name!r} unset: the vLLM state layout "
                                    "(state_tensors) does not match the layer's cache")
-            if tensor.data_ptr() != view.data_ptr():
-                view.copy_(tensor)
+            tensor.index_copy_(0, slots, value)
 
 
-def vllm_attention_class(kind: str) -> type[nn.Module]:
-    """The vLLM layer of a recurrent layer kind: `StateSlots` in front of the transformers class."""
-    base = ATTENTION_CLASSES[kind]
+def vllm_attention_class(base: type[nn.Module]) -> type[nn.Module]:
+    """The vLLM layer of a recurrent attention class: `StateSlots` in front of the transformers class."""
     return type(f"Vllm{base.__name__}", (StateSlots, base), {})
 
 
-VLLM_ATTENTION_CLASSES = {kind: vllm_attention_class(kind) for kind in ATTENTION_CLASSES if kind != "softmax"}
+# The vLLM layer of each recurrent attention class, with and without softmax heads (`attention_class` picks one).
+VLLM_ATTENTION_CLASSES = {base: vllm_attention_class(base) for base in (
+    *(cls for kind, cls in ATTENTION_CLASSES.items() if kind != "softmax"), *SOFTMAX_HEADS_CLASSES.values())}
 
 
 class PagedSoftmaxAttention(SoftmaxAttention):
@@ -248,7 +289,7 @@ class DecoderLayer(nn.Module):
         if kind == "softmax":
             self.self_attn = PagedSoftmaxAttention(config, layer_idx, vllm_config, attention_prefix)
         else:
-            self.self_attn = VLLM_ATTENTION_CLASSES[kind](config, layer_idx)
+            self.self_attn = VLLM_ATTENTION_CLASSES[attention_class(config, layer_idx)](config, layer_idx)
             self.self_attn.setup_slots(config, vllm_config, attention_prefix)
         self.mlp = LinearAttentionMLP(config)
         self.input_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -284,7 +325,6 @@ class LinearAttentionForCausalLM(nn.Module, IsHybrid, HasInnerState):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_supported(config)
         self.config = config
         self.model = LinearAttentionModel(config, vllm_config, f"{prefix}.model" if prefix else "model")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -29,10 +29,14 @@ from hf_linear_attn import (  # noqa: E402
     LinearAttentionForCausalLM,
     convert_to_linear_attention,
 )
-from hf_linear_attn.cache_linear_attention import LinearStateLayer  # noqa: E402
+from hf_linear_attn.cache_linear_attention import LinearStateLayer, SoftmaxHeadsState  # noqa: E402
 from hf_linear_attn.vllm_model import PADDING, state_tensors  # noqa: E402
 
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
 WINDOW = dict(window_size=16, num_sink_tokens=2)
+# Softmax heads: 2 of the 4 query heads (KV head 1 of layer 0, KV head 0 of layer 2) keep exact softmax attention.
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, softmax_heads={0: [1], 2: [0]})
 # One small model per kind the plugin serves (head dim 32: one of vLLM's CPU attention sizes). "demo" is the demo's
 # kind: the window hybrid with sinks and a decay, the hedgehog feature map, a softmax layer.
 KINDS = {
@@ -44,11 +48,22 @@ KINDS = {
     "window_no_softmax": dict(**WINDOW, decay="fixed", feature_map="hedgehog", feature_dim=16, softmax_layers=[]),
     # the sparse exact memory: 8 slots per KV head, re-chosen every 64 positions (prompts reach 300 + 20 tokens)
     "window_memory": dict(**WINDOW, decay="vector", feature_map="hedgehog", feature_dim=16, sparse_cache_size=8),
+    # softmax heads in recurrent layers: beside a softmax layer (window), alone (linear), with the sparse memory and a
+    # short convolution (their q / k / v after it)
+    "window_heads": dict(**WINDOW, **HEADS, decay="scalar", feature_map="hedgehog", feature_dim=16),
+    "linear_heads": dict(**HEADS, decay="vector", feature_map="hedgehog", feature_dim=16, softmax_layers=[]),
+    "memory_heads": dict(**WINDOW, **HEADS, decay="scalar", feature_map="hedgehog", feature_dim=16,
+                         sparse_cache_size=8, conv_size=4),
 }
-# The engine tests' models: one per kind, and a checkpoint converted from a softmax model (biases, tied embeddings,
-# q/k norms: Qwen3) with the demo's options.
+# The engine tests' models: one per kind, and checkpoints converted from a softmax model (biases, tied embeddings,
+# q/k norms: Qwen3) with the demo's options: its kind, and its recipe scaled down (a 64-token window, 4 sinks, 2 of 4
+# layers softmax, softmax heads in the others).
 MODELS = {**{kind: (lambda options=options: tiny_model(options)) for kind, options in KINDS.items()},
-          "converted_qwen3": lambda: converted_model()}
+          "converted_qwen3": lambda: converted_model(),
+          "converted_demo_recipe": lambda: converted_model(
+              dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+              dict(KINDS["demo"], window_size=64, num_sink_tokens=4, softmax_layers=[1, 3],
+                   softmax_heads={0: [1], 2: [0, 1]}))}
 PROMPT_LENGTHS = (1, 7, 40, 120, 300)  # beyond the window (16) and the step's token budget (64); 120 + 10
 # tokens decode across a sparse memory block end (position 127)
 NEW_TOKENS = 10
@@ -60,9 +75,7 @@ def tiny_model(options: dict) -> LinearAttentionForCausalLM:
     """A random 3-layer model (layer 1 softmax unless the options say otherwise) with weights large enough that
     greedy tokens do not hinge on rounding."""
     torch.manual_seed(0)
-    config = LinearAttentionConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, **{"softmax_layers": [1], **options})
+    config = LinearAttentionConfig(**{**TINY, "softmax_layers": [1], **options})
     model = LinearAttentionForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -70,16 +83,15 @@ def tiny_model(options: dict) -> LinearAttentionForCausalLM:
     return model
 
 
-def converted_model() -> LinearAttentionForCausalLM:
+def converted_model(shape: dict | None = None, options: dict | None = None) -> LinearAttentionForCausalLM:
+    """A random Qwen3 (TINY, with `shape`'s sizes) converted with `options` (the demo's kind, layer 1 softmax)."""
     torch.manual_seed(0)
-    source = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
-        attention_bias=True, bos_token_id=1, eos_token_id=2))
+    source = Qwen3ForCausalLM(Qwen3Config(**{**TINY, **(shape or {})}, tie_word_embeddings=True, attention_bias=True,
+                                          bos_token_id=1, eos_token_id=2))
     with torch.no_grad():
         for p in source.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
-    return convert_to_linear_attention(source, softmax_layers=[1], **KINDS["demo"]).eval()
+    return convert_to_linear_attention(source, **(options or dict(KINDS["demo"], softmax_layers=[1]))).eval()
 
 
 def prompts(lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
@@ -161,7 +173,8 @@ def test_seeded_sampling_is_reproducible(served):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_state_bytes_are_constant_and_those_of_the_cache(kind):
     """A request's state in vLLM is the transformers cache of its recurrent layers, byte for byte, whatever its
-    context (the page adds alignment only)."""
+    context (the page adds alignment only); the softmax heads' growing keys and values are in vLLM's paged KV
+    cache, not in the state."""
     model = tiny_model(KINDS[kind])
     recurrent = sum(model.config.layer_kind(i) != "softmax" for i in range(model.config.num_hidden_layers))
     specs = state_tensors(model.config, torch.float32)
@@ -173,7 +186,9 @@ def test_state_bytes_are_constant_and_those_of_the_cache(kind):
             model(torch.tensor(prompts((length,))), cache=cache)
         states = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
         assert len(states) == recurrent
-        assert sum(layer.nbytes() for layer in states) == recurrent * per_layer
+        assert sum(tensor.numel() * tensor.element_size() for layer in states
+                   for name, tensor in layer.tensors().items()
+                   if name not in SoftmaxHeadsState.SOFTMAX_HEAD_TENSORS) == recurrent * per_layer
 
 
 def test_prefix_caching_is_switched_off(served):
@@ -182,7 +197,6 @@ def test_prefix_caching_is_switched_off(served):
 
 
 @pytest.mark.parametrize("options, engine, error", [
-    (dict(**WINDOW, softmax_heads={0: [0]}), {}, "softmax_heads"),
     (KINDS["demo"], dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                              "prompt_lookup_max": 3}), "speculative decoding is not supported"),
 ])
