@@ -158,6 +158,23 @@ def test_requests_arriving_and_leaving_while_others_decode(served):
         i: generate_tokens(model, p, NEW_TOKENS * 2) for i, p in enumerate(batch)}
 
 
+def test_decode_steps_of_requests_at_one_context_run_as_one_batch(served):
+    """Requests that decode at the same context in every step (each added one step later with one token more) run
+    their decode steps as one batch in every recurrent layer, window kinds included (`StateSlots.groups`), across a
+    sparse memory block end (position 63); each one's tokens equal generate()'s."""
+    _, model, _, llm = served
+    engine = llm.llm_engine
+    batch = prompts((50, 51, 52), seed=4)
+    tokens, step = {}, 0
+    while step < len(batch) or engine.has_unfinished_requests():
+        if step < len(batch):
+            engine.add_request(str(step), {"prompt_token_ids": batch[step]}, greedy(NEW_TOKENS * 2))
+        for output in engine.step():
+            tokens[int(output.request_id)] = list(output.outputs[0].token_ids)
+        step += 1
+    assert tokens == {i: generate_tokens(model, p, NEW_TOKENS * 2) for i, p in enumerate(batch)}
+
+
 def test_seeded_sampling_is_reproducible(served):
     llm = served[3]
     batch = [{"prompt_token_ids": p} for p in prompts((3, 50))]
