@@ -9,15 +9,22 @@ every request, decodes first, then prefills and prefill chunks). No math is repe
 
 - softmax layers (`config.softmax_layers`) project and rotate as the transformers layer does and attend with vLLM's
   paged attention (`Attention`), its KV cache growing with the context;
-- every other layer runs the transformers layer (`attend`: the ops of `hf_linear_attn.ops`, the one-token steps
-  for a decode) once per request, on that request's tokens, with a cache layer (`cache_linear_attention`) whose
-  tensors are views of the request's fixed state slot in vLLM's cache (`MambaBase`): linear state and normaliser,
-  window ring and sinks, delta-rule write strengths, convolution inputs (`state_tensors` lists them). A request's
-  memory in these layers does not grow with its length.
+- every other layer runs the transformers layer's projections, short convolution, RoPE and kind's attention
+  (`rotated_qkv`, `attend`: the ops of `hf_linear_attn.ops`, the one-token steps for a decode) on a cache layer
+  (`cache_linear_attention`) holding the requests' fixed state slots in vLLM's cache (`MambaBase`): linear state and
+  normaliser, window ring and sinks, delta-rule write strengths, convolution inputs, the sparse memory's slots and
+  log decays (`state_tensors` lists them). A request's memory in these layers does not grow with its length. Decode
+  steps run batched (`StateSlots.groups`): the slots of B requests gathered into [B, ...] tensors, one step of the
+  layer, the results copied back; the window kinds, whose step reads the position (ring slot, sinks, memory block
+  end), batch the requests at one context together, the others every decode. Prefills and prefill chunks run one
+  request at a time;
+- a recurrent layer with softmax heads (`config.softmax_heads`) also has a paged `Attention` of its own (under
+  `<layer>.softmax_heads`: those KV heads and their query groups), whose KV cache grows in pages beside the softmax
+  layers'; its output replaces those query heads' outputs of the kind, before o_proj, as `SoftmaxHeadsMixin` does.
 
 vLLM reuses a slot without clearing it: a request (or a prefill chunk) at context 0 gets an empty cache layer, as
-`generate()` starts, and its final tensors are copied into the slot; later chunks and decode steps read and update
-the slot in place. Prefix caching of the recurrent states and speculative decoding are not supported: `register`
+`generate()` starts, and its final tensors are copied into the slot; later chunks and decode steps read the slot and
+write it back. Prefix caching of the recurrent states and speculative decoding are not supported: `register`
 switches the first off for this architecture and refuses the second, with the other unsupported options, at load
 (`EngineOptions`).
 """
@@ -53,6 +60,8 @@ from .ops_sparse_memory import MEMORY_BLOCK_SIZE
 
 ARCHITECTURE = "LinearAttentionForCausalLM"
 PAGE_ALIGNMENT = 8  # bytes: the widest state element (fp32 here; a long would need 8)
+# The window ring's per-position tensors (`state_tensors`): [S + w, ...], S sink slots, then w ring slots.
+RING_TENSORS = ("window_keys", "window_values", "window_mask", "window_beta", "window_log_decay")
 PADDING = "padding"  # the name of the bytes that align a state page (`state_tensors`), which no cache layer reads
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logger, whose handlers print INFO
 
@@ -185,12 +194,12 @@ class StateSlots(MambaBase):
             qkv = [hidden_states.new_zeros(n, heads, head_dim)
                    for heads in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
         cos, sin = (x[0] for x in position_embeddings)  # [N, 1, D]
-        for tokens, slots, context in self.groups(metadata):  # tokens [B, T], slots [B]
+        for tokens, slots, contexts in self.groups(metadata):  # tokens [B, T], slots [B], contexts B ints
             x = hidden_states[tokens]  # [B, T, hidden]
-            cache_layer = self.cache_layer(slots, context)
+            cache_layer = self.cache_layer(slots, contexts)
             q, k, v = self.rotated_qkv(x, (cos[tokens], sin[tokens]), None, cache_layer, None)
             o[tokens] = self.attend(x, q, k, v, None, cache_layer, None)
-            self.store(cache_layer, slots)
+            self.store(cache_layer, slots, contexts)
             if self.softmax_heads is not None:
                 for buffer, part in zip(qkv, (q, k, v), strict=True):
                     buffer[tokens] = part
@@ -204,53 +213,71 @@ class StateSlots(MambaBase):
         output[:real] = self.project_out(o[None, :real])[0]
         return output
 
-    def groups(self, metadata) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    def groups(self, metadata) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:
         """The requests of the batch in groups that one call of the layer runs: (their tokens' indices [B, T], their
-        state slots [B], the context before their tokens). Request i owns tokens query_start_loc[i] .. [i + 1] and
-        state slot state_indices_tensor[i]; its context is seq_lens[i] minus their number. Decode steps (one token
-        each, first in vLLM's batch) run as one batch per context, or, where the kind's step does not read the
-        position (no window: linear, delta), as one batch of every decode after a filled state; a request starting
-        (context 0, a fresh cache layer) and every prefill (chunk) run alone."""
+        state slots [B], the context before their tokens, per request). Request i owns tokens query_start_loc[i] ..
+        [i + 1] and state slot state_indices_tensor[i]; its context is seq_lens[i] minus their number. Decode steps
+        (one token each, first in vLLM's batch) after a filled state run as one batch (`cache_layer` aligns the
+        window rings of requests at different contexts), or with the sparse memory, whose step reads the position
+        (which ring tokens the row covers, block ends), one batch per context; a request starting (context 0: a
+        fresh cache layer) and every prefill (chunk) run alone."""
         starts = metadata.query_start_loc.tolist()
         seq_lens, slots = metadata.seq_lens.tolist(), metadata.state_indices_tensor.tolist()
         device = metadata.query_start_loc.device
         batches: dict[int | None, list[int]] = {}
         for i in range(metadata.num_decodes):
             context = seq_lens[i] - 1
-            batches.setdefault(context if context == 0 or self.window_size > 0 else None, []).append(i)
-        for context, requests in batches.items():
+            batches.setdefault(context if context == 0 or self.config.sparse_cache_size > 0 else None, []).append(i)
+        for requests in batches.values():
             yield (torch.tensor([starts[i] for i in requests], device=device)[:, None],
-                   torch.tensor([slots[i] for i in requests], device=device),
-                   seq_lens[requests[0]] - 1 if context is None else context)
+                   torch.tensor([slots[i] for i in requests], device=device), [seq_lens[i] - 1 for i in requests])
         for i in range(metadata.num_decodes, metadata.num_decodes + metadata.num_prefills):
             start, end = starts[i], starts[i + 1]
             yield (torch.arange(start, end, device=device)[None], torch.tensor([slots[i]], device=device),
-                   seq_lens[i] - (end - start))
+                   [seq_lens[i] - (end - start)])
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """vLLM's state tensors of this layer, by attribute name, each [slots, *shape]."""
         return {name: tensor for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
                 if name != PADDING}
 
-    def cache_layer(self, slots: torch.Tensor, context: int) -> LinearStateLayer:
-        """The kind's cache layer for B requests (state slots `slots` [B]) at `context` positions: empty at 0 (the
-        slots may hold finished requests' states), else holding copies of their slots, [B, *shape] (`store` writes
-        them back). Its position counter is `context`, which only the window kinds read (their groups share it)."""
+    def slot_index(self, name: str, tensor: torch.Tensor, slots: torch.Tensor, contexts: list[int]
+                   ) -> tuple[torch.Tensor, ...]:
+        """Where a cache layer of B requests (state slots `slots` [B], `contexts` per request) reads and writes its
+        tensor `name` in vLLM's `tensor` [slots, *shape]: slots [B] for most; for the window ring's per-position
+        tensors (RING_TENSORS, [slots, S + w, ...]) slots [B, 1] and the slot of each of the layer's positions
+        [B, S + w]. The cache layer counts one position, the first request's context p_0 (a ring holds position q in
+        slot S + q mod w): request b's ring is rotated by p_b − p_0, so that its positions sit where the layer looks
+        for them (sinks stay)."""
+        if name not in RING_TENSORS:
+            return (slots,)
+        sinks, device = self.num_sink_tokens, slots.device
+        width = tensor.shape[1] - sinks  # w
+        offsets = torch.tensor(contexts, device=device) - contexts[0]  # [B]
+        ring = sinks + (torch.arange(width, device=device) + offsets[:, None]) % width  # [B, w]
+        sink_slots = torch.arange(sinks, device=device).expand(len(contexts), -1)  # [B, S]
+        return slots[:, None], torch.cat([sink_slots, ring], dim=1)
+
+    def cache_layer(self, slots: torch.Tensor, contexts: list[int]) -> LinearStateLayer:
+        """The kind's cache layer for B requests (state slots `slots` [B]) at `contexts`, all 0 or all > 0: empty at
+        0 (the slots may hold finished requests' states), else holding copies of their slots, [B, *shape]
+        (`slot_index`; `store` writes them back), at the first request's position."""
         layer = state_layer(self.config, self.layer_idx)
-        if context > 0:
+        if contexts[0] > 0:
             for name, tensor in self.slot_tensors().items():
-                setattr(layer, name, tensor.index_select(0, slots))
-            layer.seen = torch.tensor(context, dtype=torch.long, device=slots.device)
+                setattr(layer, name, tensor[self.slot_index(name, tensor, slots, contexts)])
+            layer.seen = torch.tensor(contexts[0], dtype=torch.long, device=slots.device)
         return layer
 
-    def store(self, cache_layer: LinearStateLayer, slots: torch.Tensor) -> None:
-        """Copy the cache layer's tensors [B, *shape] after the forward into state slots `slots` [B]."""
+    def store(self, cache_layer: LinearStateLayer, slots: torch.Tensor, contexts: list[int]) -> None:
+        """Copy the cache layer's tensors [B, *shape] after the forward into state slots `slots` [B]
+        (`slot_index`)."""
         for name, tensor in self.slot_tensors().items():
             value = getattr(cache_layer, name)
             if value is None:
                 raise RuntimeError(f"{type(self).__name__} left its cache's {name!r} unset: the vLLM state layout "
                                    "(state_tensors) does not match the layer's cache")
-            tensor.index_copy_(0, slots, value)
+            tensor[self.slot_index(name, tensor, slots, contexts)] = value
 
 
 def vllm_attention_class(base: type[nn.Module]) -> type[nn.Module]:
