@@ -194,7 +194,7 @@ class StateSlots(MambaBase):
             qkv = [hidden_states.new_zeros(n, heads, head_dim)
                    for heads in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
         cos, sin = (x[0] for x in position_embeddings)  # [N, 1, D]
-        for tokens, slots, contexts in self.groups(metadata):  # tokens [B, T], slots [B], contexts B ints
+        for tokens, slots, contexts in self.groups(metadata):  # tokens [B, T]; slots, contexts: B ints each
             x = hidden_states[tokens]  # [B, T, hidden]
             cache_layer = self.cache_layer(slots, contexts)
             q, k, v = self.rotated_qkv(x, (cos[tokens], sin[tokens]), None, cache_layer, None)
@@ -213,9 +213,9 @@ class StateSlots(MambaBase):
         output[:real] = self.project_out(o[None, :real])[0]
         return output
 
-    def groups(self, metadata) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    def groups(self, metadata) -> Iterator[tuple[torch.Tensor, list[int], list[int]]]:
         """The requests of the batch in groups that one call of the layer runs: (their tokens' indices [B, T], their
-        state slots [B], the context before their tokens, per request). Request i owns tokens query_start_loc[i] ..
+        B state slots, the context before their tokens, per request). Request i owns tokens query_start_loc[i] ..
         [i + 1] and state slot state_indices_tensor[i]; its context is seq_lens[i] minus their number. Decode steps
         (one token each, first in vLLM's batch) after a filled state run as one batch (`cache_layer` aligns the
         window rings of requests at different contexts), or with the sparse memory, whose step reads the position
@@ -229,55 +229,60 @@ class StateSlots(MambaBase):
             context = seq_lens[i] - 1
             batches.setdefault(context if context == 0 or self.config.sparse_cache_size > 0 else None, []).append(i)
         for requests in batches.values():
-            yield (torch.tensor([starts[i] for i in requests], device=device)[:, None],
-                   torch.tensor([slots[i] for i in requests], device=device), [seq_lens[i] - 1 for i in requests])
+            yield (torch.tensor([starts[i] for i in requests], device=device)[:, None], [slots[i] for i in requests],
+                   [seq_lens[i] - 1 for i in requests])
         for i in range(metadata.num_decodes, metadata.num_decodes + metadata.num_prefills):
             start, end = starts[i], starts[i + 1]
-            yield (torch.arange(start, end, device=device)[None], torch.tensor([slots[i]], device=device),
-                   [seq_lens[i] - (end - start)])
+            yield torch.arange(start, end, device=device)[None], [slots[i]], [seq_lens[i] - (end - start)]
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """vLLM's state tensors of this layer, by attribute name, each [slots, *shape]."""
         return {name: tensor for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
                 if name != PADDING}
 
-    def slot_index(self, name: str, tensor: torch.Tensor, slots: torch.Tensor, contexts: list[int]
-                   ) -> tuple[torch.Tensor, ...]:
-        """Where a cache layer of B requests (state slots `slots` [B], `contexts` per request) reads and writes its
-        tensor `name` in vLLM's `tensor` [slots, *shape]: slots [B] for most; for the window ring's per-position
-        tensors (RING_TENSORS, [slots, S + w, ...]) slots [B, 1] and the slot of each of the layer's positions
-        [B, S + w]. The cache layer counts one position, the first request's context p_0 (a ring holds position q in
-        slot S + q mod w): request b's ring is rotated by p_b − p_0, so that its positions sit where the layer looks
-        for them (sinks stay)."""
-        if name not in RING_TENSORS:
-            return (slots,)
-        sinks, device = self.num_sink_tokens, slots.device
+    def slot_index(self, name: str, tensor: torch.Tensor, slots: list[int], contexts: list[int]
+                   ) -> tuple[slice | torch.Tensor, ...]:
+        """Where a cache layer of B requests (state `slots`, `contexts`: B ints each) reads and writes its tensor
+        `name` in vLLM's `tensor` [slots, *shape]: the slot itself for one request (a view: the layer updates it in
+        place), else the B slots (a copy, [B, *shape]); for the window ring's per-position tensors (RING_TENSORS,
+        [slots, S + w, ...]) of requests at different contexts, the slots [B, 1] and the slot of each of the layer's
+        positions [B, S + w]. The cache layer counts one position, the first request's context p_0 (a ring holds
+        position q in slot S + q mod w): request b's ring is rotated by p_b − p_0, so that its positions sit where
+        the layer looks for them (sinks stay)."""
+        if len(slots) == 1:
+            return (slice(slots[0], slots[0] + 1),)
+        rows = torch.tensor(slots, device=tensor.device)  # [B]
+        if name not in RING_TENSORS or len(set(contexts)) == 1:
+            return (rows,)
+        sinks, device = self.num_sink_tokens, tensor.device
         width = tensor.shape[1] - sinks  # w
         offsets = torch.tensor(contexts, device=device) - contexts[0]  # [B]
         ring = sinks + (torch.arange(width, device=device) + offsets[:, None]) % width  # [B, w]
         sink_slots = torch.arange(sinks, device=device).expand(len(contexts), -1)  # [B, S]
-        return slots[:, None], torch.cat([sink_slots, ring], dim=1)
+        return rows[:, None], torch.cat([sink_slots, ring], dim=1)
 
-    def cache_layer(self, slots: torch.Tensor, contexts: list[int]) -> LinearStateLayer:
-        """The kind's cache layer for B requests (state slots `slots` [B]) at `contexts`, all 0 or all > 0: empty at
-        0 (the slots may hold finished requests' states), else holding copies of their slots, [B, *shape]
-        (`slot_index`; `store` writes them back), at the first request's position."""
+    def cache_layer(self, slots: list[int], contexts: list[int]) -> LinearStateLayer:
+        """The kind's cache layer for B requests (state `slots`) at `contexts` (B ints each; all 0 or all > 0): empty
+        at 0 (the slots may hold finished requests' states), else holding their slots [B, *shape] (`slot_index`:
+        views for one request, else copies that `store` writes back), at the first request's position."""
         layer = state_layer(self.config, self.layer_idx)
         if contexts[0] > 0:
             for name, tensor in self.slot_tensors().items():
                 setattr(layer, name, tensor[self.slot_index(name, tensor, slots, contexts)])
-            layer.seen = torch.tensor(contexts[0], dtype=torch.long, device=slots.device)
+            layer.seen = torch.tensor(contexts[0], dtype=torch.long, device=self.kv_cache[0].device)
         return layer
 
-    def store(self, cache_layer: LinearStateLayer, slots: torch.Tensor, contexts: list[int]) -> None:
-        """Copy the cache layer's tensors [B, *shape] after the forward into state slots `slots` [B]
-        (`slot_index`)."""
+    def store(self, cache_layer: LinearStateLayer, slots: list[int], contexts: list[int]) -> None:
+        """Write the cache layer's tensors [B, *shape] after the forward into the state `slots` (`slot_index`), where
+        the layer has not updated them in place."""
         for name, tensor in self.slot_tensors().items():
             value = getattr(cache_layer, name)
             if value is None:
                 raise RuntimeError(f"{type(self).__name__} left its cache's {name!r} unset: the vLLM state layout "
                                    "(state_tensors) does not match the layer's cache")
-            tensor[self.slot_index(name, tensor, slots, contexts)] = value
+            index = self.slot_index(name, tensor, slots, contexts)
+            if len(slots) > 1 or value.data_ptr() != tensor[index].data_ptr():
+                tensor[index] = value
 
 
 def vllm_attention_class(base: type[nn.Module]) -> type[nn.Module]:
