@@ -196,10 +196,11 @@ class StateSlots(MambaBase):
         cos, sin = (x[0] for x in position_embeddings)  # [N, 1, D]
         for tokens, slots, contexts in self.groups(metadata):  # tokens [B, T]; slots, contexts: B ints each
             x = hidden_states[tokens]  # [B, T, hidden]
-            cache_layer = self.cache_layer(slots, contexts)
+            indices = self.slot_indices(slots, contexts)
+            cache_layer = self.cache_layer(indices, contexts[0])
             q, k, v = self.rotated_qkv(x, (cos[tokens], sin[tokens]), None, cache_layer, None)
             o[tokens] = self.attend(x, q, k, v, None, cache_layer, None)
-            self.store(cache_layer, slots, contexts)
+            self.store(cache_layer, indices)
             if self.softmax_heads is not None:
                 for buffer, part in zip(qkv, (q, k, v), strict=True):
                     buffer[tokens] = part
@@ -240,49 +241,56 @@ class StateSlots(MambaBase):
         return {name: tensor for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
                 if name != PADDING}
 
-    def slot_index(self, name: str, tensor: torch.Tensor, slots: list[int], contexts: list[int]
-                   ) -> tuple[slice | torch.Tensor, ...]:
-        """Where a cache layer of B requests (state `slots`, `contexts`: B ints each) reads and writes its tensor
-        `name` in vLLM's `tensor` [slots, *shape]: the slot itself for one request (a view: the layer updates it in
-        place), else the B slots (a copy, [B, *shape]); for the window ring's per-position tensors (RING_TENSORS,
-        [slots, S + w, ...]) of requests at different contexts, the slots [B, 1] and the slot of each of the layer's
+    def slot_indices(self, slots: list[int], contexts: list[int]) -> dict[str, torch.Tensor | tuple]:
+        """Where a cache layer of B requests (state `slots`, `contexts`: B ints each) reads and writes each tensor of
+        vLLM's [slots, *shape] (`slot_tensors`), by name: for one request, the index of its slot (a view: the layer
+        updates it in place); else the B slots, a tensor [B] (gathered with index_select, written back with
+        index_copy_), and for the window ring's per-position tensors (RING_TENSORS, [slots, S + w, ...]) of
+        requests at different contexts, the index of the slots [B, 1] and of the slot of each of the layer's
         positions [B, S + w]. The cache layer counts one position, the first request's context p_0 (a ring holds
         position q in slot S + q mod w): request b's ring is rotated by p_b − p_0, so that its positions sit where
         the layer looks for them (sinks stay)."""
+        tensors = self.slot_tensors()
         if len(slots) == 1:
-            return (slice(slots[0], slots[0] + 1),)
-        rows = torch.tensor(slots, device=tensor.device)  # [B]
-        if name not in RING_TENSORS or len(set(contexts)) == 1:
-            return (rows,)
-        sinks, device = self.num_sink_tokens, tensor.device
-        width = tensor.shape[1] - sinks  # w
-        offsets = torch.tensor(contexts, device=device) - contexts[0]  # [B]
-        ring = sinks + (torch.arange(width, device=device) + offsets[:, None]) % width  # [B, w]
-        sink_slots = torch.arange(sinks, device=device).expand(len(contexts), -1)  # [B, S]
-        return rows[:, None], torch.cat([sink_slots, ring], dim=1)
+            return dict.fromkeys(tensors, (slice(slots[0], slots[0] + 1),))
+        device = self.kv_cache[0].device
+        rows = torch.tensor(slots, device=device)  # [B]
+        indices = dict.fromkeys(tensors, rows)
+        if "window_mask" in tensors and len(set(contexts)) > 1:
+            sinks = self.num_sink_tokens
+            width = tensors["window_mask"].shape[1] - sinks  # w
+            offsets = torch.tensor(contexts, device=device) - contexts[0]  # [B]
+            ring = sinks + (torch.arange(width, device=device) + offsets[:, None]) % width  # [B, w]
+            sink_slots = torch.arange(sinks, device=device).expand(len(slots), -1)  # [B, S]
+            index = rows[:, None], torch.cat([sink_slots, ring], dim=1)
+            indices.update((name, index) for name in RING_TENSORS if name in tensors)
+        return indices
 
-    def cache_layer(self, slots: list[int], contexts: list[int]) -> LinearStateLayer:
-        """The kind's cache layer for B requests (state `slots`) at `contexts` (B ints each; all 0 or all > 0): empty
-        at 0 (the slots may hold finished requests' states), else holding their slots [B, *shape] (`slot_index`:
-        views for one request, else copies that `store` writes back), at the first request's position."""
+    def cache_layer(self, indices: dict[str, torch.Tensor | tuple], context: int) -> LinearStateLayer:
+        """The kind's cache layer for B requests whose state is at `indices` (`slot_indices`) and whose first
+        request's context is `context`: empty at 0 (a group at context 0 is all there; the slots may hold finished
+        requests' states), else holding their slots [B, *shape] (views for one request, else copies that `store`
+        writes back) at that position."""
         layer = state_layer(self.config, self.layer_idx)
-        if contexts[0] > 0:
+        if context > 0:
             for name, tensor in self.slot_tensors().items():
-                setattr(layer, name, tensor[self.slot_index(name, tensor, slots, contexts)])
-            layer.seen = torch.tensor(contexts[0], dtype=torch.long, device=self.kv_cache[0].device)
+                index = indices[name]
+                setattr(layer, name, tensor.index_select(0, index) if torch.is_tensor(index) else tensor[index])
+            layer.seen = torch.tensor(context, dtype=torch.long, device=self.kv_cache[0].device)
         return layer
 
-    def store(self, cache_layer: LinearStateLayer, slots: list[int], contexts: list[int]) -> None:
-        """Write the cache layer's tensors [B, *shape] after the forward into the state `slots` (`slot_index`), where
-        the layer has not updated them in place."""
+    def store(self, cache_layer: LinearStateLayer, indices: dict[str, torch.Tensor | tuple]) -> None:
+        """Write the cache layer's tensors [B, *shape] after the forward into its requests' state at `indices`
+        (`slot_indices`), where the layer has not updated them in place."""
         for name, tensor in self.slot_tensors().items():
-            value = getattr(cache_layer, name)
+            value, index = getattr(cache_layer, name), indices[name]
             if value is None:
                 raise RuntimeError(f"{type(self).__name__} left its cache's {name!r} unset: the vLLM state layout "
                                    "(state_tensors) does not match the layer's cache")
-            index = self.slot_index(name, tensor, slots, contexts)
-            if len(slots) > 1 or value.data_ptr() != tensor[index].data_ptr():
-                tensor[index] = value
+            if torch.is_tensor(index):
+                tensor.index_copy_(0, index, value)
+            elif not isinstance(index[0], slice) or value.data_ptr() != tensor[index].data_ptr():
+                tensor[index] = value  # the rotated rings, or a request's slot that its first forward allocated
 
 
 def vllm_attention_class(base: type[nn.Module]) -> type[nn.Module]:
