@@ -64,8 +64,9 @@ MODELS = {**{kind: (lambda options=options: tiny_model(options)) for kind, optio
               dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
               dict(KINDS["demo"], window_size=64, num_sink_tokens=4, softmax_layers=[1, 3],
                    softmax_heads={0: [1], 2: [0, 1]}))}
-PROMPT_LENGTHS = (1, 7, 40, 120, 300)  # beyond the window (16) and the step's token budget (64); 120 + 10
-# tokens decode across a sparse memory block end (position 127)
+# Beyond the window (16) and the step's token budget (64); 120 + 10 tokens decode across a sparse memory block end
+# (position 127); two one-token prompts start in one decode batch (vLLM counts a one-token step as a decode).
+PROMPT_LENGTHS = (1, 1, 7, 40, 120, 300)
 NEW_TOKENS = 10
 ENGINE = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, seed=0,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20)
