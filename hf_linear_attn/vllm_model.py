@@ -15,9 +15,11 @@ every request, decodes first, then prefills and prefill chunks). No math is repe
   normaliser, window ring and sinks, delta-rule write strengths, convolution inputs, the sparse memory's slots and
   log decays (`state_tensors` lists them). A request's memory in these layers does not grow with its length. Decode
   steps run batched (`StateSlots.groups`): the slots of B requests gathered into [B, ...] tensors, one step of the
-  layer, the results copied back; the window kinds, whose step reads the position (ring slot, sinks, memory block
-  end), batch the requests at one context together, the others every decode. Prefills and prefill chunks run one
-  request at a time;
+  layer, the results written back. The cache layer counts one position; a window step reads it (the ring slot of
+  the new token; with the sparse memory, the ring tokens the row covers and the block ends), so each request is
+  seen shifted to it (`slot_batch`: its ring rotated, its memory's positions shifted), and with the sparse memory
+  only requests at the same place in the memory's block share a batch. Prefills and prefill chunks run one request
+  at a time;
 - a recurrent layer with softmax heads (`config.softmax_heads`) also has a paged `Attention` of its own (under
   `<layer>.softmax_heads`: those KV heads and their query groups), whose KV cache grows in pages beside the softmax
   layers'; its output replaces those query heads' outputs of the kind, before o_proj, as `SoftmaxHeadsMixin` does.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -141,6 +144,19 @@ def state_tensors(config: LinearAttentionConfig, dtype: torch.dtype) -> list[tup
     return specs + ([(PADDING, (padding,), torch.uint8)] if padding else [])
 
 
+class SlotBatch(NamedTuple):
+    """Where the cache layer of B requests (`StateSlots.slot_batch`) reads and writes vLLM's state tensors
+    [slots, *shape]. `indices`, by tensor name: for one request, the index of its slot (a view: the layer updates it
+    in place); else the B slots, a tensor [B] (gathered with index_select, written back with index_copy_), or for the
+    ring's per-position tensors (RING_TENSORS, [slots, S + w, ...]) of requests at different positions, the index
+    of the slots [B, 1] and of each one's ring slots in the layer's order [B, S + w]. `position`: the position the
+    layer counts; `shifts` [B]: what each request's positions are shifted by to reach it (None: all 0)."""
+
+    indices: dict[str, torch.Tensor | tuple]
+    position: int
+    shifts: torch.Tensor | None
+
+
 class StateSlots(MambaBase):
     """What turns a transformers recurrent attention layer into a vLLM layer with per-request state slots (mixed in
     front of the layer's class, `vllm_attention_class`): the slot layout vLLM allocates (`get_state_shape`,
@@ -196,11 +212,11 @@ class StateSlots(MambaBase):
         cos, sin = (x[0] for x in position_embeddings)  # [N, 1, D]
         for tokens, slots, contexts in self.groups(metadata):  # tokens [B, T]; slots, contexts: B ints each
             x = hidden_states[tokens]  # [B, T, hidden]
-            indices = self.slot_indices(slots, contexts)
-            cache_layer = self.cache_layer(indices, contexts[0])
+            batch = self.slot_batch(slots, contexts)
+            cache_layer = self.cache_layer(batch)
             q, k, v = self.rotated_qkv(x, (cos[tokens], sin[tokens]), None, cache_layer, None)
             o[tokens] = self.attend(x, q, k, v, None, cache_layer, None)
-            self.store(cache_layer, indices)
+            self.store(cache_layer, batch)
             if self.softmax_heads is not None:
                 for buffer, part in zip(qkv, (q, k, v), strict=True):
                     buffer[tokens] = part
@@ -217,18 +233,24 @@ class StateSlots(MambaBase):
     def groups(self, metadata) -> Iterator[tuple[torch.Tensor, list[int], list[int]]]:
         """The requests of the batch in groups that one call of the layer runs: (their tokens' indices [B, T], their
         B state slots, the context before their tokens, per request). Request i owns tokens query_start_loc[i] ..
-        [i + 1] and state slot state_indices_tensor[i]; its context is seq_lens[i] minus their number. Decode steps
-        (one token each, first in vLLM's batch) after a filled state run as one batch (`cache_layer` aligns the
-        window rings of requests at different contexts), or with the sparse memory, whose step reads the position
-        (which ring tokens the row covers, block ends), one batch per context; a request starting (context 0: a
-        fresh cache layer) and every prefill (chunk) run alone."""
+        [i + 1] and state slot state_indices_tensor[i]; its context is seq_lens[i] minus their number. One-token
+        steps (vLLM's decodes, first in its batch) run as one batch after a filled state (`slot_batch` aligns the
+        requests' positions), with the sparse memory one batch per place in the memory's block (which the step reads:
+        the ring tokens it covers, the block end), and one batch at context 0 (a fresh cache layer); every prefill
+        (chunk) runs alone."""
         starts = metadata.query_start_loc.tolist()
         seq_lens, slots = metadata.seq_lens.tolist(), metadata.state_indices_tensor.tolist()
         device = metadata.query_start_loc.device
-        batches: dict[int | None, list[int]] = {}
+        batches: dict[str | int, list[int]] = {}
         for i in range(metadata.num_decodes):
             context = seq_lens[i] - 1
-            batches.setdefault(context if context == 0 or self.config.sparse_cache_size > 0 else None, []).append(i)
+            if context == 0:
+                key = "start"
+            elif self.config.sparse_cache_size > 0:
+                key = context % MEMORY_BLOCK_SIZE
+            else:
+                key = "step"
+            batches.setdefault(key, []).append(i)
         for requests in batches.values():
             yield (torch.tensor([starts[i] for i in requests], device=device)[:, None], [slots[i] for i in requests],
                    [seq_lens[i] - 1 for i in requests])
@@ -241,52 +263,54 @@ class StateSlots(MambaBase):
         return {name: tensor for (name, _, _), tensor in zip(self.specs, self.kv_cache, strict=True)
                 if name != PADDING}
 
-    def slot_indices(self, slots: list[int], contexts: list[int]) -> dict[str, torch.Tensor | tuple]:
-        """Where a cache layer of B requests (state `slots`, `contexts`: B ints each) reads and writes each tensor of
-        vLLM's [slots, *shape] (`slot_tensors`), by name: for one request, the index of its slot (a view: the layer
-        updates it in place); else the B slots, a tensor [B] (gathered with index_select, written back with
-        index_copy_), and for the window ring's per-position tensors (RING_TENSORS, [slots, S + w, ...]) of
-        requests at different contexts, the index of the slots [B, 1] and of the slot of each of the layer's
-        positions [B, S + w]. The cache layer counts one position, the first request's context p_0 (a ring holds
-        position q in slot S + q mod w): request b's ring is rotated by p_b − p_0, so that its positions sit where
-        the layer looks for them (sinks stay)."""
+    def slot_batch(self, slots: list[int], contexts: list[int]) -> SlotBatch:
+        """Where a cache layer of B requests (state `slots`, `contexts`: B ints each) reads and writes vLLM's state
+        tensors (`SlotBatch`). The layer counts one position, the largest context p: request b, at p_b, is seen
+        shifted by p − p_b (a multiple of MEMORY_BLOCK_SIZE with the sparse memory, `groups`): its ring (which
+        holds position q in slot S + q mod w; sinks stay) rotated so that its positions sit where the layer looks
+        for them, its memory slots' absolute positions shifted (their order, all they are read for, unchanged)."""
         tensors = self.slot_tensors()
         if len(slots) == 1:
-            return dict.fromkeys(tensors, (slice(slots[0], slots[0] + 1),))
-        device = self.kv_cache[0].device
+            return SlotBatch(dict.fromkeys(tensors, (slice(slots[0], slots[0] + 1),)), contexts[0], None)
+        device, position = self.kv_cache[0].device, max(contexts)
         rows = torch.tensor(slots, device=device)  # [B]
         indices = dict.fromkeys(tensors, rows)
-        if "window_mask" in tensors and len(set(contexts)) > 1:
+        if len(set(contexts)) == 1:
+            return SlotBatch(indices, position, None)
+        shifts = position - torch.tensor(contexts, device=device)  # [B]
+        if "window_mask" in tensors:
             sinks = self.num_sink_tokens
             width = tensors["window_mask"].shape[1] - sinks  # w
-            offsets = torch.tensor(contexts, device=device) - contexts[0]  # [B]
-            ring = sinks + (torch.arange(width, device=device) + offsets[:, None]) % width  # [B, w]
+            ring = sinks + (torch.arange(width, device=device) - shifts[:, None]) % width  # [B, w]
             sink_slots = torch.arange(sinks, device=device).expand(len(slots), -1)  # [B, S]
             index = rows[:, None], torch.cat([sink_slots, ring], dim=1)
             indices.update((name, index) for name in RING_TENSORS if name in tensors)
-        return indices
+        return SlotBatch(indices, position, shifts)
 
-    def cache_layer(self, indices: dict[str, torch.Tensor | tuple], context: int) -> LinearStateLayer:
-        """The kind's cache layer for B requests whose state is at `indices` (`slot_indices`) and whose first
-        request's context is `context`: empty at 0 (a group at context 0 is all there; the slots may hold finished
-        requests' states), else holding their slots [B, *shape] (views for one request, else copies that `store`
-        writes back) at that position."""
+    def cache_layer(self, batch: SlotBatch) -> LinearStateLayer:
+        """The kind's cache layer for the requests of `batch` (`slot_batch`): empty at position 0 (the slots may hold
+        finished requests' states), else holding their slots [B, *shape] (views for one request, else copies that
+        `store` writes back)."""
         layer = state_layer(self.config, self.layer_idx)
-        if context > 0:
+        if batch.position > 0:
             for name, tensor in self.slot_tensors().items():
-                index = indices[name]
+                index = batch.indices[name]
                 setattr(layer, name, tensor.index_select(0, index) if torch.is_tensor(index) else tensor[index])
-            layer.seen = torch.tensor(context, dtype=torch.long, device=self.kv_cache[0].device)
+            if batch.shifts is not None and "memory_positions" in batch.indices:
+                layer.memory_positions += batch.shifts[:, None, None]
+            layer.seen = torch.tensor(batch.position, dtype=torch.long, device=self.kv_cache[0].device)
         return layer
 
-    def store(self, cache_layer: LinearStateLayer, indices: dict[str, torch.Tensor | tuple]) -> None:
-        """Write the cache layer's tensors [B, *shape] after the forward into its requests' state at `indices`
-        (`slot_indices`), where the layer has not updated them in place."""
+    def store(self, cache_layer: LinearStateLayer, batch: SlotBatch) -> None:
+        """Write the cache layer's tensors [B, *shape] after the forward into its requests' state (`batch`), where the
+        layer has not updated them in place."""
         for name, tensor in self.slot_tensors().items():
-            value, index = getattr(cache_layer, name), indices[name]
+            value, index = getattr(cache_layer, name), batch.indices[name]
             if value is None:
                 raise RuntimeError(f"{type(self).__name__} left its cache's {name!r} unset: the vLLM state layout "
                                    "(state_tensors) does not match the layer's cache")
+            if name == "memory_positions" and batch.shifts is not None:
+                value = value - batch.shifts[:, None, None]
             if torch.is_tensor(index):
                 tensor.index_copy_(0, index, value)
             elif not isinstance(index[0], slice) or value.data_ptr() != tensor[index].data_ptr():

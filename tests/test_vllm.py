@@ -30,7 +30,7 @@ from hf_linear_attn import (  # noqa: E402
     convert_to_linear_attention,
 )
 from hf_linear_attn.cache_linear_attention import LinearStateLayer, SoftmaxHeadsState  # noqa: E402
-from hf_linear_attn.vllm_model import PADDING, state_tensors  # noqa: E402
+from hf_linear_attn.vllm_model import PADDING, VLLM_ATTENTION_CLASSES, state_tensors  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
@@ -160,20 +160,61 @@ def test_requests_arriving_and_leaving_while_others_decode(served):
 
 
 def test_decode_steps_of_requests_at_one_context_run_as_one_batch(served):
-    """Requests that decode at the same context in every step (each added one step later with one token more) run
-    their decode steps as one batch in every recurrent layer, window kinds included (`StateSlots.groups`), across a
-    sparse memory block end (position 63); each one's tokens equal generate()'s."""
+    """Requests that decode at the same context in every step (each added one step later with one token more), and
+    one 64 positions ahead of them (the same place in the sparse memory's blocks), run their decode steps as one
+    batch in every recurrent layer (`StateSlots.groups`), across sparse memory block ends (positions 63, 127); each
+    one's tokens equal generate()'s."""
     _, model, _, llm = served
     engine = llm.llm_engine
-    batch = prompts((50, 51, 52), seed=4)
+    batch = prompts((50, 116, 51, 52), seed=4)
+    arrivals = {0: [0, 1], 1: [2], 2: [3]}  # step -> requests added before it
     tokens, step = {}, 0
-    while step < len(batch) or engine.has_unfinished_requests():
-        if step < len(batch):
-            engine.add_request(str(step), {"prompt_token_ids": batch[step]}, greedy(NEW_TOKENS * 2))
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), {"prompt_token_ids": batch[i]}, greedy(NEW_TOKENS * 2))
         for output in engine.step():
             tokens[int(output.request_id)] = list(output.outputs[0].token_ids)
         step += 1
     assert tokens == {i: generate_tokens(model, p, NEW_TOKENS * 2) for i, p in enumerate(batch)}
+
+
+@pytest.mark.parametrize("kind", ["demo", "linear", "delta", "delta_window", "window_memory", "memory_heads"])
+def test_batched_decode_step_equals_each_requests_own(kind):
+    """One decode step of a recurrent layer for requests at different contexts, their state slots gathered into one
+    batch and written back (`StateSlots.slot_batch`, `cache_layer`, `store`: rings rotated, memory positions
+    shifted), leaves in each slot what that request's own transformers cache holds after the same step alone (a
+    block end of the sparse memory included: position 127 and, 64 behind it, 63), and outputs what it outputs."""
+    model = tiny_model(KINDS[kind])
+    config, attention = model.config, model.model.layers[0].self_attn
+    layer = VLLM_ATTENTION_CLASSES[type(attention)](config, 0)
+    layer.load_state_dict(attention.state_dict())
+    layer.specs = state_tensors(config, torch.float32)
+    layer.kv_cache = tuple(torch.zeros(6, *shape, dtype=dtype) for _, shape, dtype in layer.specs)
+    contexts, slots = ([127, 63], [4, 1]) if config.sparse_cache_size else ([100, 63, 125], [4, 1, 2])
+    x = torch.randn(len(slots), 1, config.hidden_size, generator=torch.Generator().manual_seed(5))  # [B, 1, hidden]
+    rotation = model.model.rotary_emb.rotation(x, torch.tensor(contexts)[:, None])  # [B, 1, 1, D] each
+    expected_o, expected_state = [], []
+    with torch.no_grad():
+        for row, (context, slot) in enumerate(zip(contexts, slots, strict=True)):
+            cache = LinearAttentionCache(config)
+            model(torch.tensor(prompts((context,), seed=row)), cache=cache)
+            for (name, _, _), tensor in zip(layer.specs, layer.kv_cache, strict=True):
+                if name != PADDING:
+                    tensor[slot] = getattr(cache.layers[0], name)[0]
+            own = tuple(part[row : row + 1] for part in rotation)
+            q, k, v = attention.rotated_qkv(x[row : row + 1], own, None, cache.layers[0], None)
+            expected_o.append(attention.attend(x[row : row + 1], q, k, v, None, cache.layers[0], None))
+            expected_state.append(cache.layers[0])
+        batch = layer.slot_batch(slots, contexts)
+        cache_layer = layer.cache_layer(batch)
+        q, k, v = layer.rotated_qkv(x, rotation, None, cache_layer, None)
+        o = layer.attend(x, q, k, v, None, cache_layer, None)
+        layer.store(cache_layer, batch)
+    torch.testing.assert_close(o, torch.cat(expected_o))
+    for (name, _, _), tensor in zip(layer.specs, layer.kv_cache, strict=True):
+        for slot, state in zip(slots, expected_state, strict=True):
+            if name != PADDING:
+                torch.testing.assert_close(tensor[slot], getattr(state, name)[0], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_seeded_sampling_is_reproducible(served):
