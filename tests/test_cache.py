@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from helpers import VARIANTS, left_pad, prompts, tiny_model
+from helpers import VARIANTS, left_pad, prompts, tiny_config, tiny_model
 from transformers import DynamicCache
 
 from hf_linear_attn import LinearAttentionCache, modeling_linear_attention
+from hf_linear_attn.cache_linear_attention import GrowingLayer, appended, state_layer
 from hf_linear_attn.modeling_linear_attention import OUTPUT_CACHE_FIELD
 
 
@@ -439,3 +440,43 @@ def test_window_cache_holds_no_key_features(name):
         assert not any("feature" in name for name in layer.tensors()), set(layer.tensors())
         assert layer.nbytes() == state + ring + conv
     assert cache.nbytes() == config.num_hidden_layers * (state + ring + conv)
+
+
+def test_appended_equals_concatenation_and_writes_in_place_until_full():
+    """`appended` (softmax layers' and softmax heads' growing K/V): every result equals torch.cat of what came
+    before; steps write into one buffer until it is full; a past that is not the buffer's prefix (a beam reorder
+    replaced it) gets a new buffer; under autograd it concatenates, and gradients flow."""
+    torch.manual_seed(0)
+    past, buffer, expected = None, None, torch.zeros(2, 3, 0, 4)
+    addresses = set()
+    for t in (5, 1, 1, 300, 1, 1):
+        new = torch.randn(2, 3, t, 4)
+        past, buffer = appended(past, new, buffer)
+        expected = torch.cat([expected, new], dim=2)
+        assert torch.equal(past, expected)
+        addresses.add(buffer.data_ptr())
+    assert len(addresses) == 2  # one buffer for the first 7 positions and more, a second once 307 > 256 + 5
+    assert buffer.shape[2] >= past.shape[2] + 1
+    reordered = past.index_select(0, torch.tensor([1, 0]))
+    grown, new_buffer = appended(reordered, torch.ones(2, 3, 1, 4), buffer)
+    assert new_buffer is not buffer and torch.equal(grown[:, :, :-1], expected.flip(0))
+    leaf = torch.randn(2, 3, 1, 4, requires_grad=True)
+    joined, no_buffer = appended(past, leaf, buffer)
+    assert no_buffer is None and torch.equal(joined[:, :, :-1], expected)
+    joined.sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(leaf))
+    with torch.no_grad():  # the buffer did not change under autograd
+        assert torch.equal(appended(past, torch.zeros(2, 3, 1, 4), buffer)[0][:, :, :-1], expected)
+
+
+def test_softmax_layers_decode_into_a_growing_buffer():
+    """A softmax layer's cache (`GrowingLayer`) keeps its keys in one buffer over decode steps, and reset drops it."""
+    layer = state_layer(tiny_config(softmax_layers=[0]), 0)
+    assert isinstance(layer, GrowingLayer)
+    keys, values = layer.update(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8))
+    first = layer.key_buffer.data_ptr()
+    for _ in range(5):
+        keys, _ = layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    assert keys.shape == (1, 2, 15, 8) and layer.key_buffer.data_ptr() == first and layer.get_seq_length() == 15
+    layer.reset()
+    assert layer.key_buffer is None and layer.get_seq_length() == 0
