@@ -20,9 +20,9 @@ RoPE, so what they see depends on the absolute position: trained on rows of `blo
 position 0, they meet rotations of their low-frequency dimensions beyond `block_size` that they never saw, and the
 model degrades there however far its state reaches (the demo's model at 4K–8K, docs/design.md). With an offset,
 each document piece of a training row starts at a random position in [0, position_offset] instead (a draw per
-row seeded by `validation_split_seed` and the row's index: the same on every run and any number of processes), so
-the training covers positions up to position_offset + block_size. Every other part of the model depends on
-positions only through their differences (RoPE), so nothing else changes. A document boundary is then wherever
+row seeded by `validation_split_seed` and the row's index: the same on every run and any number of processes),
+and at 0 often enough that the first positions are trained on at least as often as later ones. Every other part
+of the model depends on positions only through their differences (RoPE), so nothing else changes. A document boundary is then wherever
 the position does not step by one (as transformers' `find_packed_sequence_indices` reads it): the offset drawn
 is never the one that would continue the previous piece. Held-out rows keep positions from 0.
 """
@@ -258,15 +258,20 @@ def _pack(batch: dict[str, list], block_size: int, separate_documents: bool) -> 
 
 def offset_positions(position_ids: list[list[int]], row_indices: list[int], max_offset: int,
                      seed: int) -> list[list[int]]:
-    """Packed rows' position_ids (restarting at 0 where a document piece starts) with each piece moved to start
-    at an offset drawn uniformly from [0, max_offset] (numpy's generator seeded by (seed, row index)); an offset
-    that would make a piece continue the previous one's positions is moved on by one, so the boundary stays
-    visible as a step other than +1."""
+    """Packed rows' position_ids (restarting at 0 where a document piece starts) with each piece of ℓ tokens moved
+    to start at max(0, u), u drawn uniformly from [−(ℓ − 1), N = max_offset] (numpy's generator seeded by (seed,
+    row index)): a position p in [ℓ, N] lies in a piece with probability ℓ / (N + ℓ), p < ℓ with (p + ℓ) / (N + ℓ)
+    (a start drawn from [0, N] alone would give those only (p + 1) / (N + 1): the first positions, which every
+    input uses, would be the least trained), and the last ones, past N, less. An offset that would make a piece
+    continue the previous one's positions is moved on by one, so the boundary stays visible as a step other than
+    +1."""
     shifted = []
     for positions, row in zip(position_ids, row_indices, strict=True):
         positions = np.asarray(positions)
         piece = np.cumsum(positions == 0) - 1  # which piece each token belongs to, [L]
-        offsets = np.random.default_rng([seed, row]).integers(0, max_offset + 1, size=piece[-1] + 1)
+        lengths = np.bincount(piece)  # ℓ of each piece
+        draws = np.random.default_rng([seed, row]).integers(1 - lengths, max_offset + 1)
+        offsets = np.maximum(draws, 0)
         ends = np.flatnonzero(np.diff(piece)) if len(piece) > 1 else np.array([], dtype=int)  # last token of a piece
         for k, end in enumerate(ends, start=1):
             if offsets[k] == offsets[k - 1] + positions[end] + 1:
