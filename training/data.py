@@ -22,9 +22,9 @@ model degrades there however far its state reaches (the demo's model at 4K–8K,
 each document piece of a training row starts at a random position in [0, position_offset] instead (a draw per
 row seeded by `validation_split_seed` and the row's index: the same on every run and any number of processes),
 and at 0 often enough that the first positions are trained on at least as often as later ones. Every other part
-of the model depends on positions only through their differences (RoPE), so nothing else changes. A document boundary is then wherever
-the position does not step by one (as transformers' `find_packed_sequence_indices` reads it): the offset drawn
-is never the one that would continue the previous piece. Held-out rows keep positions from 0.
+of the model depends on positions only through their differences (RoPE), so nothing else changes. A document
+boundary is then wherever the position does not step by one (as transformers' `find_packed_sequence_indices` reads
+it): the offset drawn is never the one that would continue the previous piece. Held-out rows keep positions from 0.
 """
 
 from __future__ import annotations
