@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import VARIANTS, left_pad, prompts, tiny_config, tiny_model
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from hf_linear_attn import LinearAttentionCache, modeling_linear_attention
 from hf_linear_attn.cache_linear_attention import GrowingLayer, appended, state_layer
@@ -470,13 +471,18 @@ def test_appended_equals_concatenation_and_writes_in_place_until_full():
 
 
 def test_softmax_layers_decode_into_a_growing_buffer():
-    """A softmax layer's cache (`GrowingLayer`) keeps its keys in one buffer over decode steps, and reset drops it."""
-    layer = state_layer(tiny_config(softmax_layers=[0]), 0)
+    """A softmax layer's cache (`GrowingLayer`) holds what transformers' `DynamicLayer` holds, keeping its keys in one
+    buffer over decode steps; reset drops the buffers and otherwise does what the installed DynamicLayer's does."""
+    layer, reference = state_layer(tiny_config(softmax_layers=[0]), 0), DynamicLayer()
     assert isinstance(layer, GrowingLayer)
-    keys, values = layer.update(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8))
-    first = layer.key_buffer.data_ptr()
-    for _ in range(5):
-        keys, _ = layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
-    assert keys.shape == (1, 2, 15, 8) and layer.key_buffer.data_ptr() == first and layer.get_seq_length() == 15
+    steps = [(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8))] + [(torch.randn(1, 2, 1, 8),) * 2] * 5
+    buffers = set()
+    for k, v in steps:
+        keys, values = layer.update(k, v)
+        expected_keys, expected_values = reference.update(k, v)
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+        buffers.add(layer.key_buffer.data_ptr())
+    assert len(buffers) == 1 and layer.get_seq_length() == 15
     layer.reset()
-    assert layer.key_buffer is None and layer.get_seq_length() == 0
+    reference.reset()
+    assert layer.key_buffer is None and layer.get_seq_length() == reference.get_seq_length()
