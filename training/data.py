@@ -272,7 +272,7 @@ def offset_positions(position_ids: list[list[int]], row_indices: list[int], max_
         lengths = np.bincount(piece)  # ℓ of each piece
         draws = np.random.default_rng([seed, row]).integers(1 - lengths, max_offset + 1)
         offsets = np.maximum(draws, 0)
-        ends = np.flatnonzero(np.diff(piece)) if len(piece) > 1 else np.array([], dtype=int)  # last token of a piece
+        ends = np.flatnonzero(np.diff(piece))  # the last token of each piece but the row's last
         for k, end in enumerate(ends, start=1):
             if offsets[k] == offsets[k - 1] + positions[end] + 1:
                 offsets[k] = (offsets[k] + 1) % (max_offset + 1)
