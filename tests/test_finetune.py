@@ -236,19 +236,20 @@ def test_position_offsets_move_each_piece_and_keep_its_boundaries():
     assert offset_positions(packed["position_ids"][3:4], [3], 1000, seed=0) == wide[3:4]
 
 
-def test_position_offsets_train_the_first_positions_no_less_than_the_others():
-    """Rows of L tokens offset by up to N: how often each position lies in a row matches the draw max(0, u), u
-    uniform on [-(L - 1), N] (counted over every u), within sampling error; the first L positions at least as often
-    as any later one."""
+def test_position_offsets_train_the_first_and_last_positions_no_less_than_the_others():
+    """Rows of L tokens offset by up to N: how often each position lies in a row matches the draw min(max(0, u), N),
+    u uniform on [-(L - 1), N + L - 1] (counted over every u), within sampling error; the first L positions and the
+    last L at least as often as any between."""
     block, max_offset, rows = 8, 24, 4000
     shifted = np.array(offset_positions([list(range(block))] * rows, list(range(rows)), max_offset, seed=0))
     covered = np.zeros(max_offset + block)
     for row in shifted:
         covered[row] += 1
-    starts = [max(0, u) for u in range(1 - block, max_offset + 1)]
+    starts = [min(max(0, u), max_offset) for u in range(1 - block, max_offset + block)]
     expected = np.array([sum(s <= p < s + block for s in starts) for p in range(max_offset + block)]) / len(starts)
     np.testing.assert_allclose(covered / rows, expected, atol=0.03)
-    assert expected[:block].min() >= expected[block:].max()
+    middle = expected[block:max_offset].max()
+    assert expected[:block].min() >= middle and expected[max_offset:].min() >= middle
 
 
 def test_flattened_rows_stay_apart_when_a_row_would_continue_the_previous_one():

@@ -21,7 +21,8 @@ position 0, they meet rotations of their low-frequency dimensions beyond `block_
 model degrades there however far its state reaches (the demo's model at 4K–8K, docs/design.md). With an offset,
 each document piece of a training row starts at a random position in [0, position_offset] instead (a draw per
 row seeded by `validation_split_seed` and the row's index: the same on every run and any number of processes),
-and at 0 often enough that the first positions are trained on at least as often as later ones. Every other part
+at 0 and at position_offset often enough that the first and the last positions are trained on at least as often
+as the ones between. Every other part
 of the model depends on positions only through their differences (RoPE), so nothing else changes. A document
 boundary is then wherever the position does not step by one (as transformers' `find_packed_sequence_indices` reads
 it): the offset drawn is never the one that would continue the previous piece. Held-out rows keep positions from 0.
@@ -259,19 +260,20 @@ def _pack(batch: dict[str, list], block_size: int, separate_documents: bool) -> 
 def offset_positions(position_ids: list[list[int]], row_indices: list[int], max_offset: int,
                      seed: int) -> list[list[int]]:
     """Packed rows' position_ids (restarting at 0 where a document piece starts) with each piece of ℓ tokens moved
-    to start at max(0, u), u drawn uniformly from [−(ℓ − 1), N = max_offset] (numpy's generator seeded by (seed,
-    row index)): a position p in [ℓ, N] lies in a piece with probability ℓ / (N + ℓ), p < ℓ with (p + ℓ) / (N + ℓ)
-    (a start drawn from [0, N] alone would give those only (p + 1) / (N + 1): the first positions, which every
-    input uses, would be the least trained), and the last ones, past N, less. An offset that would make a piece
-    continue the previous one's positions is moved on by one, so the boundary stays visible as a step other than
-    +1."""
+    to start at min(max(0, u), N), u drawn uniformly from [−(ℓ − 1), N + ℓ − 1] (N = max_offset; numpy's generator
+    seeded by (seed, row index)). A position p in [ℓ − 1, N] then lies in a piece with probability
+    ℓ / (N + 2ℓ − 1), and the first ℓ positions (which every input uses) and the last ℓ (up to N + ℓ − 1) in at
+    least as many: a start drawn from [0, N] alone would put position p < ℓ in only (p + 1) / (N + 1) of the
+    pieces and the last positions in as few, and both ends would be the least trained. An offset that would make
+    a piece continue the previous one's positions is moved on by one, so the boundary stays visible as a step
+    other than +1."""
     shifted = []
     for positions, row in zip(position_ids, row_indices, strict=True):
         positions = np.asarray(positions)
         piece = np.cumsum(positions == 0) - 1  # which piece each token belongs to, [L]
         lengths = np.bincount(piece)  # ℓ of each piece
-        draws = np.random.default_rng([seed, row]).integers(1 - lengths, max_offset + 1)
-        offsets = np.maximum(draws, 0)
+        draws = np.random.default_rng([seed, row]).integers(1 - lengths, max_offset + lengths)
+        offsets = np.clip(draws, 0, max_offset)
         ends = np.flatnonzero(np.diff(piece))  # the last token of each piece but the row's last
         for k, end in enumerate(ends, start=1):
             if offsets[k] == offsets[k - 1] + positions[end] + 1:
