@@ -17,6 +17,7 @@ from hf_linear_attn.modeling_linear_attention import (
     SoftmaxHeadsMixin,
     WindowHybridAttention,
     WindowHybridAttentionWithSoftmaxHeads,
+    one_query_attention,
 )
 from training.attention_transfer import AttentionTransfer
 
@@ -31,6 +32,26 @@ KINDS = {
     "delta": GATED_DELTANET_OPTIONS,
     "delta_window": GATED_DELTANET_WINDOW_OPTIONS,
 }
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (3, 1), (4, 4)], ids=["groups-of-3", "one-kv-head", "no-groups"])
+def test_one_query_attention_is_softmax_over_the_keys_of_its_group(heads):
+    """A decode step's attention (`one_query_attention`) against the definition: each query head's KV head repeated
+    for its group, softmax of q·k / sqrt(D) over the real keys (the query's own always among them), weights times v;
+    a row whose keys are all padding but its own attends to itself alone."""
+    h, h_kv = heads
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, h, 1, 16), torch.randn(3, h_kv, 37, 16), torch.randn(3, h_kv, 37, 16)
+    mask = torch.rand(3, 37) > 0.3
+    mask[1, :] = False
+    k_all, v_all = (x.repeat_interleave(h // h_kv, dim=1) for x in (k, v))  # [B, H, S, D]
+    for key_mask in (None, mask):
+        seen = torch.ones(3, 37, dtype=torch.bool) if key_mask is None else key_mask.clone()
+        seen[:, -1] = True
+        scores = (q @ k_all.transpose(2, 3) / 4.0).masked_fill(~seen[:, None, None, :], float("-inf"))
+        expected = scores.softmax(-1) @ v_all
+        torch.testing.assert_close(one_query_attention(q, k, v, key_mask), expected)
+    torch.testing.assert_close(one_query_attention(q, k, v, mask)[1], v_all[1, :, -1:])
 
 
 def o_proj_inputs(model, ids, layer):
