@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .head_selection import RetrievalPrompt
 from .modeling_linear_attention import (
     LinearAttention,
     LinearAttentionForCausalLM,
@@ -353,6 +354,76 @@ def rank_softmax_layers(
     return sorted(ranking, key=lambda entry: (-entry["kl_reduction"], entry["layer"]))
 
 
+@contextmanager
+def _head_restored(model: LinearAttentionForCausalLM, index: int, head: int) -> Iterator[None]:
+    """KV head `head` of layer `index` (a recurrent layer) restored to softmax with its query group inside the block
+    (`with_softmax_heads` around the same modules, beside the heads the layer keeps already); the layer's own module
+    and the config are put back after."""
+    decoder_layer = model.model.layers[index]
+    attention = decoder_layer.self_attn
+    heads = {**model.config.softmax_heads, index: [*model.config.softmax_heads_of(index), head]}
+    config = type(model.config).from_dict({**model.config.to_dict(), "softmax_heads": heads})
+    decoder_layer.self_attn = with_softmax_heads(attention, config)
+    try:
+        yield
+    finally:
+        decoder_layer.self_attn = attention
+
+
+def _answer_log_prob(student: LinearAttentionForCausalLM, hidden: torch.Tensor, prompt: RetrievalPrompt) -> float:
+    """Mean log-probability of `prompt`'s answer tokens, teacher-forced, from the final normed hidden states
+    [L, hidden]."""
+    a0, a1 = prompt.answer
+    log_probs = F.log_softmax(student.lm_head(hidden[a0 - 1 : a1 - 1]).float(), dim=-1)  # [answer, vocab]
+    answer = prompt.input_ids[0, a0:a1].to(log_probs.device)
+    return log_probs.gather(-1, answer[:, None]).mean().item()
+
+
+@torch.no_grad()
+def restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[RetrievalPrompt],
+                      progress: bool = True) -> torch.Tensor:
+    """[L, H_kv] fp32: for each KV head of the student's recurrent layers, how much restoring it alone to exact
+    softmax attention (with its query group) raises the mean log-probability of the answer's tokens of `prompts`
+    (teacher-forced retrieval prompts, `head_selection.RetrievalPrompt`), averaged over the prompts; −inf for the
+    heads that are exact already (softmax layers, softmax heads), so that `head_selection.top_heads` never picks them.
+
+    The converted model's own measure, beside the teacher's `retrieval_scores`: it counts what the head's recurrent
+    part fails to carry in *this* model, not how much the teacher leans on the head. One forward of the model per
+    prompt, then per candidate head the decoder from its layer on (`_tail`). The student is left as it was."""
+    if not isinstance(student, LinearAttentionForCausalLM):
+        raise TypeError(f"student must be a LinearAttentionForCausalLM; got {type(student).__name__}.")
+    if not prompts:
+        raise ValueError("restoration_gains needs at least one prompt")
+    config = student.config
+    candidates = [(index, head) for index, layer in enumerate(student.model.layers)
+                  if isinstance(layer.self_attn, LinearAttention)
+                  for head in range(config.num_key_value_heads) if head not in config.softmax_heads_of(index)]
+    if not candidates:
+        raise ValueError("student has no recurrent KV head to restore: every head is softmax already.")
+    device = student.lm_head.weight.device
+    gains = torch.full((config.num_hidden_layers, config.num_key_value_heads), float("-inf"))
+    for index, head in candidates:
+        gains[index, head] = 0.0
+    mode = student.training
+    student.eval()
+    bar = tqdm(total=len(prompts) * len(candidates), desc="Restoring heads one at a time", unit="head",
+               disable=not progress)
+    try:
+        for prompt in prompts:
+            ids = prompt.input_ids.to(device)
+            inputs = student.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+            reference = _answer_log_prob(student, inputs[-1][0], prompt)  # inputs[ℓ]: the input of layer ℓ
+            for index, head in candidates:
+                with _head_restored(student, index, head):
+                    restored = _answer_log_prob(student, _tail(student, inputs[index], index), prompt)
+                gains[index, head] += (restored - reference) / len(prompts)
+                bar.update()
+    finally:
+        bar.close()
+        student.train(mode)
+    return gains
+
+
 def select_softmax_layers(
     student: LinearAttentionForCausalLM, teacher: PreTrainedModel, rows: torch.Tensor | Sequence[Sequence[int]],
     k: int,
@@ -403,6 +474,7 @@ __all__ = [
     "rank_softmax_layers",
     "restore_softmax_heads",
     "restore_softmax_layers",
+    "restoration_gains",
     "select_softmax_layers",
     "softmax_twin",
     "write_ranking",

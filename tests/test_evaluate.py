@@ -292,6 +292,44 @@ def test_head_variants_restore_the_teachers_best_retrieving_heads_and_the_fronti
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
 
 
+def test_head_variants_ranked_by_restoration_restore_the_models_own_best_heads(evaluated, tmp_path, dataset_cache):
+    """`--head_ranking restoration`: "narrow + 1 heads" is narrow with the KV head whose restoration alone raises its
+    own log-probability of the key most on the ranking prompts (`restoration_gains`); no teacher needed."""
+    from hf_linear_attn.head_selection import top_heads
+    from hf_linear_attn.layer_selection import restoration_gains, restore_softmax_heads
+    from training.checkpoint_conversion import head_ranking_prompts
+    from training.data import byte_level_tokenizer
+
+    root, _, _, documents = evaluated
+    argv = ["--models", f"narrow={root / 'narrow'}", "--softmax_head_counts", "1", "--head_ranking", "restoration",
+            "--head_ranking_prompts", "2", "--head_ranking_length", "400", "--block_size", str(BLOCK),
+            "--cache_dir", str(dataset_cache), "--max_eval_rows", "2", "--long_context_data", str(root / "texts"),
+            "--document_tokens", "512", "--documents_per_source", "2", "--long_contexts", "64",
+            "--long_scored_tokens", str(SCORED), "--long_min_rows", str(MIN_ROWS), "--passkey_lengths", "400",
+            "--passkey_trials", "0",
+            "--decode_contexts", "40", "--decode_tokens", "1", "--update_model_cards", "false",
+            "--output_dir", str(tmp_path / "out")]
+    assert evaluate.main(argv) == 0
+    long_rows = {r["model"]: r for r in json.loads((tmp_path / "out" / "evaluation.json").read_text())["long_context"]}
+    assert sorted(long_rows) == ["narrow", "narrow + 1 heads"]
+    narrow = AutoModelForCausalLM.from_pretrained(root / "narrow").eval()
+    prompts = head_ranking_prompts(byte_level_tokenizer(), DataArguments(block_size=400, cache_dir=str(dataset_cache)),
+                                   2)
+    heads = top_heads(restoration_gains(narrow, prompts, progress=False), 1)
+    restored = restore_softmax_heads(narrow, heads).eval()
+    windows = perplexity_windows(documents, 64, SCORED, MIN_ROWS)
+    assert long_rows["narrow + 1 heads"]["perplexity"] == pytest.approx(second_half_perplexity(restored, windows),
+                                                                        rel=1e-5)
+
+
+def test_head_variants_ranked_by_the_teacher_need_one(tmp_path, capsys):
+    write_long_texts(tmp_path / "texts")
+    argv = ["--models", "m=x", "--softmax_head_counts", "1", "--long_context_data", str(tmp_path / "texts")]
+    with pytest.raises(SystemExit):
+        evaluate.main(argv)
+    assert "head_ranking teacher needs --teacher" in capsys.readouterr().err
+
+
 def test_sparse_memory_sizes_need_window_hybrids(evaluated, tmp_path, capsys):
     root, teacher, _, _ = evaluated
     convert_to_linear_attention(teacher, feature_map="hedgehog", feature_dim=8, window_size=0,
@@ -342,6 +380,7 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
     (["--models", "m=x", "--sparse_cache_sizes", "4", "--memory_models", "n"], r"memory_models \['n'\] are not"),
     (["--softmax_head_counts", "2", "2"], "softmax_head_counts must be distinct counts ≥ 1"),
     (["--softmax_head_counts", "0"], "softmax_head_counts must be distinct counts ≥ 1"),
+    (["--head_ranking", "kl"], r"head_ranking 'kl': choose one of \['teacher', 'restoration'\]"),
 ])
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra, message):
     write_long_texts(tmp_path / "texts")

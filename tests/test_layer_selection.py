@@ -5,16 +5,20 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionCache, convert_to_linear_attention
 from hf_linear_attn.conversion import linear_attention_config
+from hf_linear_attn.head_selection import RetrievalPrompt
 from hf_linear_attn.layer_selection import (
     SoftmaxLayerSpec,
     check_layer_selection,
     check_same_conversion,
     parse_softmax_layers,
     rank_softmax_layers,
+    restoration_gains,
+    restore_softmax_heads,
     restore_softmax_layers,
     select_softmax_layers,
     write_ranking,
@@ -335,3 +339,38 @@ def test_the_demo_restores_the_best_ranked_layers_of_stage1_and_writes_the_ranki
     assert [entry["layer"] for entry in written["ranking"]] == [entry["layer"] for entry in ranking]
     assert [entry["kl"] for entry in written["ranking"]] == pytest.approx([entry["kl"] for entry in ranking])
     assert AutoModelForCausalLM.from_pretrained(folder).config.softmax_layers == layers
+
+
+@pytest.mark.parametrize("kind", [{"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5, "num_sink_tokens": 2,
+                                   "decay": "scalar"}, {}], ids=["window", "linear"])
+def test_restoration_gains_are_each_heads_log_prob_gain_measured_on_a_restored_copy(kind):
+    """Each recurrent KV head's gain equals the answer's mean log-probability of a full forward of a copy with that
+    head restored (`restore_softmax_heads`) minus the unmodified model's, averaged over the prompts; heads exact
+    already get -inf; the model is left as it was."""
+    model = tiny_model(num_hidden_layers=3, softmax_layers=[2], softmax_heads={0: [1]}, **kind).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = []
+    for needle in (5, 17):
+        ids = torch.randint(3, 120, (1, 40), generator=generator)
+        ids[0, -3:] = ids[0, needle:needle + 3]
+        prompts.append(RetrievalPrompt(ids, (needle, needle + 3), (37, 40)))
+
+    def answer_log_prob(m, prompt):
+        log_probs = F.log_softmax(m(input_ids=prompt.input_ids).logits[0, 36:39].float(), dim=-1)
+        return log_probs.gather(-1, prompt.input_ids[0, 37:40, None]).mean().item()
+
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    gains = restoration_gains(model, prompts, progress=False)
+    expected = torch.full((3, 2), float("-inf"))
+    for layer, head in [(0, 0), (1, 0), (1, 1)]:
+        restored = restore_softmax_heads(model, {layer: [head]})
+        expected[layer, head] = sum(answer_log_prob(restored, p) - answer_log_prob(model, p) for p in prompts) / 2
+    torch.testing.assert_close(gains, expected, rtol=1e-4, atol=1e-5)
+    assert (gains[[0, 1, 1], [0, 0, 1]].abs() > 1e-4).all()  # restoring a head changes the answer's probability
+    assert model.config.softmax_heads == {0: [1]} and not model.training
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+    assert isinstance(model.model.layers[1].self_attn, LinearAttention)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        restoration_gains(model, [])
+    with pytest.raises(ValueError, match="no recurrent KV head"):
+        restoration_gains(tiny_model(num_hidden_layers=2, softmax_heads={0: [0, 1], 1: [0, 1]}), prompts)

@@ -21,9 +21,11 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
   (`training.measure`).
 With `sparse_cache_sizes`, the models of `memory_models` (default all; window hybrids) are measured again with a
 sparse exact memory of each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M"; with
-`softmax_head_counts`, again with the N KV heads the teacher retrieves with most restored to softmax
-(`restore_softmax_heads`, training-free; ranked by `hf_linear_attn.head_selection.retrieval_scores` on passkey
-prompts over the data pipeline's documents), "LABEL + N heads", and with both, "LABEL + N heads + memory M". The
+`softmax_head_counts`, again with N more KV heads restored to softmax (`restore_softmax_heads`, training-free),
+"LABEL + N heads": by default the N the teacher retrieves with most (`hf_linear_attn.head_selection.retrieval_scores`
+on passkey prompts over the data pipeline's documents); with `head_ranking restoration`, the N whose restoration alone
+raises the model's own log-probability of the key most on those prompts (`layer_selection.restoration_gains`,
+measured once per model, without the memory), and with both, "LABEL + N heads + memory M". The
 frontier table and plot (`frontier.{md,json,png}`) put every model's quality at the longest context beside its cache
 bytes there, as a share of the teacher's.
 It returns the rows (`Evaluation`); `write_evaluation` writes them as tables (Markdown, JSON, plots of
@@ -52,7 +54,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
 from hf_linear_attn.head_selection import retrieval_scores, top_heads
-from hf_linear_attn.layer_selection import restore_softmax_heads
+from hf_linear_attn.layer_selection import restoration_gains, restore_softmax_heads
 from training.checkpoint_conversion import head_ranking_prompts
 from training.data import DataArguments, build_datasets, collate_rows
 from training.long_context_data import (
@@ -77,6 +79,9 @@ from training.losses import causal_lm_loss, predicted_tokens, token_cross_entrop
 from training.measure import cache_bytes_by_context, cache_memory, decode_profile
 from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
 from training.report import format_cell, log_log_plot, machine, write_report
+
+# How `softmax_head_counts` ranks the heads it restores (`EvaluateArguments.head_ranking`).
+HEAD_RANKINGS = ("teacher", "restoration")
 
 
 @dataclass
@@ -118,6 +123,10 @@ class EvaluateArguments:
     head_ranking_prompts: int = field(default=6, metadata={
         "help": "Passkey prompts (haystack: the data pipeline's documents) that rank the teacher's heads."})
     head_ranking_length: int = field(default=2048, metadata={"help": "Tokens of each head-ranking prompt."})
+    head_ranking: str = field(default="teacher", metadata={
+        "help": "How softmax_head_counts ranks heads: teacher (the teacher's attention on the key, "
+                "retrieval_scores) or restoration (each model's own gain in the key's log-probability with one "
+                "head restored, restoration_gains: one forward per prompt and head, no teacher needed)."})
     memory_models: list[str] | None = field(default=None, metadata={
         "help": "Labels of the models measured with each of sparse_cache_sizes (window hybrids) and "
                 "softmax_head_counts; default: all."})
@@ -227,10 +236,14 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     labels = [*(["teacher"] if args.teacher else []),
               *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
               *(name for name, *_ in variants(args, with_memory))]
+    if args.head_ranking not in HEAD_RANKINGS:
+        raise ValueError(f"head_ranking {args.head_ranking!r}: choose one of {list(HEAD_RANKINGS)}")
     counts = args.softmax_head_counts
-    if counts and (not args.teacher or any(n < 1 for n in counts) or len(set(counts)) < len(counts)):
-        raise ValueError(f"softmax_head_counts must be distinct counts ≥ 1 and need --teacher (whose heads are "
-                         f"ranked), got {counts} with teacher {args.teacher!r}")
+    if counts and (any(n < 1 for n in counts) or len(set(counts)) < len(counts)):
+        raise ValueError(f"softmax_head_counts must be distinct counts ≥ 1, got {counts}")
+    if counts and args.head_ranking == "teacher" and not args.teacher:
+        raise ValueError("softmax_head_counts with head_ranking teacher needs --teacher, whose heads are ranked; "
+                         "give it or rank with --head_ranking restoration")
     for name in ("max_eval_rows", "eval_batch_size", "document_tokens", "documents_per_source",
                  "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk", "head_ranking_prompts"):
         if getattr(args, name) < 1:
@@ -262,13 +275,13 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     return models, with_memory, labels
 
 
-def with_heads(model: PreTrainedModel, head_scores: list[torch.Tensor], n: int) -> PreTrainedModel:
-    """`model` with the `n` KV heads that rank highest in `head_scores[0]` (the teacher's `retrieval_scores`)
-    restored to softmax, outside its softmax layers and the heads it keeps already (`model` itself for n = 0)."""
+def with_heads(model: PreTrainedModel, head_scores: torch.Tensor, n: int) -> PreTrainedModel:
+    """`model` with the `n` KV heads that rank highest in `head_scores` [L, H_kv] restored to softmax, outside its
+    softmax layers and the heads it keeps already (`model` itself for n = 0)."""
     if n == 0:
         return model
     config = model.config
-    heads = top_heads(head_scores[0], n, exclude_layers=config.softmax_layers, taken=config.softmax_heads)
+    heads = top_heads(head_scores, n, exclude_layers=config.softmax_layers, taken=config.softmax_heads)
     return restore_softmax_heads(model, heads, inplace=True)
 
 
@@ -304,8 +317,19 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     passkey_models = set(labels if args.passkey_models is None else args.passkey_models)
     ranking_prompts = head_ranking_prompts(tokenizer, replace(data_args, block_size=args.head_ranking_length),
                                            args.head_ranking_prompts) if args.softmax_head_counts else []
-    head_scores: list[torch.Tensor] = []  # the teacher's retrieval_scores, measured when it is loaded
+    head_scores: dict[str, torch.Tensor] = {}  # [L, H_kv] by ranking source ("teacher" or a model's label)
     head_variants = {name for name, _, heads, _ in variants(args, with_memory) if heads}
+
+    def ranked_heads(label: str, path: str) -> torch.Tensor:
+        """The head scores the variants of model `label` restore by: the teacher's (measured when it was loaded), or
+        the model's own restoration gains, measured on its first variant."""
+        if args.head_ranking == "teacher":
+            return head_scores["teacher"]
+        if label not in head_scores:
+            head_scores[label] = restoration_gains(AutoModelForCausalLM.from_pretrained(path).eval(), ranking_prompts)
+            progress(f"{label}: KV heads ranked by restoration gain on {len(ranking_prompts)} prompts")
+        return head_scores[label]
+
     log(f"Evaluating {len(labels)} models: {len(rows)} held-out rows of {data_args.block_size} tokens; "
         f"long-context perplexity at {args.long_contexts} (≥ {args.long_scored_tokens} tokens and "
         f"≥ {args.long_min_rows} rows each); "
@@ -316,8 +340,8 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         candidates.append(("teacher", lambda: load_teacher(args.teacher, **load_kwargs)))
     for label, path in models.items():
         candidates.append((label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)))
-        candidates += [(name, lambda p=path, n=heads, m=memory: with_heads(
-            AutoModelForCausalLM.from_pretrained(p, sparse_cache_size=m), head_scores, n))
+        candidates += [(name, lambda p=path, n=heads, m=memory, source=label: with_heads(
+            AutoModelForCausalLM.from_pretrained(p, sparse_cache_size=m), ranked_heads(source, p), n))
             for name, model_label, heads, memory in variants(args, with_memory) if model_label == label]
 
     start = time.perf_counter()
@@ -325,8 +349,8 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     quality, long_rows, passkey, decode, linear_labels = [], [], [], [], []
     for label, load in candidates:
         model = load().eval()
-        if label == "teacher" and ranking_prompts:
-            head_scores.append(retrieval_scores(model, ranking_prompts, progress=False))
+        if label == "teacher" and ranking_prompts and args.head_ranking == "teacher":
+            head_scores["teacher"] = retrieval_scores(model, ranking_prompts, progress=False)
             progress(f"teacher: KV heads ranked by retrieval on {len(ranking_prompts)} prompts")
         measured: list[tuple[str, Any]] = [(label, model)]
         if label == "teacher" and args.baseline_window > 0:
