@@ -275,9 +275,9 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     return models, with_memory, labels
 
 
-def with_heads(model: PreTrainedModel, head_scores: torch.Tensor, n: int) -> PreTrainedModel:
+def with_heads(model: PreTrainedModel, head_scores: torch.Tensor | None, n: int) -> PreTrainedModel:
     """`model` with the `n` KV heads that rank highest in `head_scores` [L, H_kv] restored to softmax, outside its
-    softmax layers and the heads it keeps already (`model` itself for n = 0)."""
+    softmax layers and the heads it keeps already (`model` itself for n = 0, when no scores are needed)."""
     if n == 0:
         return model
     config = model.config
@@ -341,7 +341,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     for label, path in models.items():
         candidates.append((label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)))
         candidates += [(name, lambda p=path, n=heads, m=memory, source=label: with_heads(
-            AutoModelForCausalLM.from_pretrained(p, sparse_cache_size=m), ranked_heads(source, p), n))
+            AutoModelForCausalLM.from_pretrained(p, sparse_cache_size=m), ranked_heads(source, p) if n else None, n))
             for name, model_label, heads, memory in variants(args, with_memory) if model_label == label]
 
     start = time.perf_counter()
