@@ -221,16 +221,22 @@ def restore_softmax_heads(
         raise TypeError(f"model must be a LinearAttentionForCausalLM; got {type(model).__name__}.")
     if not isinstance(heads, dict):
         raise TypeError(f"heads must be a dict {{layer: [kv_head, ...]}}; got {heads!r}.")
-    merged = dict(model.config.softmax_heads)
-    for layer, listed in heads.items():
-        merged[layer] = [*merged.get(layer, []), *listed] if isinstance(listed, (list, tuple)) else listed
-    config = type(model.config).from_dict({**model.config.to_dict(), "softmax_heads": merged})  # checks every index
+    config = _config_with_heads(model.config, heads)
     model = model if inplace else copy.deepcopy(model)
     model.config.softmax_heads = config.softmax_heads
     for index in [layer for layer in config.softmax_heads if layer in heads]:
         decoder_layer = model.model.layers[index]
         decoder_layer.self_attn = with_softmax_heads(decoder_layer.self_attn, model.config)
     return model
+
+
+def _config_with_heads(config: PretrainedConfig, heads: dict[int, Sequence[int]]) -> PretrainedConfig:
+    """A new config of `config`'s class whose `softmax_heads` adds `heads` ({layer: [kv_head, ...]}) to the heads each
+    layer keeps already; building it checks every index (range, repeats, softmax layers)."""
+    merged = dict(config.softmax_heads)
+    for layer, listed in heads.items():
+        merged[layer] = [*merged.get(layer, []), *listed] if isinstance(listed, (list, tuple)) else listed
+    return type(config).from_dict({**config.to_dict(), "softmax_heads": merged})
 
 
 def with_softmax_heads(attention: LinearAttention, config: PretrainedConfig) -> LinearAttention:
@@ -361,9 +367,7 @@ def _head_restored(model: LinearAttentionForCausalLM, index: int, head: int) -> 
     and the config are put back after."""
     decoder_layer = model.model.layers[index]
     attention = decoder_layer.self_attn
-    heads = {**model.config.softmax_heads, index: [*model.config.softmax_heads_of(index), head]}
-    config = type(model.config).from_dict({**model.config.to_dict(), "softmax_heads": heads})
-    decoder_layer.self_attn = with_softmax_heads(attention, config)
+    decoder_layer.self_attn = with_softmax_heads(attention, _config_with_heads(model.config, {index: [head]}))
     try:
         yield
     finally:

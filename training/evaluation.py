@@ -317,19 +317,10 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     passkey_models = set(labels if args.passkey_models is None else args.passkey_models)
     ranking_prompts = head_ranking_prompts(tokenizer, replace(data_args, block_size=args.head_ranking_length),
                                            args.head_ranking_prompts) if args.softmax_head_counts else []
-    head_scores: dict[str, torch.Tensor] = {}  # [L, H_kv] by ranking source ("teacher" or a model's label)
+    # [L, H_kv] head scores by ranking source: the teacher's, or each model's own (head_ranking restoration), measured
+    # when that model is loaded, before its variants.
+    head_scores: dict[str, torch.Tensor] = {}
     head_variants = {name for name, _, heads, _ in variants(args, with_memory) if heads}
-
-    def ranked_heads(label: str, path: str) -> torch.Tensor:
-        """The head scores the variants of model `label` restore by: the teacher's (measured when it was loaded), or
-        the model's own restoration gains, measured on its first variant."""
-        if args.head_ranking == "teacher":
-            return head_scores["teacher"]
-        if label not in head_scores:
-            head_scores[label] = restoration_gains(AutoModelForCausalLM.from_pretrained(path).eval(), ranking_prompts)
-            progress(f"{label}: KV heads ranked by restoration gain on {len(ranking_prompts)} prompts")
-        return head_scores[label]
-
     log(f"Evaluating {len(labels)} models: {len(rows)} held-out rows of {data_args.block_size} tokens; "
         f"long-context perplexity at {args.long_contexts} (≥ {args.long_scored_tokens} tokens and "
         f"≥ {args.long_min_rows} rows each); "
@@ -340,8 +331,9 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         candidates.append(("teacher", lambda: load_teacher(args.teacher, **load_kwargs)))
     for label, path in models.items():
         candidates.append((label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)))
-        candidates += [(name, lambda p=path, n=heads, m=memory, source=label: with_heads(
-            AutoModelForCausalLM.from_pretrained(p, sparse_cache_size=m), ranked_heads(source, p) if n else None, n))
+        source = "teacher" if args.head_ranking == "teacher" else label
+        candidates += [(name, lambda p=path, n=heads, m=memory, source=source: with_heads(
+            AutoModelForCausalLM.from_pretrained(p, sparse_cache_size=m), head_scores.get(source), n))
             for name, model_label, heads, memory in variants(args, with_memory) if model_label == label]
 
     start = time.perf_counter()
@@ -352,6 +344,9 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         if label == "teacher" and ranking_prompts and args.head_ranking == "teacher":
             head_scores["teacher"] = retrieval_scores(model, ranking_prompts, progress=False)
             progress(f"teacher: KV heads ranked by retrieval on {len(ranking_prompts)} prompts")
+        if label in with_memory and ranking_prompts and args.head_ranking == "restoration":
+            head_scores[label] = restoration_gains(model, ranking_prompts)
+            progress(f"{label}: KV heads ranked by restoration gain on {len(ranking_prompts)} prompts")
         measured: list[tuple[str, Any]] = [(label, model)]
         if label == "teacher" and args.baseline_window > 0:
             measured.append((baseline_label(args), WindowBaseline(model, args.baseline_window, args.baseline_sinks)))
