@@ -44,6 +44,7 @@ from .modeling_linear_attention import (
     LinearAttentionForCausalLM,
     SoftmaxAttention,
     attention_class,
+    causal_softmax_attention,
 )
 
 # Positions per slice of the LM head when comparing distributions: bounds the [positions, vocab] temporaries.
@@ -374,18 +375,117 @@ def _head_restored(model: LinearAttentionForCausalLM, index: int, head: int) -> 
         decoder_layer.self_attn = attention
 
 
-def _answer_log_prob(student: LinearAttentionForCausalLM, hidden: torch.Tensor, prompt: RetrievalPrompt) -> float:
+def _answer_log_prob(student: LinearAttentionForCausalLM, hidden: torch.Tensor, prompt: RetrievalPrompt
+                     ) -> torch.Tensor:
     """Mean log-probability of `prompt`'s answer tokens, teacher-forced, from the final normed hidden states
-    [L, hidden]."""
+    [L, hidden]: a 0-d fp32 tensor (differentiable when `hidden` is)."""
     a0, a1 = prompt.answer
     log_probs = F.log_softmax(student.lm_head(hidden[a0 - 1 : a1 - 1]).float(), dim=-1)  # [answer, vocab]
     answer = prompt.input_ids[0, a0:a1].to(log_probs.device)
-    return log_probs.gather(-1, answer[:, None]).mean().item()
+    return log_probs.gather(-1, answer[:, None]).mean()
+
+
+def recurrent_kv_heads(model: Any) -> list[tuple[int, int]]:
+    """The (layer, KV head) pairs of `model`'s recurrent layers that are not exact already (not softmax heads): the
+    heads that can be restored."""
+    if not isinstance(model, LinearAttentionForCausalLM):
+        raise TypeError(f"model must be a LinearAttentionForCausalLM; got {type(model).__name__}.")
+    config = model.config
+    return [(index, head) for index, layer in enumerate(model.model.layers)
+            if isinstance(layer.self_attn, LinearAttention)
+            for head in range(config.num_key_value_heads) if head not in config.softmax_heads_of(index)]
+
+
+def _restoration_candidates(student: Any, prompts: Sequence[RetrievalPrompt]) -> list[tuple[int, int]]:
+    """`recurrent_kv_heads(student)`, after checking the arguments of the restoration measures."""
+    candidates = recurrent_kv_heads(student)
+    if not prompts:
+        raise ValueError("restoration gains need at least one prompt")
+    if not candidates:
+        raise ValueError("student has no recurrent KV head to restore: every head is softmax already.")
+    return candidates
+
+
+def _unmeasured(student: LinearAttentionForCausalLM) -> torch.Tensor:
+    config = student.config
+    return torch.full((config.num_hidden_layers, config.num_key_value_heads), float("-inf"))
+
+
+def estimated_restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[RetrievalPrompt],
+                                progress: bool = True) -> torch.Tensor:
+    """[L, H_kv] fp32: the first-order estimate of `restoration_gains`, for every recurrent KV head at once, from one
+    forward and one backward pass per prompt; −inf for the heads that are exact already.
+
+    Restoring KV head h of layer ℓ replaces its query group's outputs o [T, G, V] (the input of o_proj) by the
+    exact softmax attention of the same q, k, v, s [T, G, V]; the answer's mean log-probability f then changes by
+    about ⟨∂f/∂o, s − o⟩, summed over positions, the group's query heads and V (a Taylor step of the whole change:
+    "attribution patching"). It is exact for a change small against the model's curvature, and it ranks heads much
+    like the measurement where the change is large (`restoration_gains` with `shortlist` measures the best of this
+    ranking exactly). The student is left as it was (no parameter gradient is kept)."""
+    candidates = _restoration_candidates(student, prompts)
+    layers = sorted({index for index, _ in candidates})
+    config = student.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    device = student.lm_head.weight.device
+    estimates = _unmeasured(student)
+    for index, head in candidates:
+        estimates[index, head] = 0.0
+    mode = student.training
+    student.eval()
+    captured: dict[int, dict[str, Any]] = {index: {} for index in layers}
+
+    def attention_input(index):
+        def hook(module, args):
+            captured[index]["input"] = (args[0].detach(), tuple(x.detach() for x in args[1]))
+        return hook
+
+    def output_before_o_proj(index):
+        def hook(module, args):
+            captured[index]["output"] = args[0]  # [B·T, H·V], in the graph
+        return hook
+
+    def differentiable(module, args, output):  # the graph starts at the embeddings, not at the parameters
+        return output.detach().requires_grad_()
+
+    flags = [(parameter, parameter.requires_grad) for parameter in student.parameters()]
+    for parameter, _ in flags:
+        parameter.requires_grad_(False)  # no parameter gradient is needed: nothing of theirs is kept for backward
+    handles = [student.model.embed_tokens.register_forward_hook(differentiable)]
+    for index in layers:
+        attention = student.model.layers[index].self_attn
+        handles.append(attention.register_forward_pre_hook(attention_input(index)))
+        handles.append(attention.o_proj.register_forward_pre_hook(output_before_o_proj(index)))
+    try:
+        for prompt in tqdm(prompts, desc="Estimating restoration gains", unit="prompt", disable=not progress):
+            with torch.enable_grad():
+                hidden = student.model(input_ids=prompt.input_ids.to(device), use_cache=False).last_hidden_state
+                outputs = [captured[index].pop("output") for index in layers]
+                gradients = torch.autograd.grad(_answer_log_prob(student, hidden[0], prompt), outputs)
+            with torch.no_grad():
+                for index, output, gradient in zip(layers, outputs, gradients, strict=True):
+                    attention = student.model.layers[index].self_attn
+                    normed, position_embeddings = captured[index].pop("input")
+                    q, k, v = (x.transpose(1, 2) for x in attention.rotated_qkv(normed, position_embeddings, None,
+                                                                                 None, None))  # [1, ·, T, D]
+                    exact = causal_softmax_attention(q, k, v).transpose(1, 2)  # [1, T, H, V]
+                    change = exact.reshape(output.shape).to(output.dtype) - output.detach()  # [T, H·V]
+                    per_head = (gradient * change).float().view(-1, config.num_key_value_heads, groups, exact.shape[-1])
+                    per_head = per_head.sum(dim=(0, 2, 3))  # [H_kv]
+                    for head in range(config.num_key_value_heads):
+                        if estimates[index, head] != float("-inf"):
+                            estimates[index, head] += per_head[head].item() / len(prompts)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for parameter, flag in flags:
+            parameter.requires_grad_(flag)
+        student.train(mode)
+    return estimates
 
 
 @torch.no_grad()
 def restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[RetrievalPrompt],
-                      progress: bool = True) -> torch.Tensor:
+                      progress: bool = True, shortlist: int | None = None) -> torch.Tensor:
     """[L, H_kv] fp32: for each KV head of the student's recurrent layers, how much restoring it alone to exact
     softmax attention (with its query group) raises the mean log-probability of the answer's tokens of `prompts`
     (teacher-forced retrieval prompts, `head_selection.RetrievalPrompt`), averaged over the prompts; −inf for the
@@ -393,19 +493,18 @@ def restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[Ret
 
     The converted model's own measure, beside the teacher's `retrieval_scores`: it counts what the head's recurrent
     part fails to carry in *this* model, not how much the teacher leans on the head. One forward of the model per
-    prompt, then per candidate head the decoder from its layer on (`_tail`). The student is left as it was."""
-    if not isinstance(student, LinearAttentionForCausalLM):
-        raise TypeError(f"student must be a LinearAttentionForCausalLM; got {type(student).__name__}.")
-    if not prompts:
-        raise ValueError("restoration_gains needs at least one prompt")
-    config = student.config
-    candidates = [(index, head) for index, layer in enumerate(student.model.layers)
-                  if isinstance(layer.self_attn, LinearAttention)
-                  for head in range(config.num_key_value_heads) if head not in config.softmax_heads_of(index)]
-    if not candidates:
-        raise ValueError("student has no recurrent KV head to restore: every head is softmax already.")
+    prompt, then per candidate head the decoder from its layer on (`_tail`). With `shortlist` = M, only the M heads
+    that `estimated_restoration_gains` ranks best are measured (one forward and backward per prompt first, then M
+    tails instead of one per recurrent head); the others are −inf too. The student is left as it was."""
+    candidates = _restoration_candidates(student, prompts)
+    if shortlist is not None:
+        if not _is_int(shortlist) or not 1 <= shortlist <= len(candidates):
+            raise ValueError(f"shortlist={shortlist!r}: give a number of KV heads in [1, {len(candidates)}] (the "
+                             "student's recurrent KV heads), or None to measure every one")
+        estimates = estimated_restoration_gains(student, prompts, progress=progress)
+        candidates = sorted(candidates, key=lambda lh: (-float(estimates[lh]), lh))[:shortlist]
     device = student.lm_head.weight.device
-    gains = torch.full((config.num_hidden_layers, config.num_key_value_heads), float("-inf"))
+    gains = _unmeasured(student)
     for index, head in candidates:
         gains[index, head] = 0.0
     mode = student.training
@@ -416,10 +515,10 @@ def restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[Ret
         for prompt in prompts:
             ids = prompt.input_ids.to(device)
             inputs = student.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
-            reference = _answer_log_prob(student, inputs[-1][0], prompt)  # inputs[ℓ]: the input of layer ℓ
+            reference = _answer_log_prob(student, inputs[-1][0], prompt).item()  # inputs[ℓ]: the input of layer ℓ
             for index, head in candidates:
                 with _head_restored(student, index, head):
-                    restored = _answer_log_prob(student, _tail(student, inputs[index], index), prompt)
+                    restored = _answer_log_prob(student, _tail(student, inputs[index], index), prompt).item()
                 gains[index, head] += (restored - reference) / len(prompts)
                 bar.update()
     finally:
@@ -474,8 +573,10 @@ __all__ = [
     "SoftmaxLayerSpec",
     "check_layer_selection",
     "check_same_conversion",
+    "estimated_restoration_gains",
     "parse_softmax_layers",
     "rank_softmax_layers",
+    "recurrent_kv_heads",
     "restore_softmax_heads",
     "restore_softmax_layers",
     "restoration_gains",

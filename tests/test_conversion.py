@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from helpers import SOURCES, save_with_tokenizer, script_env, teacher
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
@@ -388,3 +388,60 @@ def test_convert_cli_keeps_the_teachers_retrieval_heads(tmp_path, capsys, datase
     assert ranking["prompts"] == 2 and ranking["prompt_tokens"] == 96 and len(ranking["ranking"]) == 4
     scores = [entry["score"] for entry in ranking["ranking"]]
     assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
+
+
+def test_convert_cli_restores_the_heads_a_trained_checkpoint_gains_most_from(tmp_path, capsys, dataset_cache):
+    """`--softmax_heads auto:N --head_ranking restoration --ranking_model STAGE1`: STAGE1 (its weights unchanged) with
+    the N KV heads whose restoration alone raises its own log-probability of a pass key most restored, measured
+    exactly on the `--ranking_shortlist` best of the first-order estimate (the measured heads in the ranking beside
+    it); bad requests stop with one error line before anything is written."""
+    import json
+
+    from hf_linear_attn.layer_selection import restoration_gains
+    from training import distill
+    from training.checkpoint_conversion import head_ranking_prompts
+    from training.data import DataArguments
+
+    save_with_tokenizer(teacher("llama"), tmp_path / "src")
+    common = ["--model_name_or_path", str(tmp_path / "src"), "--feature_dim", "8", "--window_size", "4",
+              "--num_sink_tokens", "1"]
+    data = ["--block_size", "96", "--cache_dir", str(dataset_cache)]
+    assert run_convert(*common, "--softmax_heads", "0:1", "--output_dir", str(tmp_path / "converted")) == 0
+    assert distill.main(["--model_name_or_path", str(tmp_path / "converted"), "--output_dir", str(tmp_path / "stage1"),
+                         "--max_steps", "2", *data, "--report_to", "none"]) == 0
+    ranked = ["--softmax_heads", "auto:1", "--ranking_model", str(tmp_path / "stage1"), "--ranking_prompts", "2"]
+    for bad, message in (
+        (["--softmax_heads", "auto:1", "--head_ranking", "restoration"],
+         "give --softmax_heads auto:N and --ranking_model"),
+        (["--softmax_heads", "0:0", "--head_ranking", "restoration", "--ranking_model", str(tmp_path / "stage1")],
+         "give --softmax_heads auto:N and --ranking_model"),
+        ([*ranked, "--head_ranking", "kl"], "choose one of ['teacher', 'restoration']"),
+        ([*ranked, "--head_ranking", "restoration", "--ranking_shortlist", "-1"], "measure at least the 1 heads"),
+        ([*ranked, "--head_ranking", "restoration", "--feature_dim", "16"], "feature_dim"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            run_convert(*common, *bad, *data, "--output_dir", str(tmp_path / "bad"))
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+    assert run_convert(*common, *ranked, "--head_ranking", "restoration", "--ranking_shortlist", "2", *data,
+                       "--output_dir", str(tmp_path / "restored")) == 0
+    ranking = json.loads((tmp_path / "restored" / "softmax_head_ranking.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "restored")
+    stage1 = AutoModelForCausalLM.from_pretrained(tmp_path / "stage1")
+    prompts = head_ranking_prompts(AutoTokenizer.from_pretrained(tmp_path / "src"),
+                                   DataArguments(block_size=96, cache_dir=str(dataset_cache)), 2)
+    gains = restoration_gains(stage1, prompts, progress=False, shortlist=2)
+    measured = sorted(((layer, head) for layer in range(2) for head in range(2) if gains[layer, head] > -float("inf")),
+                      key=lambda lh: (-round(float(gains[lh]), 6), lh))  # as written: 6 decimals, ties by index
+    assert [(entry["layer"], entry["kv_head"]) for entry in ranking["ranking"]] == measured
+    assert [entry["score"] for entry in ranking["ranking"]] == pytest.approx([float(gains[lh]) for lh in measured],
+                                                                              abs=1e-5)
+    best_layer, best_head = min(measured, key=lambda lh: (-float(gains[lh]), lh))  # top_heads' order
+    expected = {0: [1]}
+    expected.setdefault(best_layer, []).append(best_head)
+    assert model.config.softmax_heads == {layer: sorted(heads) for layer, heads in expected.items()}
+    assert ranking["selected"] == {str(best_layer): [best_head]}
+    assert ranking["ranking_model"] == str(tmp_path / "stage1")
+    assert "restored" in ranking["measure"] and ranking["prompts"] == 2
+    assert all(torch.equal(value, stage1.state_dict()[name]) for name, value in model.state_dict().items())

@@ -15,6 +15,7 @@ from hf_linear_attn.layer_selection import (
     SoftmaxLayerSpec,
     check_layer_selection,
     check_same_conversion,
+    estimated_restoration_gains,
     parse_softmax_layers,
     rank_softmax_layers,
     restoration_gains,
@@ -374,3 +375,137 @@ def test_restoration_gains_are_each_heads_log_prob_gain_measured_on_a_restored_c
         restoration_gains(model, [])
     with pytest.raises(ValueError, match="no recurrent KV head"):
         restoration_gains(tiny_model(num_hidden_layers=2, softmax_heads={0: [0, 1], 1: [0, 1]}), prompts)
+
+
+def passkey_like_prompts(vocab: int = 120, length: int = 40) -> list[RetrievalPrompt]:
+    """Two teacher-forced prompts whose last 3 tokens repeat 3 tokens stated earlier (at 5 and at 17)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = []
+    for needle in (5, 17):
+        ids = torch.randint(3, vocab, (1, length), generator=generator)
+        ids[0, -3:] = ids[0, needle:needle + 3]
+        prompts.append(RetrievalPrompt(ids, (needle, needle + 3), (length - 3, length)))
+    return prompts
+
+
+def o_proj_input(model, layer: int, prompt: RetrievalPrompt) -> torch.Tensor:
+    """The input of layer `layer`'s o_proj (its heads' outputs, [T, H·V]) in a forward of `prompt`."""
+    seen = []
+    handle = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        model(input_ids=prompt.input_ids)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def answer_log_prob_with_change(model, layer: int, change: torch.Tensor, prompt: RetrievalPrompt) -> torch.Tensor:
+    """The answer's mean log-probability (0-d) with `change` added to layer `layer`'s o_proj input."""
+    handle = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda m, args: (args[0] + change,))
+    try:
+        log_probs = F.log_softmax(model(input_ids=prompt.input_ids).logits[0, -4:-1], dim=-1)
+    finally:
+        handle.remove()
+    return log_probs.gather(-1, prompt.input_ids[0, -3:, None]).mean()
+
+
+@pytest.mark.parametrize("kind", [{"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5, "num_sink_tokens": 2,
+                                   "decay": "scalar", "use_short_conv": True}, {"decay": "vector"}],
+                         ids=["window", "linear"])
+def test_estimated_restoration_gains_are_the_derivative_along_each_heads_restoration(kind):
+    """Each recurrent head's estimate is the derivative d/dε of the answer's mean log-probability with ε times the
+    change that restoring the head makes to its layer's o_proj input added there (the change taken from a restored
+    copy: it touches only the head's query group), averaged over the prompts; the whole step (ε = 1) is the exact
+    gain. Heads exact already get -inf; the model, its parameters and their requires_grad flags are left as they
+    were."""
+    model = tiny_model(num_hidden_layers=3, softmax_layers=[2], softmax_heads={0: [1]}, **kind).double().eval()
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    flags = [p.requires_grad for p in model.parameters()]
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    prompts = passkey_like_prompts()
+    estimates = estimated_restoration_gains(model, prompts, progress=False)
+    exact = restoration_gains(model, prompts, progress=False)
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    width = model.config.head_dim * groups
+    for layer, head in [(0, 0), (1, 0), (1, 1)]:
+        restored = restore_softmax_heads(model, {layer: [head]})
+        slopes, steps = [], []
+        for prompt in prompts:
+            with torch.no_grad():
+                change = o_proj_input(restored, layer, prompt) - o_proj_input(model, layer, prompt)  # [T, H·V]
+                steps.append((answer_log_prob_with_change(model, layer, change, prompt)
+                              - answer_log_prob_with_change(model, layer, 0 * change, prompt)).item())
+            outside = torch.ones(change.shape[1], dtype=torch.bool)
+            outside[head * width:(head + 1) * width] = False
+            assert change[:, outside].abs().max() == 0 and change.abs().max() > 0
+            epsilon = torch.zeros((), dtype=torch.float64, requires_grad=True)
+            with_step = answer_log_prob_with_change(model, layer, epsilon * change, prompt)
+            slope, = torch.autograd.grad(with_step, epsilon)
+            slopes.append(slope.item())
+        assert estimates[layer, head].item() == pytest.approx(sum(slopes) / 2, rel=1e-5, abs=1e-9)
+        assert exact[layer, head].item() == pytest.approx(sum(steps) / 2, rel=1e-3, abs=1e-6)  # fp32 logits
+        # a first-order estimate, not the measurement
+        assert estimates[layer, head].item() != pytest.approx(exact[layer, head].item(), rel=1e-3)
+    assert estimates[0, 1] == float("-inf") and (estimates[2] == float("-inf")).all()
+    assert [p.requires_grad for p in model.parameters()] == flags and not model.training
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+
+
+def test_a_shortlist_measures_exactly_the_heads_the_estimate_ranks_best():
+    """restoration_gains with shortlist M: the M heads ranked best by estimated_restoration_gains hold their exact
+    gains, every other head -inf; a shortlist out of range is refused before any forward."""
+    model = tiny_model(num_hidden_layers=3, feature_map="hedgehog", feature_dim=8, window_size=5, num_sink_tokens=2,
+                       softmax_heads={0: [1]}).eval()
+    prompts = passkey_like_prompts()
+    estimates = estimated_restoration_gains(model, prompts, progress=False)
+    exact = restoration_gains(model, prompts, progress=False)
+    shortlisted = restoration_gains(model, prompts, progress=False, shortlist=2)
+    best = sorted(((layer, head) for layer in range(3) for head in range(2) if (layer, head) != (0, 1)),
+                  key=lambda lh: (-float(estimates[lh]), lh))[:2]
+    expected = torch.full_like(exact, float("-inf"))
+    for lh in best:
+        expected[lh] = exact[lh]
+    torch.testing.assert_close(shortlisted, expected, rtol=1e-4, atol=1e-6)
+    for bad in (0, 6, 2.5):
+        with pytest.raises(ValueError, match=rf"shortlist={bad!r}: give a number of KV heads in \[1, 5\]"):
+            restoration_gains(model, prompts, shortlist=bad)
+
+
+def test_the_demo_restores_the_heads_stage1_gains_most_from_and_writes_the_ranking_beside_them(tmp_path,
+                                                                                             dataset_cache):
+    """`training/demo.py` and `training/convert.py --head_ranking restoration` share `rank_restoration_heads`: stage 1
+    with the KV head whose restoration alone raises its log-probability of a pass key most restored, the measured
+    heads in softmax_head_ranking.json."""
+    from training import demo
+    from training.checkpoint_conversion import head_ranking_prompts
+    from training.data import DataArguments, byte_level_tokenizer
+
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=112,
+                                           num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=512)).eval()
+    converted(teacher).save_pretrained(tmp_path / "stage1")
+    tokenizer, data = byte_level_tokenizer(), DataArguments(block_size=400, cache_dir=str(dataset_cache))
+    args = demo.DemoArguments(restored_heads_n=2, ranking_shortlist=3, ranking_prompts=2)
+    folder = demo.restore_heads(tmp_path, tmp_path / "stage1", tokenizer, data, args)
+
+    stage1 = AutoModelForCausalLM.from_pretrained(tmp_path / "stage1")
+    gains = restoration_gains(stage1, head_ranking_prompts(tokenizer, data, 2), progress=False, shortlist=3)
+    best = sorted(((layer, head) for layer in range(LAYERS) for head in range(2)),
+                  key=lambda lh: (-float(gains[lh]), lh))[:2]
+    expected = {}
+    for layer, head in sorted(best):
+        expected.setdefault(layer, []).append(head)
+    written = json.loads((folder / "softmax_head_ranking.json").read_text())
+    assert len(written["ranking"]) == 3 and written["ranking_model"] == str(tmp_path / "stage1")
+    assert {int(layer): heads for layer, heads in written["selected"].items()} == expected
+    assert AutoModelForCausalLM.from_pretrained(folder).config.softmax_heads == expected
+
+    # ranking_shortlist 0: the first-order estimate alone ranks, every recurrent head in the ranking
+    estimate_only = demo.restore_heads(tmp_path / "estimate", tmp_path / "stage1", tokenizer, data,
+                                       demo.DemoArguments(restored_heads_n=2, ranking_shortlist=0, ranking_prompts=2))
+    estimates = estimated_restoration_gains(stage1, head_ranking_prompts(tokenizer, data, 2), progress=False)
+    written = json.loads((estimate_only / "softmax_head_ranking.json").read_text())
+    assert len(written["ranking"]) == 2 * LAYERS and "first-order estimate" in written["measure"]
+    assert [entry["score"] for entry in written["ranking"]] == pytest.approx(
+        sorted((float(x) for x in estimates.flatten()), reverse=True), abs=1e-5)

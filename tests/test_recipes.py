@@ -78,7 +78,10 @@ def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
      "memory_sizes"),
     (["--passkey_variants", "chat", "twice"], "passkey_variants must be"),
     (["--long_min_rows", "0"], "long_min_rows must be ≥ 1"),
-], ids=["attention option", "memory without window", "passkey variant", "perplexity rows"])
+    (["--restored_heads_n", "4", "--ranking_shortlist", "3"], "the shortlist must hold at least the heads restored"),
+    (["--restored_heads_n", "-1"], "restored_heads_n -1"),
+], ids=["attention option", "memory without window", "passkey variant", "perplexity rows", "shortlist",
+        "negative heads"])
 def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, capsys):
     from training import demo
     with pytest.raises(SystemExit) as exit_info:

@@ -6,6 +6,8 @@ checkpoint of the same conversion with the K layers that matter most restored to
 (`restore_ranked_layers`, also `make demo`'s), ranked on held-out rows of the data pipeline. With `--softmax_heads
 auto:N` the N KV heads the teacher retrieves with most keep exact softmax attention (`rank_retrieval_heads`, ranked
 on passkey prompts built from the data pipeline's documents); on a `--ranking_model` they are restored training-free.
+With `--head_ranking restoration` the heads are those whose restoration alone raises the `--ranking_model`'s own
+log-probability of the key most (`rank_restoration_heads`, also `make demo`'s after stage 1), restored on it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from hf_linear_attn.head_selection import RetrievalPrompt, parse_softmax_heads, 
 from hf_linear_attn.layer_selection import (
     check_layer_selection,
     check_same_conversion,
+    estimated_restoration_gains,
     parse_softmax_layers,
+    recurrent_kv_heads,
+    restoration_gains,
     restore_softmax_heads,
     restore_softmax_layers,
     select_softmax_layers,
@@ -43,9 +48,17 @@ from training.recipes import attention_arguments, attention_options
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANKING_FILE = "softmax_layer_ranking.json"
+# What ranks the heads of `--softmax_heads auto:N` (`ConversionArguments.head_ranking`).
+HEAD_RANKINGS = ("teacher", "restoration")
 HEAD_RANKING_FILE = "softmax_head_ranking.json"
 HEAD_MEASURE = ("attention mass that the queries predicting a pass key put on the key where the prompt states it, "
                 "per KV head (mean over its query group, the key's tokens and the prompts), on the teacher")
+RESTORATION_MEASURE = ("gain in the model's own mean log-probability of a pass key's tokens when the KV head alone is "
+                       "restored to exact softmax attention (mean over the prompts; only the heads that the "
+                       "first-order estimate ranks best are measured)")
+ESTIMATED_RESTORATION_MEASURE = ("first-order estimate of the gain in the model's own mean log-probability of a "
+                                 "pass key's tokens when the KV head alone is restored to exact softmax attention "
+                                 "(mean over the prompts)")
 
 
 @dataclass
@@ -72,6 +85,20 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
     ranking_prompts: int = field(default=8, metadata={
         "help": "With --softmax_heads auto:N: passkey prompts of --block_size tokens (haystack: the data pipeline's "
                 "documents) the head ranking measures."})
+    head_ranking: str = field(default="teacher", metadata={
+        "help": "With --softmax_heads auto:N, what ranks the heads: teacher (how much the teacher's attention "
+                "retrieves with each head, at conversion) or restoration (the gain in --ranking_model's own "
+                "log-probability of the key with each head alone restored; the output is --ranking_model with the N "
+                "best restored, training-free)."})
+    ranking_shortlist: int | None = field(default=None, metadata={
+        "help": "With --head_ranking restoration: the heads measured exactly, the best of a first-order estimate "
+                "(default 3 × N; 0: the estimate alone ranks, one forward and backward per prompt)."})
+
+
+def head_shortlist(args: ConversionArguments) -> int:
+    """The heads `--head_ranking restoration` measures exactly: `--ranking_shortlist`, by default 3 × N."""
+    spec = parse_softmax_heads(args.softmax_heads or None)
+    return 3 * (spec.auto_n or 0) if args.ranking_shortlist is None else args.ranking_shortlist
 
 
 def check_conversion_arguments(args: ConversionArguments) -> None:
@@ -81,6 +108,8 @@ def check_conversion_arguments(args: ConversionArguments) -> None:
             raise ValueError(f"--{name} is required (on the command line or in the recipe)")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r}: choose one of {list(DTYPES)}")
+    if args.head_ranking not in HEAD_RANKINGS:
+        raise ValueError(f"--head_ranking {args.head_ranking!r}: choose one of {list(HEAD_RANKINGS)}")
     output = Path(args.output_dir).resolve()
     source = Path(args.model_name_or_path)
     if source.exists():
@@ -144,18 +173,20 @@ class RankedHeads:
     """The KV heads of a teacher ranked by retrieval (`rank_retrieval_heads`) and the `heads` chosen."""
 
     heads: dict[int, list[int]]  # {layer: [kv_head, ...]}, for softmax_heads
-    scores: torch.Tensor  # [L, H_kv]: `retrieval_scores`
+    scores: torch.Tensor  # [L, H_kv]: `retrieval_scores`, or `restoration_gains` (−inf: not measured)
     prompts: int
     prompt_tokens: int  # tokens of each prompt before its answer
+    measure: str = HEAD_MEASURE
 
     def write_ranking(self, folder: str | Path, **details: Any) -> Path:
         """`folder/HEAD_RANKING_FILE`: the chosen heads, `details`, the prompts' count and length, and every KV head
-        by score."""
+        measured, by score."""
         layers, kv_heads = self.scores.shape
         ranking = sorted(({"layer": layer, "kv_head": head, "score": round(float(self.scores[layer, head]), 6)}
-                          for layer in range(layers) for head in range(kv_heads)),
+                          for layer in range(layers) for head in range(kv_heads)
+                          if self.scores[layer, head] != float("-inf")),
                          key=lambda entry: (-entry["score"], entry["layer"], entry["kv_head"]))
-        return write_ranking(Path(folder) / HEAD_RANKING_FILE, ranking, measure=HEAD_MEASURE,
+        return write_ranking(Path(folder) / HEAD_RANKING_FILE, ranking, measure=self.measure,
                              selected={str(layer): heads for layer, heads in self.heads.items()}, **details,
                              prompts=self.prompts, prompt_tokens=self.prompt_tokens)
 
@@ -185,6 +216,27 @@ def rank_retrieval_heads(teacher: PreTrainedModel, prompts: list[RetrievalPrompt
     return RankedHeads(top_heads(scores, n, exclude_layers), scores, len(prompts), prompts[0].answer[0])
 
 
+def rank_restoration_heads(model: LinearAttentionForCausalLM, prompts: list[RetrievalPrompt], n: int,
+                           shortlist: int) -> RankedHeads:
+    """Rank the recurrent KV heads of a trained (or converted) `model` by its own `restoration_gains` on `prompts`
+    (`head_ranking_prompts`), measuring exactly the `shortlist` best of the first-order estimate (0: the estimate
+    alone ranks, `estimated_restoration_gains`), and choose the `n` best. Checked before any forward:
+    1 ≤ n ≤ the model's recurrent KV heads, and n ≤ shortlist ≤ that number unless shortlist is 0."""
+    available = len(recurrent_kv_heads(model))
+    if not (1 <= n <= available and (shortlist == 0 or n <= shortlist <= available)):
+        raise ValueError(f"{n} restored heads from a shortlist of {shortlist}: need 1 ≤ heads ≤ {available} (the "
+                         "model's recurrent KV heads) and a shortlist of 0 (the first-order estimate alone) or "
+                         f"between the heads and {available}")
+    if shortlist == 0:
+        scores, measure = estimated_restoration_gains(model, prompts), ESTIMATED_RESTORATION_MEASURE
+    else:
+        scores, measure = restoration_gains(model, prompts, shortlist=shortlist), RESTORATION_MEASURE
+    unmeasured: dict[int, list[int]] = {}  # exact already, or outside the shortlist
+    for layer, head in (scores == float("-inf")).nonzero().tolist():
+        unmeasured.setdefault(layer, []).append(head)
+    return RankedHeads(top_heads(scores, n, taken=unmeasured), scores, len(prompts), prompts[0].answer[0], measure)
+
+
 def check_head_count(n: int, num_layers: int, kv_heads: int, softmax_layers: int) -> None:
     """`--softmax_heads auto:N` asks for at most the KV heads outside the softmax layers."""
     available = (num_layers - softmax_layers) * kv_heads
@@ -204,9 +256,15 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
     # Everything that can fail cheaply fails before the weights are read or anything is written.
     source_config = AutoConfig.from_pretrained(args.model_name_or_path, **load_kwargs)
     selection = parse_softmax_layers(args.softmax_layers, source_config.num_hidden_layers)
-    check_layer_selection(selection, teacher=args.model_name_or_path, ranking_model=args.ranking_model)
-    options["softmax_layers"] = list(selection.layers)
     head_spec = parse_softmax_heads(args.softmax_heads or None)
+    by_restoration = args.head_ranking == "restoration"
+    if by_restoration and (head_spec.auto_n is None or args.ranking_model is None):
+        raise ValueError("--head_ranking restoration ranks heads on a trained checkpoint: give --softmax_heads auto:N "
+                         "and --ranking_model (a stage-1 or stage-2 checkpoint of this conversion)")
+    check_layer_selection(selection, teacher=args.model_name_or_path,
+                          ranking_model=args.ranking_model if selection.auto_k is not None or not by_restoration
+                          else None)
+    options["softmax_layers"] = list(selection.layers)
     try:
         conversion_config = linear_attention_config(source_config, softmax_heads=head_spec.heads, **options)
     except TypeError as error:  # an option of the wrong type is bad input like any other
@@ -217,7 +275,10 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
         check_data_arguments(data_args)
         if args.ranking_prompts < 1:
             raise ValueError(f"--ranking_prompts {args.ranking_prompts}: rank on at least one prompt.")
-    if selection.auto_k is not None:
+        if by_restoration and not (head_shortlist(args) == 0 or head_spec.auto_n <= head_shortlist(args)):
+            raise ValueError(f"--ranking_shortlist {args.ranking_shortlist}: measure at least the "
+                             f"{head_spec.auto_n} heads asked for, or give 0 (the first-order estimate alone).")
+    if selection.auto_k is not None or by_restoration:
         check_data_arguments(data_args)
         if args.ranking_rows < 1:
             raise ValueError(f"--ranking_rows {args.ranking_rows}: rank on at least one held-out row.")
@@ -237,24 +298,33 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
                          f"{len(tokenizer)} tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
-    restored = ranked_heads = None
+    restored = ranked_heads = trained = None
     if selection.auto_k is not None:
         restored = restore_ranked_layers(args.ranking_model, teacher, tokenizer, data_args, selection.auto_k,
                                          args.ranking_rows)
+        trained = restored.model
         print(f"Softmax layers {restored.model.config.softmax_layers}: chosen on {len(restored.rows)} held-out rows "
               f"of {restored.rows.shape[1]} tokens (ranking in {RANKING_FILE})")
+    elif by_restoration:
+        trained = load_teacher(args.ranking_model)
     heads = head_spec.heads
     if head_spec.auto_n is not None:
-        layers = list(selection.layers) if restored is None else restored.model.config.softmax_layers
-        ranked_heads = rank_retrieval_heads(teacher, head_ranking_prompts(tokenizer, data_args, args.ranking_prompts),
-                                            head_spec.auto_n, layers)
+        prompts = head_ranking_prompts(tokenizer, data_args, args.ranking_prompts)
+        if by_restoration:
+            ranked_heads = rank_restoration_heads(trained, prompts, head_spec.auto_n,
+                                                  head_shortlist(args))
+            source = "the KV heads whose restoration alone raises --ranking_model's log-probability of the key most"
+        else:
+            layers = list(selection.layers) if restored is None else restored.model.config.softmax_layers
+            ranked_heads = rank_retrieval_heads(teacher, prompts, head_spec.auto_n, layers)
+            source = "the teacher's best retrieving KV heads"
         heads = ranked_heads.heads
-        print(f"Softmax heads {heads}: the teacher's best retrieving KV heads on {args.ranking_prompts} passkey "
-              f"prompts of {data_args.block_size} tokens (ranking in {HEAD_RANKING_FILE})")
-    if restored is None:
+        print(f"Softmax heads {heads}: {source} on {args.ranking_prompts} passkey prompts of {data_args.block_size} "
+              f"tokens (ranking in {HEAD_RANKING_FILE})")
+    if trained is None:
         student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], softmax_heads=heads, **options)
     else:
-        student = restore_softmax_heads(restored.model, heads, inplace=True).to(DTYPES[args.dtype])
+        student = restore_softmax_heads(trained, heads, inplace=True).to(DTYPES[args.dtype])
     student.config.base_model_name_or_path = args.model_name_or_path
 
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -266,7 +336,8 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
         if restored is not None:
             restored.write_ranking(staging, ranking_model=args.ranking_model)
         if ranked_heads is not None:
-            ranked_heads.write_ranking(staging, teacher=args.model_name_or_path)
+            ranked_heads.write_ranking(staging, teacher=args.model_name_or_path,
+                                       **({"ranking_model": args.ranking_model} if by_restoration else {}))
         replace_folder(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

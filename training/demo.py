@@ -39,7 +39,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from training.checkpoint_conversion import head_ranking_prompts, rank_retrieval_heads, restore_ranked_layers
+from hf_linear_attn.layer_selection import restore_softmax_heads
+from training.checkpoint_conversion import (
+    head_ranking_prompts,
+    rank_restoration_heads,
+    rank_retrieval_heads,
+    restore_ranked_layers,
+)
 from training.command_line import exit_on_bad_input
 from training.data import DataArguments
 from training.evaluation import (
@@ -75,8 +81,16 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     softmax_heads_n: int = field(default=0, metadata={
         "help": "Convert with the N KV heads the teacher retrieves with most kept as exact softmax attention over the "
                 "whole context (softmax_heads; 0: none), trained in place."})
+    restored_heads_n: int = field(default=0, metadata={
+        "help": "After stage 1 (and its softmax layers), restore the N KV heads whose restoration alone raises the "
+                "stage-1 model's own log-probability of a pass key most (restoration_gains; 0: none), trained in "
+                "place by stage 2."})
+    ranking_shortlist: int = field(default=18, metadata={
+        "help": "Heads the restoration ranking measures exactly: the best of its first-order estimate (0: the "
+                "estimate alone ranks)."})
     ranking_prompts: int = field(default=6, metadata={
-        "help": "Passkey prompts of block_size tokens (haystack: the corpus) that rank the teacher's heads."})
+        "help": "Passkey prompts of block_size tokens (haystack: the corpus) that rank heads (the teacher's at "
+                "conversion, stage 1's after it)."})
     distill_steps: int = 300
     distill_batch_size: int = 1
     learning_rate: float = 1e-2
@@ -132,6 +146,22 @@ def select_layers(out: Path, teacher, tokenizer, data: DataArguments, k: int, ro
     return out / "stage1-softmax"
 
 
+def restore_heads(out: Path, model: Path, tokenizer, data: DataArguments, args: DemoArguments) -> Path:
+    """Restore the `restored_heads_n` KV heads of the stage-1 `model` whose restoration alone raises its own
+    log-probability of a pass key most (`training.checkpoint_conversion.rank_restoration_heads`, on `ranking_prompts`
+    prompts of block_size tokens); writes out/stage1-heads with the ranking beside it and returns that folder."""
+    print(f"[3/6] Ranking the KV heads of stage 1 by restoration on {args.ranking_prompts} passkey prompts of "
+          f"{data.block_size} tokens", flush=True)
+    student = load_teacher(str(model)).eval()
+    ranked = rank_restoration_heads(student, head_ranking_prompts(tokenizer, data, args.ranking_prompts),
+                                    args.restored_heads_n, args.ranking_shortlist)
+    restore_softmax_heads(student, ranked.heads, inplace=True).save_pretrained(out / "stage1-heads")
+    tokenizer.save_pretrained(out / "stage1-heads")
+    ranked.write_ranking(out / "stage1-heads", ranking_model=str(model))
+    print(f"    restored heads {ranked.heads}", flush=True)
+    return out / "stage1-heads"
+
+
 def stage_models(args: DemoArguments, out: Path) -> dict[str, Path]:
     """{label: folder} of the models the demo trains and evaluates, in training order: stage 1, with
     `softmax_layers_k` the stage-1 model with those layers restored, with `recovery_steps` stage 2 (started from
@@ -140,6 +170,8 @@ def stage_models(args: DemoArguments, out: Path) -> dict[str, Path]:
     models = {"stage 1": out / "stage1"}
     if args.softmax_layers_k > 0:
         models[f"stage 1 + {args.softmax_layers_k} softmax layers"] = out / "stage1-softmax"
+    if args.restored_heads_n > 0:
+        models[f"{list(models)[-1]} + {args.restored_heads_n} heads"] = out / "stage1-heads"
     if args.recovery_steps > 0:
         models["stage 2"] = out / "stage2"
     return models
@@ -171,9 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with exit_on_bad_input():  # every argument is checked before minutes of work
         AttentionOptions(**attention_options(args))
-        if args.softmax_heads_n < 0 or (args.softmax_heads_n > 0 and args.ranking_prompts < 1):
-            raise ValueError(f"softmax_heads_n {args.softmax_heads_n} with ranking_prompts {args.ranking_prompts}: "
-                             "give N ≥ 0 heads (0: none), ranked on at least one prompt")
+        for name in ("softmax_heads_n", "restored_heads_n"):
+            n = getattr(args, name)
+            if n < 0 or (n > 0 and args.ranking_prompts < 1):
+                raise ValueError(f"{name} {n} with ranking_prompts {args.ranking_prompts}: give N ≥ 0 heads (0: "
+                                 "none), ranked on at least one prompt")
+        if args.ranking_shortlist < 0 or 0 < args.ranking_shortlist < args.restored_heads_n:
+            raise ValueError(f"restored_heads_n {args.restored_heads_n} from ranking_shortlist "
+                             f"{args.ranking_shortlist}: the shortlist must hold at least the heads restored (or be 0: "
+                             "the first-order estimate alone ranks)")
         if args.memory_sizes and args.window_size == 0:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
@@ -219,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.softmax_layers_k > 0:
         select_layers(out, teacher, tokenizer, data, args.softmax_layers_k, args.ranking_rows)
+    if args.restored_heads_n > 0:
+        restore_heads(out, out / ("stage1-softmax" if args.softmax_layers_k > 0 else "stage1"), tokenizer, data, args)
     # Freed here and loaded again by the evaluation (seconds): kept, it would sit idle through stage 2 beside the
     # copy that stage 2 loads for its KL term (`training.stages.finetune` takes the teacher by path).
     del teacher
