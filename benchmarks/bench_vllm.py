@@ -24,15 +24,15 @@ import os
 import time
 from pathlib import Path
 
-# The teacher, its conversion, and the conversion with the recipe's softmax_heads_n softmax heads too.
+# The teacher, its conversion, and the conversion with the recipe's softmax heads too.
 MODELS = ("teacher", "converted", "converted_heads")
 
 
 def prepare(args: argparse.Namespace) -> None:
     """The teacher (fp32) and its conversion with the attention options of --recipe and as many softmax layers as
     its softmax_layers_k (the demo restores the most useful ones; which ones does not matter for speed), saved; and
-    that conversion with as many softmax heads as its softmax_heads_n (the demo ranks them; here one per recurrent
-    layer from the first on, the next KV head once every layer has one)."""
+    that conversion with as many softmax heads as its softmax_heads_n + restored_heads_n (the demo ranks them; here one
+    per recurrent layer from the first on, the next KV head once every layer has one)."""
     import yaml
     from transformers import AutoTokenizer
 
@@ -55,7 +55,7 @@ def prepare(args: argparse.Namespace) -> None:
     output_dir = args.output_dir
     recurrent = [i for i in range(teacher.config.num_hidden_layers) if i not in options["softmax_layers"]]
     softmax_heads = {}
-    for i in range(recipe.get("softmax_heads_n", 0)):
+    for i in range(recipe.get("softmax_heads_n", 0) + recipe.get("restored_heads_n", 0)):
         softmax_heads.setdefault(recurrent[i % len(recurrent)], []).append(i // len(recurrent))
     for name, model in (("teacher", teacher), ("converted", convert_to_linear_attention(teacher, **options)),
                         ("converted_heads", convert_to_linear_attention(teacher, softmax_heads=softmax_heads,

@@ -112,15 +112,21 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
     from training import demo
     args = parse_recipe_args(DemoArguments, ["--output_dir", str(tmp_path)], default_recipe=DEMO_RECIPE)
     models = demo.stage_models(args, tmp_path)
-    assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 2 softmax layers": tmp_path / "stage1-softmax",
+    assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 6 heads": tmp_path / "stage1-heads",
                       "stage 2": tmp_path / "stage2"}
     evaluate_args = demo.evaluation_arguments(args, "smollm2", models)
     assert evaluate_args.models == [f"{label}={path}" for label, path in models.items()]
-    assert evaluate_args.passkey_models == ["teacher", "stage 2", "stage 2 + memory 128", "stage 2 + 6 heads",
-                                           "stage 2 + 6 heads + memory 128"]
+    assert evaluate_args.passkey_models == ["teacher", "stage 2", "stage 2 + memory 128"]
     assert (evaluate_args.passkey_variants, evaluate_args.passkey_trials, evaluate_args.long_min_rows) == (
         ["chat"], 5, 2)
     assert evaluate_args.output_dir == str(tmp_path / "evaluation")
-    short = parse_recipe_args(DemoArguments, ["--recovery_steps", "0", "--softmax_layers_k", "0"],
+    short = parse_recipe_args(DemoArguments, ["--recovery_steps", "0", "--restored_heads_n", "0"],
                               default_recipe=DEMO_RECIPE)
     assert demo.stage_models(short, tmp_path) == {"stage 1": tmp_path / "stage1"}
+    layers = parse_recipe_args(DemoArguments, ["--softmax_layers_k", "2", "--frontier_head_counts", "6"],
+                               default_recipe=DEMO_RECIPE)
+    assert demo.stage_models(layers, tmp_path) == {
+        "stage 1": tmp_path / "stage1", "stage 1 + 2 softmax layers": tmp_path / "stage1-softmax",
+        "stage 1 + 2 softmax layers + 6 heads": tmp_path / "stage1-heads", "stage 2": tmp_path / "stage2"}
+    assert demo.evaluation_arguments(layers, "smollm2", models).passkey_models == [
+        "teacher", "stage 2", "stage 2 + memory 128", "stage 2 + 6 heads", "stage 2 + 6 heads + memory 128"]
