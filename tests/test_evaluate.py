@@ -263,7 +263,8 @@ def test_head_variants_restore_the_teachers_best_retrieving_heads_and_the_fronti
             "--documents_per_source", "2", "--long_contexts", "64", "--long_scored_tokens", str(SCORED),
             "--long_min_rows", str(MIN_ROWS), "--passkey_lengths", "400", "--passkey_trials", "2",
             "--passkey_variants", "single", "--decode_contexts", "40", "--decode_tokens", "1",
-            "--update_model_cards", "false", "--output_dir", str(tmp_path / "out")]
+            "--decode_models", "teacher", "narrow", "--update_model_cards", "false",
+            "--output_dir", str(tmp_path / "out")]
     assert evaluate.main(argv) == 0
     record = json.loads((tmp_path / "out" / "evaluation.json").read_text())
     long_rows = {r["model"]: r for r in record["long_context"]}
@@ -280,7 +281,8 @@ def test_head_variants_restore_the_teachers_best_retrieving_heads_and_the_fronti
     head_dim = teacher.config.hidden_size // teacher.config.num_attention_heads
     assert long_rows["narrow + 1 heads"]["cache_bytes"] == long_rows["narrow"]["cache_bytes"] + 2 * 64 * head_dim * 4
     decoded = json.loads((tmp_path / "out" / "decode.json").read_text())["rows"]
-    assert {r["model"] for r in decoded} == {"teacher", "narrow", "narrow + memory 3"}  # head variants: not profiled
+    # head variants decode as their model does (not profiled); "narrow + memory 3" is not in --decode_models
+    assert {r["model"] for r in decoded} == {"teacher", "narrow"}
     frontier = {r["model"]: r for r in json.loads((tmp_path / "out" / "frontier.json").read_text())["rows"]}
     assert sorted(frontier) == sorted(long_rows)
     for label, row in frontier.items():
@@ -370,6 +372,7 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--passkey_models", "teacher", "stage 9"], r"passkey_models \['stage 9'\] are not evaluated"),
+    (["--decode_models", "stage 9"], r"decode_models \['stage 9'\] are not evaluated"),
     (["--passkey_lengths", "16384"], "raise document_tokens"),
     (["--passkey_haystacks", "noise"], "passkey_haystacks must be"),
     (["--passkey_variants", "chat", "twice"], r"passkey_variants must be a non-empty list of \['chat', 'single'"),

@@ -18,7 +18,7 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
   key's mean log-probability with its standard error over trials, and the share of its tokens that are the
   argmax; for the models of `passkey_models` (default all), as it is the expensive part;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
-  (`training.measure`).
+  (`training.measure`), for the models of `decode_models` (default all).
 With `sparse_cache_sizes`, the models of `memory_models` (default all; window hybrids) are measured again with a
 sparse exact memory of each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M"; with
 `softmax_head_counts`, again with N more KV heads restored to softmax (`restore_softmax_heads`, training-free),
@@ -133,6 +133,8 @@ class EvaluateArguments:
     passkey_models: list[str] | None = field(default=None, metadata={
         "help": "Labels that get the passkey trials (teacher, SWA(W)+S sinks, model labels); default: all."})
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
+    decode_models: list[str] | None = field(default=None, metadata={
+        "help": "Labels whose decode latency and cache are measured (teacher, model labels); default: all."})
     decode_tokens: int = field(default=8, metadata={"help": "Decode steps timed after each context."})
     prefill_chunk: int = 1024
     seed: int = field(default=0, metadata={"help": "Seed of the passkey trials (keys, haystack offsets)."})
@@ -266,9 +268,10 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
             raise ValueError(f"{name} must be a non-empty list of {list(allowed)}, got {given}")
     if "multi" in args.passkey_variants and not 2 <= args.passkey_keys <= len(DOORS):
         raise ValueError(f"passkey_keys must be in [2, {len(DOORS)}] for the multi variant, got {args.passkey_keys}")
-    unknown = sorted(set(args.passkey_models or []) - set(labels))
-    if unknown:
-        raise ValueError(f"passkey_models {unknown} are not evaluated; the labels are {labels}")
+    for name in ("passkey_models", "decode_models"):
+        unknown = sorted(set(getattr(args, name) or []) - set(labels))
+        if unknown:
+            raise ValueError(f"{name} {unknown} are not evaluated; the labels are {labels}")
     if len(set(labels)) < len(labels):
         raise ValueError(f"--models labels must differ from each other, from 'teacher' and from the baseline's "
                          f"({baseline_label(args)!r}); the labels are {labels}")
@@ -315,6 +318,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         tokenizer, documents, length, args.passkey_trials, haystack, variant, args.seed, args.passkey_keys)
         for length, haystack, variant in passkey_settings}
     passkey_models = set(labels if args.passkey_models is None else args.passkey_models)
+    decode_models = set(labels if args.decode_models is None else args.decode_models)
     ranking_prompts = head_ranking_prompts(tokenizer, replace(data_args, block_size=args.head_ranking_length),
                                            args.head_ranking_prompts) if args.softmax_head_counts else []
     # [L, H_kv] head scores by ranking source: the teacher's, or each model's own (head_ranking restoration), measured
@@ -366,7 +370,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
                                     **scores})
                     progress(f"{name}: passkey @{length} {haystack}/{variant} {scores['accuracy']:.0%}, key "
                              f"log-prob {scores['key_log_prob']:.2f} ± {scores['key_log_prob_se']:.2f}")
-        if label in head_variants:  # its cache bytes are in the tables above; its decoding is the model's
+        if label in head_variants or label not in decode_models:  # a head variant decodes as its model does
             progress(f"{label}: done")
             continue
         profile = decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk)
