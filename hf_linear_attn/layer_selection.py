@@ -406,9 +406,13 @@ def _restoration_candidates(student: Any, prompts: Sequence[RetrievalPrompt]) ->
     return candidates
 
 
-def _unmeasured(student: LinearAttentionForCausalLM) -> torch.Tensor:
+def _zero_at(student: LinearAttentionForCausalLM, candidates: list[tuple[int, int]]) -> torch.Tensor:
+    """[L, H_kv] fp32: 0 at the `candidates` (layer, KV head), −inf elsewhere (heads not measured)."""
     config = student.config
-    return torch.full((config.num_hidden_layers, config.num_key_value_heads), float("-inf"))
+    scores = torch.full((config.num_hidden_layers, config.num_key_value_heads), float("-inf"))
+    for index, head in candidates:
+        scores[index, head] = 0.0
+    return scores
 
 
 def estimated_restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[RetrievalPrompt],
@@ -427,9 +431,7 @@ def estimated_restoration_gains(student: LinearAttentionForCausalLM, prompts: Se
     config = student.config
     groups = config.num_attention_heads // config.num_key_value_heads
     device = student.lm_head.weight.device
-    estimates = _unmeasured(student)
-    for index, head in candidates:
-        estimates[index, head] = 0.0
+    estimates = _zero_at(student, candidates)
     mode = student.training
     student.eval()
     captured: dict[int, dict[str, Any]] = {index: {} for index in layers}
@@ -504,9 +506,7 @@ def restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[Ret
         estimates = estimated_restoration_gains(student, prompts, progress=progress)
         candidates = sorted(candidates, key=lambda lh: (-float(estimates[lh]), lh))[:shortlist]
     device = student.lm_head.weight.device
-    gains = _unmeasured(student)
-    for index, head in candidates:
-        gains[index, head] = 0.0
+    gains = _zero_at(student, candidates)
     mode = student.training
     student.eval()
     bar = tqdm(total=len(prompts) * len(candidates), desc="Restoring heads one at a time", unit="head",

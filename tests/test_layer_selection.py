@@ -33,9 +33,9 @@ OPTIONS = dict(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_to
 
 def llama_teacher(seed: int = 0, **extra) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         attn_implementation="sdpa", **extra)
+    config = LlamaConfig(**{"vocab_size": 96, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": LAYERS,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                            "attn_implementation": "sdpa", **extra})
     return LlamaForCausalLM(config).eval()
 
 
@@ -324,10 +324,7 @@ def test_the_demo_restores_the_best_ranked_layers_of_stage1_and_writes_the_ranki
     from training import demo
     from training.data import DataArguments, build_datasets, byte_level_tokenizer
 
-    torch.manual_seed(0)
-    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=112,
-                                           num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=256)).eval()
+    teacher = llama_teacher(vocab_size=259)  # byte-level ids
     converted(teacher).save_pretrained(tmp_path / "stage1")
     tokenizer, data = byte_level_tokenizer(), DataArguments(block_size=32, cache_dir=str(dataset_cache))
     folder = demo.select_layers(tmp_path, teacher, tokenizer, data, k=1, rows=2)
@@ -480,10 +477,7 @@ def test_the_demo_restores_the_heads_stage1_gains_most_from_and_writes_the_ranki
     from training.checkpoint_conversion import head_ranking_prompts
     from training.data import DataArguments, byte_level_tokenizer
 
-    torch.manual_seed(0)
-    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=112,
-                                           num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=512)).eval()
+    teacher = llama_teacher(vocab_size=259, max_position_embeddings=512)  # byte-level ids, passkey prompts of 400
     converted(teacher).save_pretrained(tmp_path / "stage1")
     tokenizer, data = byte_level_tokenizer(), DataArguments(block_size=400, cache_dir=str(dataset_cache))
     args = demo.DemoArguments(restored_heads_n=2, ranking_shortlist=3, ranking_prompts=2)
