@@ -48,7 +48,7 @@ from training.recipes import attention_arguments, attention_options
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANKING_FILE = "softmax_layer_ranking.json"
-# What ranks the heads of `--softmax_heads auto:N` (`ConversionArguments.head_ranking`).
+# What ranks the heads of `--softmax_heads auto:N` and of evaluation head variants (`head_ranking` of both).
 HEAD_RANKINGS = ("teacher", "restoration")
 HEAD_RANKING_FILE = "softmax_head_ranking.json"
 HEAD_MEASURE = ("attention mass that the queries predicting a pass key put on the key where the prompt states it, "

@@ -55,7 +55,7 @@ import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
 from hf_linear_attn.head_selection import retrieval_scores, top_heads
 from hf_linear_attn.layer_selection import restoration_gains, restore_softmax_heads
-from training.checkpoint_conversion import head_ranking_prompts
+from training.checkpoint_conversion import HEAD_RANKINGS, head_ranking_prompts
 from training.data import DataArguments, build_datasets, collate_rows
 from training.long_context_data import (
     DEFAULT_DATA_DIR,
@@ -79,9 +79,6 @@ from training.losses import causal_lm_loss, predicted_tokens, token_cross_entrop
 from training.measure import cache_bytes_by_context, cache_memory, decode_profile
 from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
 from training.report import format_cell, log_log_plot, machine, write_report
-
-# How `softmax_head_counts` ranks the heads it restores (`EvaluateArguments.head_ranking`).
-HEAD_RANKINGS = ("teacher", "restoration")
 
 
 @dataclass
