@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .configuration_linear_attention import LinearAttentionConfig
 from .head_selection import RetrievalPrompt
 from .modeling_linear_attention import (
     LinearAttention,
@@ -386,13 +387,17 @@ def _answer_log_prob(student: LinearAttentionForCausalLM, hidden: torch.Tensor, 
 
 
 def recurrent_kv_heads(model: Any) -> list[tuple[int, int]]:
-    """The (layer, KV head) pairs of `model`'s recurrent layers that are not exact already (not softmax heads): the
+    """The (layer, KV head) pairs of the recurrent layers of `model` (a LinearAttentionForCausalLM, or its config:
+    a checkpoint's is enough to count them before loading it) that are not exact already (not softmax heads): the
     heads that can be restored."""
-    if not isinstance(model, LinearAttentionForCausalLM):
-        raise TypeError(f"model must be a LinearAttentionForCausalLM; got {type(model).__name__}.")
-    config = model.config
-    return [(index, head) for index, layer in enumerate(model.model.layers)
-            if isinstance(layer.self_attn, LinearAttention)
+    if isinstance(model, LinearAttentionForCausalLM):
+        config = model.config
+    elif isinstance(model, LinearAttentionConfig):
+        config = model
+    else:
+        raise TypeError(f"model must be a LinearAttentionForCausalLM or a LinearAttentionConfig; got "
+                        f"{type(model).__name__}.")
+    return [(index, head) for index in range(config.num_hidden_layers) if config.layer_kind(index) != "softmax"
             for head in range(config.num_key_value_heads) if head not in config.softmax_heads_of(index)]
 
 

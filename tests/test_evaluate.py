@@ -294,16 +294,21 @@ def test_head_variants_restore_the_teachers_best_retrieving_heads_and_the_fronti
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
 
 
-def test_head_variants_ranked_by_restoration_restore_the_models_own_best_heads(evaluated, tmp_path, dataset_cache):
+@pytest.mark.parametrize("shortlist", ["4", "0"])
+def test_head_variants_ranked_by_restoration_restore_the_models_own_best_heads(evaluated, tmp_path, dataset_cache,
+                                                                              shortlist):
     """`--head_ranking restoration`: "narrow + 1 heads" is narrow with the KV head whose restoration alone raises its
-    own log-probability of the key most on the ranking prompts (`restoration_gains`); no teacher needed."""
+    own log-probability of the key most on the ranking prompts, no teacher needed: measured exactly on every one of
+    its 4 recurrent KV heads with `--head_ranking_shortlist 4` (`restoration_gains`), by the first-order estimate
+    alone with 0 (`estimated_restoration_gains`)."""
     from hf_linear_attn.head_selection import top_heads
-    from hf_linear_attn.layer_selection import restoration_gains, restore_softmax_heads
+    from hf_linear_attn.layer_selection import estimated_restoration_gains, restoration_gains, restore_softmax_heads
     from training.checkpoint_conversion import head_ranking_prompts
     from training.data import byte_level_tokenizer
 
     root, _, _, documents = evaluated
     argv = ["--models", f"narrow={root / 'narrow'}", "--softmax_head_counts", "1", "--head_ranking", "restoration",
+            "--head_ranking_shortlist", shortlist,
             "--head_ranking_prompts", "2", "--head_ranking_length", "400", "--block_size", str(BLOCK),
             "--cache_dir", str(dataset_cache), "--max_eval_rows", "2", "--long_context_data", str(root / "texts"),
             "--document_tokens", "512", "--documents_per_source", "2", "--long_contexts", "64",
@@ -317,7 +322,8 @@ def test_head_variants_ranked_by_restoration_restore_the_models_own_best_heads(e
     narrow = AutoModelForCausalLM.from_pretrained(root / "narrow").eval()
     prompts = head_ranking_prompts(byte_level_tokenizer(), DataArguments(block_size=400, cache_dir=str(dataset_cache)),
                                    2)
-    heads = top_heads(restoration_gains(narrow, prompts, progress=False), 1)
+    measure = estimated_restoration_gains if shortlist == "0" else restoration_gains
+    heads = top_heads(measure(narrow, prompts, progress=False), 1)
     restored = restore_softmax_heads(narrow, heads).eval()
     windows = perplexity_windows(documents, 64, SCORED, MIN_ROWS)
     assert long_rows["narrow + 1 heads"]["perplexity"] == pytest.approx(second_half_perplexity(restored, windows),
@@ -341,6 +347,20 @@ def test_sparse_memory_sizes_need_window_hybrids(evaluated, tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate.main(argv)
     assert "model 'plain'" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("model", "counts", "message"), [
+    ("narrow", ["5"], r"softmax_head_counts \[5\]: model 'narrow' .* has 4 recurrent KV heads left to restore"),
+    ("narrow", ["2", "--head_ranking_shortlist", "5"], r"head_ranking_shortlist 5: model 'narrow' .* has 4"),
+    ("teacher", ["1"], "model 'teacher' .* is a 'llama' model, not a linear-attention checkpoint"),
+])
+def test_head_variants_need_heads_left_to_restore(evaluated, tmp_path, capsys, model, counts, message):
+    root, _, _, _ = evaluated
+    argv = ["--models", f"{model}={root / model}", "--softmax_head_counts", *counts, "--head_ranking", "restoration",
+            "--long_context_data", str(root / "texts"), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit):
+        evaluate.main(argv)
+    assert re.search(message, capsys.readouterr().err) and not (tmp_path / "out").exists()
 
 
 def test_the_chat_variant_needs_a_chat_template_and_says_so_before_any_model_loads(tmp_path, capsys, dataset_cache):
@@ -384,6 +404,10 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
     (["--softmax_head_counts", "2", "2"], "softmax_head_counts must be distinct counts ≥ 1"),
     (["--softmax_head_counts", "0"], "softmax_head_counts must be distinct counts ≥ 1"),
     (["--head_ranking", "kl"], r"head_ranking 'kl': choose one of \['teacher', 'restoration'\]"),
+    (["--models", "m=x", "--softmax_head_counts", "2", "--head_ranking_shortlist", "4"],
+     "head_ranking_shortlist 4 applies to head variants ranked by restoration"),
+    (["--models", "m=x", "--softmax_head_counts", "1", "3", "--head_ranking", "restoration",
+      "--head_ranking_shortlist", "2"], "head_ranking_shortlist 2: measure at least the 3 heads"),
 ])
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra, message):
     write_long_texts(tmp_path / "texts")

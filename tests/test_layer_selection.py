@@ -18,6 +18,7 @@ from hf_linear_attn.layer_selection import (
     estimated_restoration_gains,
     parse_softmax_layers,
     rank_softmax_layers,
+    recurrent_kv_heads,
     restoration_gains,
     restore_softmax_heads,
     restore_softmax_layers,
@@ -450,9 +451,16 @@ def test_estimated_restoration_gains_are_the_derivative_along_each_heads_restora
 
 def test_a_shortlist_measures_exactly_the_heads_the_estimate_ranks_best():
     """restoration_gains with shortlist M: the M heads ranked best by estimated_restoration_gains hold their exact
-    gains, every other head -inf; a shortlist out of range is refused before any forward."""
+    gains, every other head -inf; a shortlist out of range is refused before any forward. `rank_restoration_heads`'
+    default shortlist, 3 × N, stops at every recurrent head (counted from the model or its config alike)."""
+    from training.checkpoint_conversion import rank_restoration_heads
+
     model = tiny_model(num_hidden_layers=3, feature_map="hedgehog", feature_dim=8, window_size=5, num_sink_tokens=2,
                        softmax_heads={0: [1]}).eval()
+    candidates = [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert recurrent_kv_heads(model) == recurrent_kv_heads(model.config) == candidates
+    assert recurrent_kv_heads(tiny_model(num_hidden_layers=3, softmax_layers=[1]).config) == [(0, 0), (0, 1), (2, 0),
+                                                                                              (2, 1)]
     prompts = passkey_like_prompts()
     estimates = estimated_restoration_gains(model, prompts, progress=False)
     exact = restoration_gains(model, prompts, progress=False)
@@ -463,6 +471,8 @@ def test_a_shortlist_measures_exactly_the_heads_the_estimate_ranks_best():
     for lh in best:
         expected[lh] = exact[lh]
     torch.testing.assert_close(shortlisted, expected, rtol=1e-4, atol=1e-6)
+    ranked = rank_restoration_heads(model, prompts, 2)  # shortlist min(6, 5): every head measured exactly
+    torch.testing.assert_close(ranked.scores, exact, rtol=1e-4, atol=1e-6)
     for bad in (0, 6, 2.5):
         with pytest.raises(ValueError, match=rf"shortlist={bad!r}: give a number of KV heads in \[1, 5\]"):
             restoration_gains(model, prompts, shortlist=bad)

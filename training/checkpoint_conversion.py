@@ -92,13 +92,8 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
                 "best restored, training-free)."})
     ranking_shortlist: int | None = field(default=None, metadata={
         "help": "With --head_ranking restoration: the heads measured exactly, the best of a first-order estimate "
-                "(default 3 × N; 0: the estimate alone ranks, one forward and backward per prompt)."})
-
-
-def head_shortlist(args: ConversionArguments) -> int:
-    """The heads `--head_ranking restoration` measures exactly: `--ranking_shortlist`, by default 3 × N."""
-    spec = parse_softmax_heads(args.softmax_heads or None)
-    return 3 * (spec.auto_n or 0) if args.ranking_shortlist is None else args.ranking_shortlist
+                "(default 3 × N, at most every recurrent head; 0: the estimate alone ranks, one forward and "
+                "backward per prompt)."})
 
 
 def check_conversion_arguments(args: ConversionArguments) -> None:
@@ -216,21 +211,29 @@ def rank_retrieval_heads(teacher: PreTrainedModel, prompts: list[RetrievalPrompt
     return RankedHeads(top_heads(scores, n, exclude_layers), scores, len(prompts), prompts[0].answer[0])
 
 
-def rank_restoration_heads(model: LinearAttentionForCausalLM, prompts: list[RetrievalPrompt], n: int,
-                           shortlist: int) -> RankedHeads:
-    """Rank the recurrent KV heads of a trained (or converted) `model` by its own `restoration_gains` on `prompts`
-    (`head_ranking_prompts`), measuring exactly the `shortlist` best of the first-order estimate (0: the estimate
-    alone ranks, `estimated_restoration_gains`), and choose the `n` best. Checked before any forward:
+def restoration_scores(model: LinearAttentionForCausalLM, prompts: list[RetrievalPrompt], n: int,
+                       shortlist: int | None = None) -> tuple[torch.Tensor, str]:
+    """The [L, H_kv] scores that choose the `n` recurrent KV heads of a trained (or converted) `model` to restore,
+    and what they measure: its own `restoration_gains` on `prompts` (`head_ranking_prompts`), measured exactly on the
+    `shortlist` heads that the first-order estimate ranks best (None: 3 × n, at most every recurrent head; 0: the
+    estimate alone ranks, `estimated_restoration_gains`); −inf where not measured. Checked before any forward:
     1 ≤ n ≤ the model's recurrent KV heads, and n ≤ shortlist ≤ that number unless shortlist is 0."""
     available = len(recurrent_kv_heads(model))
+    shortlist = min(3 * n, available) if shortlist is None else shortlist
     if not (1 <= n <= available and (shortlist == 0 or n <= shortlist <= available)):
         raise ValueError(f"{n} restored heads from a shortlist of {shortlist}: need 1 ≤ heads ≤ {available} (the "
                          "model's recurrent KV heads) and a shortlist of 0 (the first-order estimate alone) or "
                          f"between the heads and {available}")
     if shortlist == 0:
-        scores, measure = estimated_restoration_gains(model, prompts), ESTIMATED_RESTORATION_MEASURE
-    else:
-        scores, measure = restoration_gains(model, prompts, shortlist=shortlist), RESTORATION_MEASURE
+        return estimated_restoration_gains(model, prompts), ESTIMATED_RESTORATION_MEASURE
+    return restoration_gains(model, prompts, shortlist=shortlist), RESTORATION_MEASURE
+
+
+def rank_restoration_heads(model: LinearAttentionForCausalLM, prompts: list[RetrievalPrompt], n: int,
+                           shortlist: int | None = None) -> RankedHeads:
+    """Rank the recurrent KV heads of `model` by `restoration_scores` (`shortlist` as there) and choose the `n`
+    best."""
+    scores, measure = restoration_scores(model, prompts, n, shortlist)
     unmeasured: dict[int, list[int]] = {}  # exact already, or outside the shortlist
     for layer, head in (scores == float("-inf")).nonzero().tolist():
         unmeasured.setdefault(layer, []).append(head)
@@ -275,7 +278,8 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
         check_data_arguments(data_args)
         if args.ranking_prompts < 1:
             raise ValueError(f"--ranking_prompts {args.ranking_prompts}: rank on at least one prompt.")
-        if by_restoration and not (head_shortlist(args) == 0 or head_spec.auto_n <= head_shortlist(args)):
+        if by_restoration and args.ranking_shortlist is not None and not (
+                args.ranking_shortlist == 0 or head_spec.auto_n <= args.ranking_shortlist):
             raise ValueError(f"--ranking_shortlist {args.ranking_shortlist}: measure at least the "
                              f"{head_spec.auto_n} heads asked for, or give 0 (the first-order estimate alone).")
     if selection.auto_k is not None or by_restoration:
@@ -311,8 +315,7 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
     if head_spec.auto_n is not None:
         prompts = head_ranking_prompts(tokenizer, data_args, args.ranking_prompts)
         if by_restoration:
-            ranked_heads = rank_restoration_heads(trained, prompts, head_spec.auto_n,
-                                                  head_shortlist(args))
+            ranked_heads = rank_restoration_heads(trained, prompts, head_spec.auto_n, args.ranking_shortlist)
             source = "the KV heads whose restoration alone raises --ranking_model's log-probability of the key most"
         else:
             layers = list(selection.layers) if restored is None else restored.model.config.softmax_layers

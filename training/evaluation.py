@@ -25,7 +25,8 @@ sparse exact memory of each size switched on (`sparse_cache_size`, training-free
 "LABEL + N heads": by default the N the teacher retrieves with most (`hf_linear_attn.head_selection.retrieval_scores`
 on passkey prompts over the data pipeline's documents); with `head_ranking restoration`, the N whose restoration alone
 raises the model's own log-probability of the key most on those prompts (`layer_selection.restoration_gains`,
-measured once per model, without the memory), and with both, "LABEL + N heads + memory M". The
+measured once per model, without the memory, on the `head_ranking_shortlist` heads a first-order estimate ranks best:
+`training.checkpoint_conversion.restoration_scores`), and with both, "LABEL + N heads + memory M". The
 frontier table and plot (`frontier.{md,json,png}`) put every model's quality at the longest context beside its cache
 bytes there, as a share of the teacher's.
 It returns the rows (`Evaluation`); `write_evaluation` writes them as tables (Markdown, JSON, plots of
@@ -54,8 +55,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
 from hf_linear_attn.head_selection import retrieval_scores, top_heads
-from hf_linear_attn.layer_selection import restoration_gains, restore_softmax_heads
-from training.checkpoint_conversion import HEAD_RANKINGS, head_ranking_prompts
+from hf_linear_attn.layer_selection import recurrent_kv_heads, restore_softmax_heads
+from training.checkpoint_conversion import HEAD_RANKINGS, head_ranking_prompts, restoration_scores
 from training.data import DataArguments, build_datasets, collate_rows
 from training.long_context_data import (
     DEFAULT_DATA_DIR,
@@ -123,7 +124,12 @@ class EvaluateArguments:
     head_ranking: str = field(default="teacher", metadata={
         "help": "How softmax_head_counts ranks heads: teacher (the teacher's attention on the key, "
                 "retrieval_scores) or restoration (each model's own gain in the key's log-probability with one "
-                "head restored, restoration_gains: one forward per prompt and head, no teacher needed)."})
+                "head restored, restoration_gains: one forward per prompt and shortlisted head, no teacher "
+                "needed)."})
+    head_ranking_shortlist: int | None = field(default=None, metadata={
+        "help": "With head_ranking restoration: the heads of each model measured exactly, the best of a first-order "
+                "estimate (one forward and backward per prompt; default 3 × the largest of softmax_head_counts, at "
+                "most every recurrent head; 0: the estimate alone ranks)."})
     memory_models: list[str] | None = field(default=None, metadata={
         "help": "Labels of the models measured with each of sparse_cache_sizes (window hybrids) and "
                 "softmax_head_counts; default: all."})
@@ -185,18 +191,33 @@ def variants(args: EvaluateArguments, with_variants: dict[str, str]) -> list[tup
             if heads or memory]
 
 
-def check_memory_models(models: dict[str, str], sizes: list[int]) -> None:
-    """ValueError unless every size is ≥ 1 and every model is a window hybrid, so that `sparse_cache_size`
-    applies (read from each checkpoint's config, before any model is loaded)."""
-    if not sizes:
+def check_variant_models(models: dict[str, str], args: EvaluateArguments) -> None:
+    """ValueError unless each model of `models` (`memory_models`) can be measured with every variant of `args`, read
+    from each checkpoint's config before any model is loaded: a window hybrid for `sparse_cache_sizes`, a
+    linear-attention checkpoint with at least max(`softmax_head_counts`) (and `head_ranking_shortlist`) KV heads
+    left to restore for the head variants."""
+    sizes, counts, shortlist = args.sparse_cache_sizes, args.softmax_head_counts, args.head_ranking_shortlist
+    if not sizes and not counts:
         return
     if any(size < 1 for size in sizes) or len(set(sizes)) < len(sizes):
         raise ValueError(f"sparse_cache_sizes must be distinct sizes ≥ 1, got {sizes}")
     for label, path in models.items():
         config = AutoConfig.from_pretrained(path)
-        if getattr(config, "window_size", 0) < 1:
+        if sizes and getattr(config, "window_size", 0) < 1:
             raise ValueError(f"sparse_cache_sizes: model {label!r} ({path}) is no window hybrid (window_size > 0), "
                              "so it has no sparse memory to switch on; drop the sizes or the model")
+        if not counts:
+            continue
+        if not isinstance(config, hf_linear_attn.LinearAttentionConfig):
+            raise ValueError(f"softmax_head_counts: model {label!r} ({path}) is a {config.model_type!r} model, not a "
+                             "linear-attention checkpoint, so it has no recurrent heads to restore; drop the counts "
+                             "or leave it out of memory_models")
+        available = len(recurrent_kv_heads(config))
+        for name, asked, most in (("softmax_head_counts", counts, max(counts)),
+                                  ("head_ranking_shortlist", shortlist, shortlist or 0)):
+            if most > available:
+                raise ValueError(f"{name} {asked}: model {label!r} ({path}) has {available} recurrent KV heads left "
+                                 "to restore")
 
 
 def packed_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +244,7 @@ def perplexity(model, rows: list[dict], batch_size: int) -> float:
 
 def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """ValueError naming the first bad argument, reading no file (the checkpoints' configs are
-    `check_memory_models`'). Returns the models {label: path}, those measured with each of `sparse_cache_sizes`,
+    `check_variant_models`'). Returns the models {label: path}, those measured with each of `sparse_cache_sizes`,
     and the labels of every model measured (teacher, baseline, models, memory variants)."""
     if not args.teacher and not args.models:
         raise ValueError("give --teacher and/or --models label=path ...")
@@ -240,6 +261,13 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     counts = args.softmax_head_counts
     if counts and (any(n < 1 for n in counts) or len(set(counts)) < len(counts)):
         raise ValueError(f"softmax_head_counts must be distinct counts ≥ 1, got {counts}")
+    shortlist = args.head_ranking_shortlist
+    if shortlist is not None and not (counts and args.head_ranking == "restoration"):
+        raise ValueError(f"head_ranking_shortlist {shortlist} applies to head variants ranked by restoration: give "
+                         "softmax_head_counts and head_ranking restoration, or drop it")
+    if shortlist is not None and not (shortlist == 0 or shortlist >= max(counts)):
+        raise ValueError(f"head_ranking_shortlist {shortlist}: measure at least the {max(counts)} heads of the largest "
+                         "of softmax_head_counts, or give 0 (the first-order estimate alone ranks)")
     if counts and args.head_ranking == "teacher" and not args.teacher:
         raise ValueError("softmax_head_counts with head_ranking teacher needs --teacher, whose heads are ranked; "
                          "give it or rank with --head_ranking restoration")
@@ -291,7 +319,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     docstring), printing progress through `log`. Raises ValueError (bad arguments) or FileNotFoundError (no
     long texts in `args.long_context_data`: the message names the prepare command) before loading any model."""
     models, with_memory, labels = check_arguments(args)
-    check_memory_models(with_memory, args.sparse_cache_sizes)
+    check_variant_models(with_memory, args)
     passkey_settings = [(length, haystack, variant) for length in args.passkey_lengths
                         for haystack in args.passkey_haystacks for variant in args.passkey_variants
                         ] if args.passkey_trials else []
@@ -346,7 +374,8 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
             head_scores["teacher"] = retrieval_scores(model, ranking_prompts, progress=False)
             progress(f"teacher: KV heads ranked by retrieval on {len(ranking_prompts)} prompts")
         if label in with_memory and ranking_prompts and args.head_ranking == "restoration":
-            head_scores[label] = restoration_gains(model, ranking_prompts)
+            head_scores[label] = restoration_scores(model, ranking_prompts, max(args.softmax_head_counts),
+                                                    args.head_ranking_shortlist)[0]
             progress(f"{label}: KV heads ranked by restoration gain on {len(ranking_prompts)} prompts")
         measured: list[tuple[str, Any]] = [(label, model)]
         if label == "teacher" and args.baseline_window > 0:
