@@ -211,6 +211,14 @@ def rank_retrieval_heads(teacher: PreTrainedModel, prompts: list[RetrievalPrompt
     return RankedHeads(top_heads(scores, n, exclude_layers), scores, len(prompts), prompts[0].answer[0])
 
 
+def check_shortlist(name: str, shortlist: int | None, n: int) -> None:
+    """ValueError unless the `shortlist` given as `name` (None: the default) measures at least the `n` heads asked
+    for or is 0 (the first-order estimate alone ranks): the argument check of `restoration_scores`' shortlist."""
+    if shortlist is not None and not (shortlist == 0 or n <= shortlist):
+        raise ValueError(f"{name} {shortlist}: measure at least the {n} heads asked for, or give 0 (the first-order "
+                         "estimate alone ranks).")
+
+
 def restoration_scores(model: LinearAttentionForCausalLM, prompts: list[RetrievalPrompt], n: int,
                        shortlist: int | None = None) -> tuple[torch.Tensor, str]:
     """The [L, H_kv] scores that choose the `n` recurrent KV heads of a trained (or converted) `model` to restore,
@@ -278,10 +286,8 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
         check_data_arguments(data_args)
         if args.ranking_prompts < 1:
             raise ValueError(f"--ranking_prompts {args.ranking_prompts}: rank on at least one prompt.")
-        if by_restoration and args.ranking_shortlist is not None and not (
-                args.ranking_shortlist == 0 or head_spec.auto_n <= args.ranking_shortlist):
-            raise ValueError(f"--ranking_shortlist {args.ranking_shortlist}: measure at least the "
-                             f"{head_spec.auto_n} heads asked for, or give 0 (the first-order estimate alone).")
+        if by_restoration:
+            check_shortlist("--ranking_shortlist", args.ranking_shortlist, head_spec.auto_n)
     if selection.auto_k is not None or by_restoration:
         check_data_arguments(data_args)
         if args.ranking_rows < 1:

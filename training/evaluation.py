@@ -56,7 +56,7 @@ import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher
 from hf_linear_attn.head_selection import retrieval_scores, top_heads
 from hf_linear_attn.layer_selection import recurrent_kv_heads, restore_softmax_heads
-from training.checkpoint_conversion import HEAD_RANKINGS, head_ranking_prompts, restoration_scores
+from training.checkpoint_conversion import HEAD_RANKINGS, check_shortlist, head_ranking_prompts, restoration_scores
 from training.data import DataArguments, build_datasets, collate_rows
 from training.long_context_data import (
     DEFAULT_DATA_DIR,
@@ -265,9 +265,8 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     if shortlist is not None and not (counts and args.head_ranking == "restoration"):
         raise ValueError(f"head_ranking_shortlist {shortlist} applies to head variants ranked by restoration: give "
                          "softmax_head_counts and head_ranking restoration, or drop it")
-    if shortlist is not None and not (shortlist == 0 or shortlist >= max(counts)):
-        raise ValueError(f"head_ranking_shortlist {shortlist}: measure at least the {max(counts)} heads of the largest "
-                         "of softmax_head_counts, or give 0 (the first-order estimate alone ranks)")
+    if shortlist is not None:
+        check_shortlist("head_ranking_shortlist", shortlist, max(counts))
     if counts and args.head_ranking == "teacher" and not args.teacher:
         raise ValueError("softmax_head_counts with head_ranking teacher needs --teacher, whose heads are ranked; "
                          "give it or rank with --head_ranking restoration")
