@@ -137,6 +137,12 @@ class AttentionOptions:
         "update_rule='delta', the window's softmax plus λ_h times the delta-rule state of the tokens that have left "
         "the window. window_size + num_sink_tokens may not exceed max_position_embeddings.")
     num_sink_tokens: int = _option(0, "First tokens always attended with softmax (window hybrid only).")
+    window_weight: float = _option(
+        0.5, "Additive window hybrid: γ when the model is built (and converted), the weight of each window softmax "
+        "term against the linear part's (window_gate = logit γ, per head), which training then moves. Training "
+        "moves it slowly (the gate is one logit per head), so the start matters: a converted SmolLM2 with a "
+        "256-token decay reads lower perplexity at every context with γ near 1 than at 0.5 (docs/design.md). "
+        "The delta-rule window's λ starts at 0 whatever this says.")
     sparse_cache_size: int = _option(
         0, "Additive window hybrid only: 0 disables; otherwise m exact key/value pairs per KV head that have left the "
         "window stay under softmax (a training-free sparse memory, LoLA's re-scoring): those the current linear state "
@@ -176,6 +182,8 @@ class AttentionOptions:
         _check_int("decay_horizon", self.decay_horizon, 2)
         _check_int("window_size", self.window_size, 0)
         _check_int("num_sink_tokens", self.num_sink_tokens, 0)
+        _check_number("window_weight", self.window_weight, "must be a number strictly between 0 and 1",
+                      lambda weight: 0 < weight < 1)
         _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)
         _check_choice("update_rule", self.update_rule, UPDATE_RULES)
         _check_int("conv_size", self.conv_size, 0)

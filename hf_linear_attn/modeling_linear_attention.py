@@ -958,7 +958,11 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
             if isinstance(module, T2RFeatureMap):
                 init.zeros_(module.bias)
         elif isinstance(module, (WindowHybridAttention, DeltaWindowAttention)):
-            init.zeros_(module.window_gate)  # γ = 0.5 (additive), λ = 0 (delta rule)
+            if isinstance(module, WindowHybridAttention):  # γ = sigmoid(window_gate) = window_weight
+                weight = self.config.window_weight
+                init.constant_(module.window_gate, math.log(weight / (1.0 - weight)))
+            else:
+                init.zeros_(module.window_gate)  # λ = 0: the delta rule's state part starts switched off
             if module.decay_proj is not None:
                 # Data-independent at init: a = sigmoid(bias)^(1/16) = 1 - 1/decay_horizon for every token (the
                 # gate's last projection zero, its bias set to match); attention transfer learns where to forget.

@@ -109,6 +109,9 @@ def test_rope_parameters_keep_scaling_type():
         ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
         ({"decay_low_rank_dim": 0}, "decay_low_rank_dim"),
+        ({"window_weight": 0}, "window_weight"),  # γ = 0 or 1 would be a gate logit of ∓inf
+        ({"window_weight": 1.0}, "window_weight"),
+        ({"window_weight": float("nan")}, "window_weight"),
         # The window cache keeps window_size + num_sink_tokens keys per layer: 10**9 would allocate ~128 GB.
         ({"window_size": 10**9}, "window_size"),
         ({"window_size": 510, "num_sink_tokens": 3}, "window_size"),  # 513 > max_position_embeddings=512
@@ -152,6 +155,8 @@ def test_invalid_values_raise_naming_the_field(overrides, field):
         ("base_model_type", 3),
         ("rope_theta", "x"),
         ("rope_parameters", "dynamic"),
+        ("window_weight", "0.9"),
+        ("window_weight", True),
     ],
 )
 def test_values_of_the_wrong_type_raise_naming_the_field_and_the_value(field, value):

@@ -513,6 +513,20 @@ def test_delta_rule_with_each_allowed_feature_map_and_decay_matches_the_oracle(f
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("weight", [0.5, 0.95])
+@pytest.mark.parametrize("update_rule", ["additive", "delta"])
+def test_initial_window_weight(update_rule, weight):
+    """An additive window hybrid starts with γ = sigmoid(window_gate) = window_weight in every head; the delta-rule
+    window starts with λ = window_gate = 0 (its state part off), whatever window_weight says."""
+    options = {"normalize": False, "feature_map": "identity"} if update_rule == "delta" else {"normalize": True}
+    model = LinearAttentionForCausalLM(tiny_config(window_size=6, update_rule=update_rule, window_weight=weight,
+                                                   **options))
+    for layer in model.model.layers:
+        gate = layer.self_attn.window_gate
+        expected = torch.full_like(gate, weight) if update_rule == "additive" else torch.zeros_like(gate)
+        torch.testing.assert_close(torch.sigmoid(gate) if update_rule == "additive" else gate, expected)
+
+
 @pytest.mark.parametrize("horizon", [2048, 256])
 @pytest.mark.parametrize("window_size", [0, 6])
 @pytest.mark.parametrize("decay", ["fixed", "scalar", "vector"])
