@@ -121,11 +121,13 @@ def test_convert_cli_takes_every_attention_option(tmp_path):
     out = tmp_path / "out"
     assert run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "elu",
                        "--window_size", "0", "--num_sink_tokens", "0", "--decay", "vector", "--decay_low_rank_dim",
-                       "4", "--output_norm", "--no_normalize", "--linear_attention_backend", "torch") == 0
+                       "4", "--output_norm", "--no_normalize", "--linear_attention_backend", "torch",
+                       "--window_weight", "0.75") == 0
     config = AutoModelForCausalLM.from_pretrained(out).config
     assert {name: getattr(config, name) for name in ATTENTION_OPTIONS} == {
         "feature_map": "elu", "feature_dim": None, "normalize": False, "output_norm": True, "decay": "vector",
-        "decay_low_rank_dim": 4, "decay_horizon": 2048, "window_size": 0, "num_sink_tokens": 0, "softmax_layers": [],
+        "decay_low_rank_dim": 4, "decay_horizon": 2048, "window_size": 0, "num_sink_tokens": 0, "window_weight": 0.75,
+        "softmax_layers": [],
         "linear_attention_backend": "torch", "update_rule": "additive", "conv_size": 0, "output_gate": False,
         "sparse_cache_size": 0}
 

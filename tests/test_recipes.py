@@ -58,9 +58,10 @@ def test_script_defaults():
     assert attention_options(ConversionArguments()) == DEFAULT_ATTENTION_OPTIONS
     assert attention_options(DemoArguments()) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32}
     demo = parse_recipe_args(DemoArguments, [], default_recipe=DEMO_RECIPE)
-    # The demo's recipe adds a decayed linear part with a short starting memory (configs/demo.yaml).
+    # The demo's recipe adds a decayed linear part with a short starting memory, and starts γ at 0.95
+    # (configs/demo.yaml).
     assert attention_options(demo) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32, "decay": "scalar",
-                                       "decay_horizon": 256}
+                                       "decay_horizon": 256, "window_weight": 0.95}
 
 
 def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
