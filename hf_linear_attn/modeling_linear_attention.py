@@ -27,6 +27,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicLayer
+from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -979,7 +980,9 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
             start[:, :, -1] += 1.0
             init.copy_(weight, start.to(weight.dtype))
 
-    # A recurrent state cannot be rolled back: generate() then refuses assisted decoding with a clear error.
+    # transformers' flag for a model whose state cannot be rolled back to an earlier prefix (its common tests
+    # read it; releases before 5.25 also refuse assisted decoding on it, which `_validate_generation_mode` below
+    # now does up front on every release).
     _is_stateful = True
 
     @classmethod
@@ -1220,6 +1223,18 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        # Assisted decoding (an assistant model, prompt lookup) verifies a draft and then rolls the cache back to
+        # the accepted prefix. A recurrent state cannot be rolled back, so refuse before any token is computed
+        # (transformers >= 5.25 would only find out after the prefill).
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(
+                f"assisted generation is not supported with stateful models such as {type(self).__name__}: its "
+                "recurrent state cannot be rolled back to a draft's accepted prefix. Generate without "
+                "`assistant_model` / `prompt_lookup_num_tokens` (greedy, sampling and beam search all work)."
+            )
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def forward(
         self,

@@ -305,11 +305,17 @@ def test_bad_prefill_chunk_size_is_refused(chunk):
         model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=2, prefill_chunk_size=chunk, **GREEDY)
 
 
-def test_assisted_decoding_is_refused():
+@pytest.mark.parametrize("assistant", ["assistant_model", "prompt_lookup"])
+def test_assisted_decoding_is_refused_before_any_forward(assistant, monkeypatch):
+    """A recurrent state cannot be rolled back to a draft's accepted prefix: generate() refuses up front."""
     model = tiny_model()
-    with pytest.raises(ValueError, match="assisted generation is not supported"):
-        model.generate(torch.randint(3, 128, (1, 5)), assistant_model=tiny_model(seed=1), max_new_tokens=3,
-                       **GREEDY)
+    calls = []
+    monkeypatch.setattr(model.model, "forward", lambda *args, **kwargs: calls.append(1))
+    kwargs = (dict(assistant_model=tiny_model(seed=1)) if assistant == "assistant_model"
+              else dict(prompt_lookup_num_tokens=2))
+    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+        model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=3, **kwargs, **GREEDY)
+    assert calls == []
 
 
 def test_cache_survives_training_mode_switch_and_rejects_checkpointing():
