@@ -1,9 +1,10 @@
 """`transformers serve --trust-remote-code` (transformers' own OpenAI-compatible server) on a converted checkpoint.
 
-The server needs transformers' `serving` extra (fastapi, uvicorn), which the main test venv does not install; the vLLM
-venv has them (`make test-vllm` runs this file too). Elsewhere the test skips.
+The server needs transformers' `serving` extra (fastapi, uvicorn, openai): the `dev` extra installs them, so the main
+test venv runs this file against the newest transformers release, and `make test-vllm` runs it against vLLM's pinned
+one. Without them the test skips.
 
-transformers 5.19 to 5.24 cannot serve a remote-code model: the server picks the model class as
+transformers 5.19 to 5.25 cannot serve a remote-code model: the server picks the model class as
 `getattr(transformers, config.architectures[0])`, which ignores `auto_map` and --trust-remote-code, and exits with
 "module transformers has no attribute LinearAttentionForCausalLM". The test is a strict xfail until a release
 resolves the class through the Auto classes: it then passes, fails as an xfail, and the mark (and the README's
@@ -16,9 +17,10 @@ import sys
 
 import pytest
 
-SERVING = "transformers serve needs fastapi and uvicorn (pip install transformers[serving])"
+SERVING = "transformers serve needs fastapi, uvicorn and openai (pip install transformers[serving])"
 pytest.importorskip("fastapi", reason=SERVING)
 pytest.importorskip("uvicorn", reason=SERVING)
+pytest.importorskip("openai", reason=SERVING)
 
 from helpers import free_port, save_with_tokenizer, teacher, wait_until_healthy  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
