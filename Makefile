@@ -159,8 +159,8 @@ serve: vllm-env
 	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/vllm serve $(MODEL) \
 		--host 127.0.0.1 --port $(PORT) $(SERVE_ARGS)
 
-# The serving tests in the vLLM venv (which also has transformers serve's fastapi and uvicorn); the main venv skips
-# them. TEST_VLLM_ARGS='-m "not full"' leaves out the two server tests.
+# The serving tests in the vLLM venv, against vLLM's pinned transformers (the main venv skips test_vllm.py and runs
+# test_transformers_serve.py against the newest release). TEST_VLLM_ARGS='-m "not full"' leaves out the two server tests.
 TEST_VLLM_ARGS ?=
 test-vllm: vllm-env
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q --durations=10 -p no:cacheprovider $(TEST_VLLM_ARGS) \
