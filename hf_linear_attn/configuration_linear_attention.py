@@ -79,6 +79,12 @@ def _check_number(name: str, value: Any, allowed: str, ok: Callable[[float], boo
         _fail(name, value, allowed)
 
 
+def check_window_weight(weight: Any, name: str = "window_weight") -> None:
+    """γ of the additive window hybrid (`window_weight`, `LinearAttentionForCausalLM.set_window_weight`): a finite
+    number strictly between 0 and 1 (its logit is the gate)."""
+    _check_number(name, weight, "must be a number strictly between 0 and 1", lambda value: 0 < value < 1)
+
+
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in choices:
         _fail(name, value, f"allowed: {', '.join(choices)}", ValueError if isinstance(value, str) else TypeError)
@@ -182,8 +188,7 @@ class AttentionOptions:
         _check_int("decay_horizon", self.decay_horizon, 2)
         _check_int("window_size", self.window_size, 0)
         _check_int("num_sink_tokens", self.num_sink_tokens, 0)
-        _check_number("window_weight", self.window_weight, "must be a number strictly between 0 and 1",
-                      lambda weight: 0 < weight < 1)
+        check_window_weight(self.window_weight)
         _check_choice("linear_attention_backend", self.linear_attention_backend, BACKENDS)
         _check_choice("update_rule", self.update_rule, UPDATE_RULES)
         _check_int("conv_size", self.conv_size, 0)

@@ -41,7 +41,7 @@ from .cache_linear_attention import (
     WindowStateLayer,
     config_fingerprint,
 )
-from .configuration_linear_attention import LinearAttentionConfig, check_sparse_cache_size
+from .configuration_linear_attention import LinearAttentionConfig, check_sparse_cache_size, check_window_weight
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
 from .ops import (
     delta_rule_attention,
@@ -760,6 +760,11 @@ def hybrid_decay_gate_bias(horizon: float) -> float:
     return math.log(target / (1.0 - target))
 
 
+def window_gate_logit(weight: float) -> float:
+    """The `window_gate` logit of an additive window hybrid whose γ = sigmoid(window_gate) is `weight`."""
+    return math.log(weight / (1.0 - weight))
+
+
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of one query per sequence (a decode step): q [B, H, 1, D] against every key of
@@ -960,8 +965,7 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, (WindowHybridAttention, DeltaWindowAttention)):
             if isinstance(module, WindowHybridAttention):  # γ = sigmoid(window_gate) = window_weight
-                weight = self.config.window_weight
-                init.constant_(module.window_gate, math.log(weight / (1.0 - weight)))
+                init.constant_(module.window_gate, window_gate_logit(self.config.window_weight))
             else:
                 init.zeros_(module.window_gate)  # λ = 0: the delta rule's state part starts switched off
             if module.decay_proj is not None:
@@ -1223,6 +1227,21 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def set_window_weight(self, weight: float) -> None:
+        """Set γ = `weight` in every head of every additive window-hybrid layer (window_gate = logit γ) and record it
+        as `config.window_weight`. γ moves slowly in training (one logit per head), so where it stands is mostly
+        where it was set: e.g. attention transfer at γ 0.5, which makes the linear part learn to carry more, then
+        γ raised before a recovery stage that does not train it (the demo's `recovery_window_weight`)."""
+        check_window_weight(weight)
+        layers = [m for m in self.modules() if isinstance(m, WindowHybridAttention)]
+        if not layers:
+            raise ValueError("set_window_weight: the model has no additive window-hybrid layer (window_size > 0 with "
+                             "update_rule 'additive'), so it has no γ to set")
+        with torch.no_grad():
+            for layer in layers:
+                layer.window_gate.fill_(window_gate_logit(weight))
+        self.config.window_weight = weight
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         # Assisted decoding (an assistant model, prompt lookup) verifies a draft and then rolls the cache back to

@@ -157,6 +157,11 @@ def _bad_input_cases(tmp_path, cache):
                       tiny_args(out, cache, "--teacher_name_or_path", str(teacher), "--kl_weight", "1.5")),
         "gguf without teacher": (ValueError, "--teacher_gguf_file names a file inside",
                                  tiny_args(out, cache, "--teacher_gguf_file", "model.gguf")),
+        "window weight": (ValueError, r"`--set_window_weight`=1.5 .* strictly between 0 and 1",
+                          tiny_args(out, cache, "--set_window_weight", "1.5")),
+        "window weight without window": (ValueError, "--set_window_weight 0.9: the model has no additive window",
+                                         tiny_args(out, cache, "--set_window_weight", "0.9", "--config_overrides",
+                                                   "window_size=0,num_sink_tokens=0")),
     }
 
 
@@ -164,7 +169,7 @@ def _bad_input_cases(tmp_path, cache):
                                   "lora targets", "trainable pattern", "incomplete resume folder",
                                   "nothing to resume", "earlier run in output_dir", "no model", "push without repo",
                                   "bf16 weights that train", "teacher vocabulary", "kl weight",
-                                  "gguf without teacher"])
+                                  "gguf without teacher", "window weight", "window weight without window"])
 def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
@@ -477,6 +482,17 @@ def test_lora_trains_only_adapters_and_merges_into_the_weights(trained, tmp_path
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     assert any("lora_B" in name and param.abs().sum() > 0 for name, param in adapted.named_parameters())
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
+
+
+def test_set_window_weight_sets_gamma_before_a_lora_run_that_keeps_it(trained, tmp_path, dataset_cache):
+    base, _ = trained
+    run(*tiny_args(tmp_path / "out", dataset_cache, "--config_name", "", "--model_name_or_path", str(base),
+                   "--max_steps", "1", "--use_lora", "--set_window_weight", "0.9"))
+    gates = {name: value for name, value in weights(tmp_path / "out").items() if name.endswith("window_gate")}
+    assert gates and all(torch.allclose(torch.sigmoid(gate), torch.full_like(gate, 0.9)) for gate in gates.values())
+    assert not any(torch.allclose(torch.sigmoid(weights(base)[name]), torch.full_like(gate, 0.9))
+                   for name, gate in gates.items())  # it was elsewhere before
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.window_weight == 0.9
 
 
 # Logit distillation (stage 2's optional KL to the teacher) -------------------------------------------------

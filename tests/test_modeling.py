@@ -527,6 +527,22 @@ def test_initial_window_weight(update_rule, weight):
         torch.testing.assert_close(torch.sigmoid(gate) if update_rule == "additive" else gate, expected)
 
 
+def test_set_window_weight_sets_gamma_in_every_window_head_and_refuses_what_it_cannot_set():
+    model = LinearAttentionForCausalLM(tiny_config(window_size=6, normalize=True, softmax_layers=[0],
+                                                   softmax_heads={1: [0]}))
+    model.set_window_weight(0.99)
+    gates = [layer.self_attn.window_gate for layer in model.model.layers[1:]]
+    assert gates and all(torch.allclose(torch.sigmoid(gate), torch.full_like(gate, 0.99)) for gate in gates)
+    assert model.config.window_weight == 0.99
+    for bad in (0, 1.0, float("nan"), "0.9"):
+        with pytest.raises((ValueError, TypeError), match="window_weight"):
+            model.set_window_weight(bad)
+    assert model.config.window_weight == 0.99
+    plain = LinearAttentionForCausalLM(tiny_config())
+    with pytest.raises(ValueError, match="no additive window-hybrid layer"):
+        plain.set_window_weight(0.9)
+
+
 @pytest.mark.parametrize("horizon", [2048, 256])
 @pytest.mark.parametrize("window_size", [0, 6])
 @pytest.mark.parametrize("decay", ["fixed", "scalar", "vector"])

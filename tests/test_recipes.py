@@ -58,10 +58,11 @@ def test_script_defaults():
     assert attention_options(ConversionArguments()) == DEFAULT_ATTENTION_OPTIONS
     assert attention_options(DemoArguments()) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32}
     demo = parse_recipe_args(DemoArguments, [], default_recipe=DEMO_RECIPE)
-    # The demo's recipe adds a decayed linear part with a short starting memory, and starts γ at 0.95
-    # (configs/demo.yaml).
+    # The demo's recipe adds a decayed linear part with a short starting memory; γ starts at the default 0.5 and is
+    # raised to 0.99 for stage 2 (configs/demo.yaml).
     assert attention_options(demo) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32, "decay": "scalar",
-                                       "decay_horizon": 256, "window_weight": 0.95}
+                                       "decay_horizon": 256}
+    assert DemoArguments().recovery_window_weight is None and demo.recovery_window_weight == 0.99
 
 
 def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
@@ -73,6 +74,17 @@ def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
     assert second.softmax_layers == [1]
 
 
+def test_the_demo_refuses_a_recovery_window_weight_without_a_window(tmp_path, capsys):
+    from training import demo
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("window_size: 0\nnum_sink_tokens: 0\nrecovery_window_weight: 0.9\n")
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "only the additive window hybrid (window_size > 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--feature_map", "identity", "--feature_dim", "32"], "feature_dim"),
     (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--memory_sizes", "64"],
@@ -81,8 +93,9 @@ def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
     (["--long_min_rows", "0"], "long_min_rows must be ≥ 1"),
     (["--restored_heads_n", "4", "--ranking_shortlist", "3"], "the shortlist must hold at least the heads restored"),
     (["--restored_heads_n", "-1"], "restored_heads_n -1"),
+    (["--recovery_window_weight", "1"], "recovery_window_weight"),
 ], ids=["attention option", "memory without window", "passkey variant", "perplexity rows", "shortlist",
-        "negative heads"])
+        "negative heads", "recovery γ of 1"])
 def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, capsys):
     from training import demo
     with pytest.raises(SystemExit) as exit_info:

@@ -37,7 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_linear_attn import convert_to_linear_attention
-from hf_linear_attn.configuration_linear_attention import AttentionOptions
+from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_window_weight, recurrent_kind
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from hf_linear_attn.layer_selection import restore_softmax_heads
 from training.checkpoint_conversion import (
@@ -95,6 +95,9 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     distill_batch_size: int = 1
     learning_rate: float = 1e-2
     recovery_steps: int = field(default=90, metadata={"help": "Stage 2 (LoRA) optimizer steps; 0 skips it."})
+    recovery_window_weight: float | None = field(default=None, metadata={
+        "help": "Stage 2 starts with the window hybrid's γ set to this in every head (stage 2's LoRA does not train "
+                "it; None: as stage 1 left it)."})
     recovery_batch_size: int = 1
     recovery_learning_rate: float = 1e-3
     lora_r: int = 8
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output_dir)
     start = time.perf_counter()
     with exit_on_bad_input():  # every argument is checked before minutes of work
-        AttentionOptions(**attention_options(args))
+        options = AttentionOptions(**attention_options(args))
         for name in ("softmax_heads_n", "restored_heads_n"):
             n = getattr(args, name)
             if n < 0 or (n > 0 and args.ranking_prompts < 1):
@@ -217,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_sizes and args.window_size == 0:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
+        if args.recovery_window_weight is not None:
+            check_window_weight(args.recovery_window_weight, "recovery_window_weight")
+            if recurrent_kind(options) != "window":
+                raise ValueError(f"recovery_window_weight {args.recovery_window_weight}: only the additive window "
+                                 "hybrid (window_size > 0, update_rule additive) has a γ to set; leave it null")
         models = stage_models(args, out)
         # The evaluation's arguments read no file (the teacher's path only labels it here): checked before what
         # needs the disk.
@@ -271,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         finetune((
             ModelArguments(model_name_or_path=str(list(models.values())[-2]), use_lora=True, lora_r=args.lora_r,
                            lora_alpha=args.lora_alpha, teacher_name_or_path=folder, teacher_gguf_file=GGUF_FILE,
-                           kl_weight=args.kl_weight),
+                           kl_weight=args.kl_weight, set_window_weight=args.recovery_window_weight),
             data,
             TrainArguments(output_dir=str(models["stage 2"]), overwrite_output_dir=True, max_steps=args.recovery_steps,
                            per_device_train_batch_size=args.recovery_batch_size,

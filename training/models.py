@@ -75,6 +75,12 @@ class ModelArguments:
                                        "|| model), per token; w in [0, 1] (1: KL only)."}
     )
     kl_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature T of both distributions."})
+    set_window_weight: float | None = field(
+        default=None,
+        metadata={"help": "Before training, set the additive window hybrid's γ to this in every head (in (0, 1); "
+                          "`LinearAttentionForCausalLM.set_window_weight`): e.g. raised after attention transfer "
+                          "for a LoRA recovery, which does not train γ. None: as the checkpoint has it."},
+    )
 
 
 def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:

@@ -21,6 +21,7 @@ from accelerate.utils import DistributedType, set_seed
 from transformers import AutoTokenizer
 
 import hf_linear_attn
+from hf_linear_attn.configuration_linear_attention import check_window_weight, recurrent_kind
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 from training.attention_transfer import AttentionTransfer, attention_transfer_loss, transfer_layers
 from training.checkpoints import export_model
@@ -128,6 +129,8 @@ def check_finetune_arguments(model_args: ModelArguments, data_args: DataArgument
         raise ValueError(f"--kl_weight must be in [0, 1], got {model_args.kl_weight}.")
     if model_args.kl_temperature <= 0:
         raise ValueError(f"--kl_temperature must be > 0, got {model_args.kl_temperature}.")
+    if model_args.set_window_weight is not None:
+        check_window_weight(model_args.set_window_weight, "--set_window_weight")
     if hub_args.push_to_hub:
         if not hub_args.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id USER/NAME.")
@@ -158,8 +161,14 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     tokenizer = load_tokenizer(model_args)
     fit_to_tokenizer(config, tokenizer, from_scratch=bool(model_args.config_name))
     check_positions(data_args, getattr(config, "max_position_embeddings", None))
+    if model_args.set_window_weight is not None and (
+            recurrent_kind(config) != "window" or len(config.softmax_layers) == config.num_hidden_layers):
+        raise ValueError(f"--set_window_weight {model_args.set_window_weight}: the model has no additive window-hybrid "
+                         "layer (window_size > 0 with update_rule 'additive'), so it has no γ to set")
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     model = build_model(model_args, config)
+    if model_args.set_window_weight is not None:
+        model.set_window_weight(model_args.set_window_weight)
     loss_fn = causal_lm_loss
     if model_args.teacher_name_or_path:
         teacher = load_distillation_teacher(model_args, config).to(accelerator.device)
