@@ -8,10 +8,12 @@ Two steps, in two venvs (vLLM lives in the vLLM venv):
                                      # options, untrained; without and with its softmax heads) as safetensors
     python benchmarks/bench_vllm.py run                  # vLLM venv: each served, one engine each (--models)
 
-`run` measures, for each context C and concurrency N: N requests of C random prompt tokens each generating
---new_tokens tokens, submitted together; from the engine's timestamps of each request's first and last token, the
-decode phase, from the last request's first token (every request decoding) to the last token: its output tokens/s
-(N · (new_tokens − 1) tokens) and its per-token latency (the time of one decode step of the N requests). Then, for a
+`run` measures, for each context C and concurrency N: N requests of C random prompt tokens each, submitted together
+and run one engine step at a time. vLLM interleaves the first requests' decode steps with the later ones' prefill
+chunks, so only the steps in which every request produced a token (all prefilled, none finished) are N requests
+decoding together: the median time of those steps is the per-token latency, N over it the output tokens/s. Each
+request generates --new_tokens tokens more than the engine's prefill steps, so that at least --new_tokens such steps
+occur. Then, for a
 fixed KV + state budget (--budget_bytes), the number of concurrent --budget_context-token requests vLLM's own KV cache
 accounting admits for each model. Prints a table and writes JSON under --output_dir.
 
@@ -25,11 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
 # The teacher, its conversion, and the conversion with the recipe's softmax heads too.
 MODELS = ("teacher", "converted", "converted_heads")
+STEP_TOKENS = 4096  # the engine's token budget per step (vLLM's max_num_batched_tokens): prefill chunks and decodes
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -72,6 +76,36 @@ def prepare(args: argparse.Namespace) -> None:
         print(f"{name}: {output_dir / name}", flush=True)
 
 
+def prefill_steps(requests: int, context: int) -> int:
+    """At most the engine steps that prefill `requests` prompts of `context` tokens in chunks of STEP_TOKENS."""
+    return -(-requests * context // STEP_TOKENS) + requests
+
+
+def decode_steps(llm, prompts: list[dict], new_tokens: int) -> tuple[list[float], float]:
+    """Run `prompts` (of one length) together to completion, one engine step at a time, greedy, each generating
+    `new_tokens` more tokens than the engine's steps of prefill (`prefill_steps`); returns the wall time of each step
+    in which every request produced a token, and of the whole run."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    tokens = new_tokens + prefill_steps(len(prompts), len(prompts[0]["prompt_token_ids"]))
+    params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, output_kind=RequestOutputKind.DELTA)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}", prompt, params)
+    steps, start = [], time.perf_counter()
+    while engine.has_unfinished_requests():
+        begin = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - begin
+        if sum(bool(o.outputs and o.outputs[0].token_ids) for o in outputs) == len(prompts):
+            steps.append(elapsed)
+    if len(steps) < new_tokens:
+        raise RuntimeError(f"only {len(steps)} steps had all {len(prompts)} requests decoding, fewer than "
+                           f"--new_tokens {new_tokens}")
+    return steps, time.perf_counter() - start
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
@@ -81,14 +115,16 @@ def run(args: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(0)
     rows, capacity = [], {}
     for name in args.models:
-        llm = LLM(str(args.output_dir / name), dtype="float32", max_model_len=longest + args.new_tokens,
-                  max_num_seqs=max(args.concurrency), kv_cache_memory_bytes=args.kv_cache_bytes,
+        length = longest + args.new_tokens + prefill_steps(max(args.concurrency), longest)
+        llm = LLM(str(args.output_dir / name), dtype="float32", max_model_len=length,
+                  max_num_seqs=max(args.concurrency), max_num_batched_tokens=STEP_TOKENS,
+                  kv_cache_memory_bytes=args.kv_cache_bytes,
                   gpu_memory_utilization=0.05, disable_log_stats=False)
         core = llm.llm_engine.engine_core.engine_core
         fits = get_max_concurrency_for_kv_cache_config(core.vllm_config, core.scheduler.kv_cache_config)
         if fits < max(args.concurrency):  # vLLM would run the requests in turns: not N concurrent requests
             raise SystemExit(f"{name}: {args.kv_cache_bytes} bytes of KV cache hold {fits:.1f} requests of "
-                             f"{longest + args.new_tokens} tokens, fewer than --concurrency {max(args.concurrency)}; "
+                             f"{length} tokens, fewer than --concurrency {max(args.concurrency)}; "
                              f"raise --kv_cache_bytes")
         # the first requests pay one-off costs (torch.compile of the teacher, kernel warm-up): untimed
         llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -96,16 +132,10 @@ def run(args: argparse.Namespace) -> None:
             for n in args.concurrency:
                 prompts = [{"prompt_token_ids": torch.randint(100, 40000, (context,), generator=generator).tolist()}
                            for _ in range(n)]
-                params = SamplingParams(temperature=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens)
-                start = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
-                wall = time.perf_counter() - start
-                first = [o.metrics.first_token_ts for o in outputs]  # engine timestamps of each request's tokens
-                last = [o.metrics.last_token_ts for o in outputs]
-                steps = args.new_tokens - 1
-                rows.append(dict(model=name, context=context, concurrency=n, wall_s=wall,
-                                 output_tokens_per_s=n * steps / (max(last) - max(first)),
-                                 per_token_latency_ms=1000 * (max(last) - max(first)) / steps))
+                steps, wall = decode_steps(llm, prompts, args.new_tokens)
+                latency = statistics.median(steps)
+                rows.append(dict(model=name, context=context, concurrency=n, wall_s=wall, decode_steps=len(steps),
+                                 output_tokens_per_s=n / latency, per_token_latency_ms=1000 * latency))
                 print(json.dumps(rows[-1]), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -140,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="prepare: the YAML recipe whose attention options the conversion takes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--new_tokens", type=int, default=32, help="≥ 2: tokens generated per request")
+    parser.add_argument("--new_tokens", type=int, default=32, help="≥ 1: steps timed with every request decoding")
     parser.add_argument("--kv_cache_bytes", type=int, default=4 << 30, help="the timed engines' KV cache: it must "
                         "hold the largest --concurrency requests of the longest context at once (checked)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -148,9 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(8192 for SmolLM2-135M unless prepared with --max_positions)")
     parser.add_argument("--budget_bytes", type=int, default=1 << 30, help="the fixed KV + state budget")
     args = parser.parse_args(argv)
-    if args.new_tokens < 2:
-        parser.error(f"--new_tokens must be ≥ 2 (the decode phase is timed after the first token), got "
-                     f"{args.new_tokens}")
+    if args.new_tokens < 1:
+        parser.error(f"--new_tokens must be ≥ 1 (the steps timed with every request decoding), got {args.new_tokens}")
     if args.step == "prepare":
         if args.teacher is None:
             parser.error("prepare needs --teacher (a softmax checkpoint folder)")
