@@ -146,8 +146,9 @@ class AttentionOptions:
     window_weight: float = _option(
         0.5, "Additive window hybrid: γ when the model is built (and converted), the weight of each window softmax "
         "term against the linear part's (window_gate = logit γ, per head), which training then moves. Training "
-        "moves it slowly (the gate is one logit per head), so the start matters: a converted SmolLM2 with a "
-        "256-token decay reads lower perplexity at every context with γ near 1 than at 0.5 (docs/design.md). "
+        "moves it slowly (the gate is one logit per head), so where it is set matters: a converted SmolLM2 with a "
+        "256-token decay reads lower perplexity with γ near 1 than at 0.5, but learns more in attention transfer at "
+        "0.5; the demo trains at 0.5 and sets 0.99 for its recovery stage (`set_window_weight`, docs/design.md). "
         "The delta-rule window's λ starts at 0 whatever this says.")
     sparse_cache_size: int = _option(
         0, "Additive window hybrid only: 0 disables; otherwise m exact key/value pairs per KV head that have left the "
