@@ -273,6 +273,17 @@ def recurrent_kind(options: Any) -> str:
     return "delta" if options.update_rule == "delta" else "linear"
 
 
+def check_has_window_weight(options: Any, name: str, weight: Any) -> None:
+    """Raise unless a config (or `AttentionOptions`) has an additive window-hybrid layer, the only kind with a γ
+    (`window_weight`) to set: `name` = `weight` is what asked to set it. The one place that decides which models
+    have a γ (`set_window_weight`, finetune's `--set_window_weight`, the demo's `recovery_window_weight`)."""
+    kinds = ([options.layer_kind(i) for i in range(options.num_hidden_layers)] if hasattr(options, "layer_kind")
+             else [recurrent_kind(options)])
+    if "window" not in kinds:
+        _fail(name, weight, "only an additive window-hybrid layer (window_size > 0, update_rule 'additive', not a "
+              "softmax layer) has a γ to set, and this model has none")
+
+
 def check_sparse_cache_size(options: Any) -> None:
     """`sparse_cache_size` of a config (or `AttentionOptions`): an int ≥ 0, and > 0 only with the window hybrid. The
     model checks it again before every forward, since it may be set on a loaded model's config."""

@@ -41,7 +41,12 @@ from .cache_linear_attention import (
     WindowStateLayer,
     config_fingerprint,
 )
-from .configuration_linear_attention import LinearAttentionConfig, check_sparse_cache_size, check_window_weight
+from .configuration_linear_attention import (
+    LinearAttentionConfig,
+    check_has_window_weight,
+    check_sparse_cache_size,
+    check_window_weight,
+)
 from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
 from .ops import (
     delta_rule_attention,
@@ -1233,14 +1238,12 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         as `config.window_weight`. γ moves slowly in training (one logit per head), so where it stands is mostly
         where it was set: e.g. attention transfer at γ 0.5, which makes the linear part learn to carry more, then
         γ raised before a recovery stage that does not train it (the demo's `recovery_window_weight`)."""
-        check_window_weight(weight)
-        layers = [m for m in self.modules() if isinstance(m, WindowHybridAttention)]
-        if not layers:
-            raise ValueError("set_window_weight: the model has no additive window-hybrid layer (window_size > 0 with "
-                             "update_rule 'additive'), so it has no γ to set")
+        check_window_weight(weight, "set_window_weight")
+        check_has_window_weight(self.config, "set_window_weight", weight)
         with torch.no_grad():
-            for layer in layers:
-                layer.window_gate.fill_(window_gate_logit(weight))
+            for layer in self.modules():
+                if isinstance(layer, WindowHybridAttention):
+                    layer.window_gate.fill_(window_gate_logit(weight))
         self.config.window_weight = weight
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):

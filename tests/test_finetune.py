@@ -159,7 +159,7 @@ def _bad_input_cases(tmp_path, cache):
                                  tiny_args(out, cache, "--teacher_gguf_file", "model.gguf")),
         "window weight": (ValueError, r"`--set_window_weight`=1.5 .* strictly between 0 and 1",
                           tiny_args(out, cache, "--set_window_weight", "1.5")),
-        "window weight without window": (ValueError, "--set_window_weight 0.9: the model has no additive window",
+        "window weight without window": (ValueError, r"`--set_window_weight`=0.9 .* this model has none",
                                          tiny_args(out, cache, "--set_window_weight", "0.9", "--config_overrides",
                                                    "window_size=0,num_sink_tokens=0")),
     }

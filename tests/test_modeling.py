@@ -538,9 +538,11 @@ def test_set_window_weight_sets_gamma_in_every_window_head_and_refuses_what_it_c
         with pytest.raises((ValueError, TypeError), match="window_weight"):
             model.set_window_weight(bad)
     assert model.config.window_weight == 0.99
-    plain = LinearAttentionForCausalLM(tiny_config())
-    with pytest.raises(ValueError, match="no additive window-hybrid layer"):
-        plain.set_window_weight(0.9)
+    # no γ anywhere: no window, the delta rule behind a window, every layer softmax
+    for config in (tiny_config(), tiny_config(window_size=6, update_rule="delta", normalize=False),
+                   tiny_config(window_size=6, softmax_layers=[0, 1])):
+        with pytest.raises(ValueError, match="has a γ to set, and this model has none"):
+            LinearAttentionForCausalLM(config).set_window_weight(0.9)
 
 
 @pytest.mark.parametrize("horizon", [2048, 256])

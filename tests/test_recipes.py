@@ -81,7 +81,7 @@ def test_the_demo_refuses_a_recovery_window_weight_without_a_window(tmp_path, ca
     with pytest.raises(SystemExit) as exit_info:
         demo.main(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
-    assert "only the additive window hybrid (window_size > 0" in capsys.readouterr().err
+    assert "`recovery_window_weight`=0.9 (float): only an additive window-hybrid layer" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -37,7 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_linear_attn import convert_to_linear_attention
-from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_window_weight, recurrent_kind
+from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_has_window_weight, check_window_weight
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from hf_linear_attn.layer_selection import restore_softmax_heads
 from training.checkpoint_conversion import (
@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                              "leave it); give window_size > 0 or memory_sizes: []")
         if args.recovery_window_weight is not None:
             check_window_weight(args.recovery_window_weight, "recovery_window_weight")
-            if recurrent_kind(options) != "window":
-                raise ValueError(f"recovery_window_weight {args.recovery_window_weight}: only the additive window "
-                                 "hybrid (window_size > 0, update_rule additive) has a γ to set; leave it null")
+            check_has_window_weight(options, "recovery_window_weight", args.recovery_window_weight)
         models = stage_models(args, out)
         # The evaluation's arguments read no file (the teacher's path only labels it here): checked before what
         # needs the disk.

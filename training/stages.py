@@ -21,7 +21,7 @@ from accelerate.utils import DistributedType, set_seed
 from transformers import AutoTokenizer
 
 import hf_linear_attn
-from hf_linear_attn.configuration_linear_attention import check_window_weight, recurrent_kind
+from hf_linear_attn.configuration_linear_attention import check_has_window_weight, check_window_weight
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 from training.attention_transfer import AttentionTransfer, attention_transfer_loss, transfer_layers
 from training.checkpoints import export_model
@@ -161,10 +161,8 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     tokenizer = load_tokenizer(model_args)
     fit_to_tokenizer(config, tokenizer, from_scratch=bool(model_args.config_name))
     check_positions(data_args, getattr(config, "max_position_embeddings", None))
-    if model_args.set_window_weight is not None and (
-            recurrent_kind(config) != "window" or len(config.softmax_layers) == config.num_hidden_layers):
-        raise ValueError(f"--set_window_weight {model_args.set_window_weight}: the model has no additive window-hybrid "
-                         "layer (window_size > 0 with update_rule 'additive'), so it has no γ to set")
+    if model_args.set_window_weight is not None:
+        check_has_window_weight(config, "--set_window_weight", model_args.set_window_weight)
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     model = build_model(model_args, config)
     if model_args.set_window_weight is not None:
