@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -34,6 +35,7 @@ from pathlib import Path
 # The teacher, its conversion, and the conversion with the recipe's softmax heads too.
 MODELS = ("teacher", "converted", "converted_heads")
 STEP_TOKENS = 4096  # the engine's token budget per step (vLLM's max_num_batched_tokens): prefill chunks and decodes
+PROBE_KV_BYTES = 1 << 30  # the first engine's KV cache, from which `timed_engine` sizes the timed one
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -106,44 +108,103 @@ def decode_steps(llm, prompts: list[dict], new_tokens: int) -> tuple[list[float]
     return steps, time.perf_counter() - start
 
 
+def engine_capacity(llm) -> float:
+    """How many requests of the engine's max_model_len its KV cache (and state slots) hold at once, by vLLM's own
+    accounting."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    core = llm.llm_engine.engine_core.engine_core
+    return get_max_concurrency_for_kv_cache_config(core.vllm_config, core.scheduler.kv_cache_config)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def timed_engine(path: Path, length: int, requests: int, kv_cache_bytes: int | None):
+    """An engine for `requests` concurrent requests of `length` tokens, whose KV cache holds them all at once (else
+    vLLM would run them in turns, not concurrently). With `kv_cache_bytes` None it is sized from a first engine's
+    accounting (a model's KV bytes per token vary from the teacher's to a constant state's); given, it is checked."""
+    from vllm import LLM
+
+    def build(cache_bytes: int):
+        return LLM(str(path), dtype="float32", max_model_len=length, max_num_seqs=requests,
+                   max_num_batched_tokens=STEP_TOKENS, kv_cache_memory_bytes=cache_bytes,
+                   gpu_memory_utilization=0.05, disable_log_stats=False)
+
+    cache_bytes = kv_cache_bytes or PROBE_KV_BYTES
+    for _ in range(3):
+        llm = build(cache_bytes)
+        fits = engine_capacity(llm)
+        if fits >= requests:
+            return llm
+        if kv_cache_bytes is not None:
+            shutdown(llm)
+            raise SystemExit(f"{path.name}: {kv_cache_bytes} bytes of KV cache hold {fits:.1f} requests of {length} "
+                             f"tokens, fewer than --concurrency {requests}; raise --kv_cache_bytes (or leave it unset "
+                             "to size it from the model)")
+        # the cache is a number of pages (blocks), a request takes whole pages: the pages for all, and one more
+        blocks = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.num_blocks
+        cache_bytes = math.ceil(cache_bytes / blocks * (math.ceil(blocks * requests / fits) + 1))
+        shutdown(llm)
+        del llm
+    raise RuntimeError(f"{path.name}: {cache_bytes} bytes of KV cache still hold fewer than {requests} requests of "
+                       f"{length} tokens")
+
+
+def model_configs(args: argparse.Namespace) -> dict[str, dict]:
+    """Each model's config.json, checked to serve the longest request (context and generated tokens) and the
+    budget's: `run` stops before any engine starts otherwise."""
+    needed = max(request_length(args, max(args.contexts)), args.budget_context)
+    configs = {}
+    for name in args.models:
+        path = args.output_dir / name / "config.json"
+        if not path.is_file():
+            raise SystemExit(f"{path} does not exist: run `bench_vllm.py prepare` first (`make bench-vllm` does)")
+        configs[name] = json.loads(path.read_text())
+        positions = configs[name].get("max_position_embeddings")
+        if positions is not None and positions < needed:
+            raise SystemExit(f"{name} has {positions} positions, fewer than the {needed} tokens of the longest "
+                             f"request (--contexts, --budget_context); prepare with --max_positions {needed} or more")
+    return configs
+
+
+def request_length(args: argparse.Namespace, context: int) -> int:
+    """The tokens a request of `context` prompt tokens reaches: it generates --new_tokens more than the prefill
+    steps of the largest --concurrency (`decode_steps`)."""
+    return context + args.new_tokens + prefill_steps(max(args.concurrency), context)
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
-    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
+    configs = model_configs(args)
     longest = max(args.contexts)
     generator = torch.Generator().manual_seed(0)
     rows, capacity = [], {}
     for name in args.models:
-        length = longest + args.new_tokens + prefill_steps(max(args.concurrency), longest)
-        llm = LLM(str(args.output_dir / name), dtype="float32", max_model_len=length,
-                  max_num_seqs=max(args.concurrency), max_num_batched_tokens=STEP_TOKENS,
-                  kv_cache_memory_bytes=args.kv_cache_bytes,
-                  gpu_memory_utilization=0.05, disable_log_stats=False)
-        core = llm.llm_engine.engine_core.engine_core
-        fits = get_max_concurrency_for_kv_cache_config(core.vllm_config, core.scheduler.kv_cache_config)
-        if fits < max(args.concurrency):  # vLLM would run the requests in turns: not N concurrent requests
-            raise SystemExit(f"{name}: {args.kv_cache_bytes} bytes of KV cache hold {fits:.1f} requests of "
-                             f"{length} tokens, fewer than --concurrency {max(args.concurrency)}; "
-                             f"raise --kv_cache_bytes")
+        llm = timed_engine(args.output_dir / name, request_length(args, longest), max(args.concurrency),
+                           args.kv_cache_bytes)
         # the first requests pay one-off costs (torch.compile of the teacher, kernel warm-up): untimed
-        llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(max_tokens=2), use_tqdm=False)
+        vocab = configs[name]["vocab_size"]  # random tokens below: the time does not depend on them
+        llm.generate([{"prompt_token_ids": [i % vocab for i in range(100, 164)]}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
         for context in args.contexts:
             for n in args.concurrency:
-                prompts = [{"prompt_token_ids": torch.randint(100, 40000, (context,), generator=generator).tolist()}
+                prompts = [{"prompt_token_ids": torch.randint(vocab, (context,), generator=generator).tolist()}
                            for _ in range(n)]
                 steps, wall = decode_steps(llm, prompts, args.new_tokens)
                 latency = statistics.median(steps)
                 rows.append(dict(model=name, context=context, concurrency=n, wall_s=wall, decode_steps=len(steps),
                                  output_tokens_per_s=n / latency, per_token_latency_ms=1000 * latency))
                 print(json.dumps(rows[-1]), flush=True)
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
         del llm
         budget = LLM(str(args.output_dir / name), dtype="float32", max_model_len=args.budget_context,
                      kv_cache_memory_bytes=args.budget_bytes, gpu_memory_utilization=0.05)
-        core = budget.llm_engine.engine_core.engine_core
-        capacity[name] = get_max_concurrency_for_kv_cache_config(core.vllm_config, core.scheduler.kv_cache_config)
-        budget.llm_engine.engine_core.shutdown()
+        capacity[name] = engine_capacity(budget)
+        shutdown(budget)
         del budget
     result = dict(rows=rows, budget_bytes=args.budget_bytes, budget_context=args.budget_context,
                   concurrent_requests_in_budget=capacity, new_tokens=args.new_tokens,
@@ -168,18 +229,24 @@ def main(argv: list[str] | None = None) -> int:
                         "(more than the teacher's, to serve longer requests; speed and memory only)")
     parser.add_argument("--recipe", type=Path, default=Path("configs/demo.yaml"),
                         help="prepare: the YAML recipe whose attention options the conversion takes")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8000])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16000])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new_tokens", type=int, default=32, help="≥ 1: steps timed with every request decoding")
-    parser.add_argument("--kv_cache_bytes", type=int, default=4 << 30, help="the timed engines' KV cache: it must "
-                        "hold the largest --concurrency requests of the longest context at once (checked)")
+    parser.add_argument("--kv_cache_bytes", type=int, help="the timed engines' KV cache: it must hold the largest "
+                        "--concurrency requests of the longest context at once (checked); by default sized so for "
+                        "each model (the teacher's 16 requests of 16K tokens take 12 GB)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--budget_context", type=int, default=8192, help="≤ the models' max_position_embeddings "
+    parser.add_argument("--budget_context", type=int, default=16384, help="≤ the models' max_position_embeddings "
                         "(8192 for SmolLM2-135M unless prepared with --max_positions)")
     parser.add_argument("--budget_bytes", type=int, default=1 << 30, help="the fixed KV + state budget")
     args = parser.parse_args(argv)
     if args.new_tokens < 1:
         parser.error(f"--new_tokens must be ≥ 1 (the steps timed with every request decoding), got {args.new_tokens}")
+    for option, values in (("contexts", args.contexts), ("concurrency", args.concurrency),
+                           ("budget_context", [args.budget_context]), ("budget_bytes", [args.budget_bytes]),
+                           ("kv_cache_bytes", [args.kv_cache_bytes or 1])):
+        if min(values) < 1:
+            parser.error(f"--{option} must be positive, got {' '.join(map(str, values))}")
     if args.step == "prepare":
         if args.teacher is None:
             parser.error("prepare needs --teacher (a softmax checkpoint folder)")

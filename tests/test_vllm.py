@@ -6,6 +6,7 @@ the vLLM venv (`make vllm-env`) and runs them there; elsewhere they skip. Each e
 long prompts are prefilled in chunks beside other requests' decode steps.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -36,7 +37,8 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_lay
             num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
 WINDOW = dict(window_size=16, num_sink_tokens=2)
 # Softmax heads: 2 of the 4 query heads (KV head 1 of layer 0, KV head 0 of layer 2) keep exact softmax attention.
-HEADS = dict(num_attention_heads=4, num_key_value_heads=2, softmax_heads={0: [1], 2: [0]})
+HEADS_SHAPE = dict(num_attention_heads=4, num_key_value_heads=2)
+HEADS = dict(**HEADS_SHAPE, softmax_heads={0: [1], 2: [0]})
 # One small model per kind the plugin serves (head dim 32: one of vLLM's CPU attention sizes). "demo" is the demo's
 # kind: the window hybrid with sinks and a decay, the hedgehog feature map, a softmax layer.
 KINDS = {
@@ -315,3 +317,43 @@ def test_openai_server_answers_concurrent_clients_as_sequential_ones(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_serving_benchmark_times_every_request_together_in_a_kv_cache_sized_for_them(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_vllm.py end to end on a tiny Llama teacher (vLLM's head dim): `prepare` saves it and its
+    conversions; `run` sizes each timed engine's KV cache from a first one too small for 3 teacher requests, times
+    every (context, concurrency) on at least --new_tokens steps of all requests decoding, and counts the requests a
+    budget holds; a given cache too small for the requests is refused with the option to raise."""
+    from helpers import benchmark_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bench = benchmark_module("bench_vllm.py")
+    torch.manual_seed(0)
+    save_with_tokenizer(LlamaForCausalLM(LlamaConfig(**{**TINY, **HEADS_SHAPE})).eval(), tmp_path / "teacher")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("feature_map: hedgehog\nfeature_dim: 16\nwindow_size: 16\nnum_sink_tokens: 2\n"
+                      "softmax_heads_n: 1\nrestored_heads_n: 1\n")
+    out = tmp_path / "out"
+    assert bench.main(["prepare", "--teacher", str(tmp_path / "teacher"), "--recipe", str(recipe),
+                       "--output_dir", str(out)]) == 0
+    capacities = []
+    monkeypatch.setattr(bench, "engine_capacity", lambda llm, measure=bench.engine_capacity: capacities.append(
+        measure(llm)) or capacities[-1])
+    # 200 + 2 + 4 tokens a request (`request_length`): 2 of vLLM's 128-token CPU pages, each 192 KiB of the teacher's
+    # 3 layers x 2 KV heads; 4 pages hold 2 requests, fewer than 3
+    probe = 4 * 128 * 3 * 2 * 2 * 32 * 4
+    monkeypatch.setattr(bench, "PROBE_KV_BYTES", probe)
+    run = ["run", "--output_dir", str(out), "--contexts", "200", "--concurrency", "1", "3", "--new_tokens", "2",
+           "--budget_context", "256", "--budget_bytes", str(1 << 20)]
+    assert bench.main([*run, "--models", "teacher", "converted_heads"]) == 0
+    assert capacities[0] < 3 <= capacities[1]  # the teacher's probe, then its resized engine
+    result = json.loads((out / "bench_vllm.json").read_text())
+    assert [(r["model"], r["context"], r["concurrency"]) for r in result["rows"]] == [
+        (model, 200, n) for model in ("teacher", "converted_heads") for n in (1, 3)]
+    assert all(r["decode_steps"] >= 2 and r["per_token_latency_ms"] > 0 for r in result["rows"])
+    assert set(result["concurrent_requests_in_budget"]) == {"teacher", "converted_heads"}
+    assert "concurrent 256-token requests" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="fewer than --concurrency 3; raise --kv_cache_bytes"):
+        bench.main([*run, "--models", "teacher", "--kv_cache_bytes", str(probe)])
+    with pytest.raises(SystemExit, match="teacher has 512 positions, fewer than the 600"):
+        bench.main([*run, "--models", "teacher", "--budget_context", "600"])
