@@ -31,7 +31,7 @@ from hf_linear_attn import (  # noqa: E402
     convert_to_linear_attention,
 )
 from hf_linear_attn.cache_linear_attention import LinearStateLayer, SoftmaxHeadsState  # noqa: E402
-from hf_linear_attn.vllm_model import PADDING, VLLM_ATTENTION_CLASSES, state_tensors  # noqa: E402
+from hf_linear_attn.vllm_model import PADDING, VLLM_ATTENTION_CLASSES, engine_linear, state_tensors  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
@@ -250,6 +250,26 @@ def test_state_bytes_are_constant_and_those_of_the_cache(kind):
         assert sum(tensor.numel() * tensor.element_size() for layer in states
                    for name, tensor in layer.tensors().items()
                    if name not in SoftmaxHeadsState.SOFTMAX_HEAD_TENSORS) == recurrent * per_layer
+
+
+def linear_layer_products(model) -> list[tuple[str, bool, float]]:
+    """For each nn.Linear of the vLLM model: its name, whether it multiplies with the engine's CPU kernel, and the
+    largest difference of its product of 5 random rows from torch's."""
+    generator, rows = torch.Generator().manual_seed(0), []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            x = torch.randn(5, module.in_features, generator=generator, dtype=module.weight.dtype)
+            engine = getattr(module.forward, "func", None) is engine_linear
+            difference = (module(x) - torch.nn.functional.linear(x, module.weight, module.bias)).abs().max()
+            rows.append((name, engine, float(difference)))
+    return rows
+
+
+def test_linear_layers_multiply_with_the_engines_cpu_kernel(served):
+    """Every projection, MLP and lm_head runs vLLM's packed CPU product (`use_engine_gemm`), which equals torch's."""
+    [rows] = served[3].apply_model(linear_layer_products)
+    assert rows and all(engine for _, engine, _ in rows), [name for name, engine, _ in rows if not engine]
+    assert max(difference for _, _, difference in rows) < 1e-4
 
 
 def test_prefix_caching_is_switched_off(served):
