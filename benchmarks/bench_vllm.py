@@ -13,9 +13,9 @@ and run one engine step at a time. vLLM interleaves the first requests' decode s
 chunks, so only the steps in which every request produced a token (all prefilled, none finished) are N requests
 decoding together: the median time of those steps is the per-token latency, N over it the output tokens/s. Each
 request generates --new_tokens tokens more than the engine's prefill steps, so that at least --new_tokens such steps
-occur. Then, for a
-fixed KV + state budget (--budget_bytes), the number of concurrent --budget_context-token requests vLLM's own KV cache
-accounting admits for each model. Prints a table and writes JSON under --output_dir.
+occur. Then, for a fixed KV + state budget (--budget_bytes), the number of concurrent --budget_context-token requests
+vLLM's own KV cache accounting admits for each model. Prints a table and writes it as Markdown, JSON and (with
+matplotlib) a plot of latency and throughput against context under --output_dir (bench_vllm.md / .json / .png).
 
 SmolLM2-135M has 8192 positions; `prepare --max_positions 16384` saves all three models with that many, so that
 vLLM serves 16K-token requests. RoPE is computed for any position, so this measures speed and memory at 16K, which
@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
+    from training.report import log_log_plot, write_report
+
     configs = model_configs(args)
     longest = max(args.contexts)
     generator = torch.Generator().manual_seed(0)
@@ -206,17 +208,20 @@ def run(args: argparse.Namespace) -> None:
         capacity[name] = engine_capacity(budget)
         shutdown(budget)
         del budget
-    result = dict(rows=rows, budget_bytes=args.budget_bytes, budget_context=args.budget_context,
-                  concurrent_requests_in_budget=capacity, new_tokens=args.new_tokens,
-                  threads=os.environ.get("OMP_NUM_THREADS"))
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "bench_vllm.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{'model':10} {'context':>8} {'conc.':>5} {'wall s':>10} {'out tok/s':>10} {'ms/token':>9}")
-    for row in rows:
-        print(f"{row['model']:10} {row['context']:8} {row['concurrency']:5} {row['wall_s']:10.2f} "
-              f"{row['output_tokens_per_s']:10.1f} {row['per_token_latency_ms']:9.1f}")
-    print(f"\nconcurrent {args.budget_context}-token requests in {args.budget_bytes / 2**30:.2f} GiB of KV + state: "
-          + ", ".join(f"{name} {value:.1f}" for name, value in capacity.items()))
+    columns = dict(model="model", context="context", concurrency="requests", wall_s="wall s",
+                   decode_steps="steps timed", output_tokens_per_s="output tokens/s",
+                   per_token_latency_ms="ms per decode step")
+    budget = (f"In {args.budget_bytes / 2**30:.2f} GiB of KV cache and state, vLLM's accounting admits this many "
+              f"concurrent {args.budget_context}-token requests: "
+              + ", ".join(f"{name} {value:.1f}" for name, value in capacity.items()) + ".")
+    plot = log_log_plot(rows, "context", "context tokens",
+                        [("per_token_latency_ms", "ms per decode step"), ("output_tokens_per_s", "output tokens/s")],
+                        line=lambda row: f"{row['model']}, {row['concurrency']} req.")
+    write_report(rows, columns, args.output_dir, "bench_vllm", plot,
+                 meta=dict(budget_bytes=args.budget_bytes, budget_context=args.budget_context,
+                           concurrent_requests_in_budget=capacity, new_tokens=args.new_tokens,
+                           threads=os.environ.get("OMP_NUM_THREADS")),
+                 sections={"Concurrent requests in a fixed memory budget": budget})
 
 
 def main(argv: list[str] | None = None) -> int:

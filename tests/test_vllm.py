@@ -373,6 +373,7 @@ def test_serving_benchmark_times_every_request_together_in_a_kv_cache_sized_for_
     assert all(r["decode_steps"] >= 2 and r["per_token_latency_ms"] > 0 for r in result["rows"])
     assert set(result["concurrent_requests_in_budget"]) == {"teacher", "converted_heads"}
     assert "concurrent 256-token requests" in capsys.readouterr().out
+    assert "concurrent 256-token requests" in (out / "bench_vllm.md").read_text()
     with pytest.raises(SystemExit, match="fewer than --concurrency 3; raise --kv_cache_bytes"):
         bench.main([*run, "--models", "teacher", "--kv_cache_bytes", str(probe)])
     with pytest.raises(SystemExit, match="teacher has 512 positions, fewer than the 600"):

@@ -41,19 +41,20 @@ def machine() -> str:
 
 
 def log_log_plot(rows: list[dict], x: str, xlabel: str,
-                 panels: list[tuple[str | Callable[[dict], float], str]]) -> Callable:
+                 panels: list[tuple[str | Callable[[dict], float], str]],
+                 line: Callable[[dict], str] = lambda row: row["model"]) -> Callable:
     """A `plot` for `write_report`: side by side, one log-log panel per `(y, ylabel)` of `panels` (`y` a row
-    key or a function of the row) against the row key `x` (ticked at its values), with one line per model
-    (`row["model"]`)."""
+    key or a function of the row) against the row key `x` (ticked at its values), with one line per label
+    `line(row)` (by default the model, `row["model"]`)."""
 
     def plot(plt):
         fig, axes = plt.subplots(1, len(panels), figsize=(6, 4) if len(panels) == 1 else (5 * len(panels), 4),
                                  squeeze=False)
         for ax, (y, ylabel) in zip(axes[0], panels, strict=True):
             value = y if callable(y) else (lambda row, key=y: row[key])
-            for model in dict.fromkeys(row["model"] for row in rows):
-                mine = [row for row in rows if row["model"] == model]
-                ax.plot([row[x] for row in mine], [value(row) for row in mine], "o-", label=model)
+            for label in dict.fromkeys(line(row) for row in rows):
+                mine = [row for row in rows if line(row) == label]
+                ax.plot([row[x] for row in mine], [value(row) for row in mine], "o-", label=label)
             ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel)
             measured = sorted({row[x] for row in rows})  # ticks at the measured x values, not at powers of 10
             ax.set_xticks(measured, [format_cell(v) for v in measured])
