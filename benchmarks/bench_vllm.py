@@ -108,12 +108,17 @@ def decode_steps(llm, prompts: list[dict], new_tokens: int) -> tuple[list[float]
     return steps, time.perf_counter() - start
 
 
+def engine_core(llm):
+    """The in-process engine core of an `LLM` (VLLM_ENABLE_V1_MULTIPROCESSING=0): its config and scheduler."""
+    return llm.llm_engine.engine_core.engine_core
+
+
 def engine_capacity(llm) -> float:
     """How many requests of the engine's max_model_len its KV cache (and state slots) hold at once, by vLLM's own
     accounting."""
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    core = llm.llm_engine.engine_core.engine_core
+    core = engine_core(llm)
     return get_max_concurrency_for_kv_cache_config(core.vllm_config, core.scheduler.kv_cache_config)
 
 
@@ -144,7 +149,7 @@ def timed_engine(path: Path, length: int, requests: int, kv_cache_bytes: int | N
                              f"tokens, fewer than --concurrency {requests}; raise --kv_cache_bytes (or leave it unset "
                              "to size it from the model)")
         # the cache is a number of pages (blocks), a request takes whole pages: the pages for all, and one more
-        blocks = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.num_blocks
+        blocks = engine_core(llm).scheduler.kv_cache_config.num_blocks
         cache_bytes = math.ceil(cache_bytes / blocks * (math.ceil(blocks * requests / fits) + 1))
         shutdown(llm)
         del llm
