@@ -137,7 +137,7 @@ def timed_engine(path: Path, length: int, requests: int, kv_cache_bytes: int | N
                    max_num_batched_tokens=STEP_TOKENS, kv_cache_memory_bytes=cache_bytes,
                    gpu_memory_utilization=0.05, disable_log_stats=False)
 
-    cache_bytes = kv_cache_bytes or PROBE_KV_BYTES
+    cache_bytes = PROBE_KV_BYTES if kv_cache_bytes is None else kv_cache_bytes
     for _ in range(3):
         llm = build(cache_bytes)
         fits = engine_capacity(llm)
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--new_tokens must be ≥ 1 (the steps timed with every request decoding), got {args.new_tokens}")
     for option, values in (("contexts", args.contexts), ("concurrency", args.concurrency),
                            ("budget_context", [args.budget_context]), ("budget_bytes", [args.budget_bytes]),
-                           ("kv_cache_bytes", [args.kv_cache_bytes or 1])):
-        if min(values) < 1:
+                           ("kv_cache_bytes", [] if args.kv_cache_bytes is None else [args.kv_cache_bytes])):
+        if values and min(values) < 1:
             parser.error(f"--{option} must be positive, got {' '.join(map(str, values))}")
     if args.step == "prepare":
         if args.teacher is None:

@@ -148,3 +148,14 @@ def test_serving_benchmark_refuses_a_non_positive_position_count(benchmark_main,
     with pytest.raises(SystemExit) as exit_:
         benchmark_main("bench_vllm.py", "prepare", "--teacher", str(tmp_path), "--max_positions", "0")
     assert exit_.value.code == 2 and "--max_positions must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--kv_cache_bytes", "0"), ("--concurrency", "0"), ("--budget_bytes", "-1")])
+def test_serving_benchmark_refuses_a_non_positive_size_before_any_engine(flag, value, tmp_path, capsys):
+    """bench_vllm.py checks its sizes in the main venv too (vLLM is imported by `run` only): a zero KV cache is an
+    error, not the default sizing."""
+    from helpers import benchmark_module
+
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_module("bench_vllm.py").main(["run", flag, value, "--output_dir", str(tmp_path)])
+    assert exit_.value.code == 2 and f"error: {flag} must be positive, got {value}" in capsys.readouterr().err
