@@ -118,3 +118,60 @@ def test_leaving_the_block_restores_the_model_and_bad_calls_fail_before_any_work
         AttentionTransfer(model.model)
     with pytest.raises(ValueError, match="no linear-attention layer"):
         AttentionTransfer(tiny_model(softmax_layers=[0, 1]))
+
+
+def test_window_dropout_shrinks_each_window_for_one_training_forward_as_drawn():
+    model = tiny_model(feature_map="hedgehog", feature_dim=8, window_size=6, num_sink_tokens=1, num_hidden_layers=3,
+                       softmax_layers=[1]).train()
+    ids = torch.randint(3, 128, (1, 24))
+    position_ids = torch.arange(24)[None]
+    transfer = AttentionTransfer(model, window_dropout=0.5)
+    drawn, checked = [], 0
+    torch.manual_seed(0)
+    with transfer, torch.no_grad():
+        for _ in range(60):
+            model(ids, use_cache=False)
+            drawn.append(list(transfer.windows))
+            assert [layer.window_size for layer in transfer.layers] == [6, 6]  # put back after each forward
+            if max(drawn[-1]) == 6:
+                continue
+            # Both windows shrunk: the losses are those of the layers run with the windows drawn (set by hand).
+            losses = torch.stack(transfer.layer_losses)
+            for layer, window in zip(transfer.layers, drawn[-1], strict=True):
+                layer.window_size = window
+            expected = torch.stack(direct_transfer_losses(model, ids, None, position_ids, None))
+            for layer in transfer.layers:
+                layer.window_size = 6
+            torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+            checked += 1
+        assert checked > 5
+        # Evaluation forwards draw nothing and leave the torch RNG alone.
+        model.eval()
+        rng = torch.get_rng_state()
+        model(ids, use_cache=False)
+        assert transfer.windows == [6, 6] and torch.equal(torch.get_rng_state(), rng)
+    sizes = [w for row in drawn for w in row]
+    shrunk = [w for w in sizes if w < 6]
+    assert 0.3 < len(shrunk) / len(sizes) < 0.7 and set(shrunk) == {1, 2, 3, 4, 5}  # 120 draws at p = 0.5
+    # The same seed draws the same windows: a run resumed with its RNG state shrinks as the first run did.
+    torch.manual_seed(0)
+    with AttentionTransfer(model.train(), window_dropout=0.5) as again, torch.no_grad():
+        replay = []
+        for _ in range(60):
+            model(ids, use_cache=False)
+            replay.append(list(again.windows))
+    assert replay == drawn
+    assert [layer.window_size for layer in transfer.layers] == [6, 6]
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 1.5, True, "0.5", None])
+def test_window_dropout_must_be_a_probability_below_one(value):
+    with pytest.raises(ValueError, match=r"window_dropout=.*probability in \[0, 1\)"):
+        AttentionTransfer(tiny_model(feature_map="hedgehog", window_size=4), window_dropout=value)
+
+
+def test_window_dropout_needs_a_window_to_shrink():
+    for options in [dict(feature_map="hedgehog"), dict(feature_map="hedgehog", window_size=1)]:
+        with pytest.raises(ValueError, match="no sliding window to shrink"):
+            AttentionTransfer(tiny_model(**options), window_dropout=0.2)
+    AttentionTransfer(tiny_model(feature_map="hedgehog"), window_dropout=0.0)  # 0 is fine without a window

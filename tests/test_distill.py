@@ -101,3 +101,37 @@ def test_distill_refuses_a_checkpoint_with_a_missing_weight(tmp_path):
         distill(DistillArguments(model_name_or_path=str(tmp_path / "converted")), DataArguments(block_size=32),
                 TrainArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none"))
     assert not (tmp_path / "out").exists()
+
+
+def test_distill_with_window_dropout_records_it_and_saves_the_whole_window(tmp_path):
+    student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4,
+                                          num_sink_tokens=1)
+    save_with_tokenizer(student, tmp_path / "converted")
+    words = [f"w{i}" for i in range(90)]
+    generator = torch.Generator().manual_seed(2)
+    lines = [" ".join(words[j] for j in torch.randint(0, 90, (60,), generator=generator)) for _ in range(16)]
+    (tmp_path / "train.txt").write_text("\n".join(lines[:12]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(lines[12:]) + "\n")
+    out = tmp_path / "distilled"
+    result = distill(
+        DistillArguments(model_name_or_path=str(tmp_path / "converted"), window_dropout=0.5),
+        DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "valid.txt"),
+                      block_size=48, max_eval_samples=2),
+        TrainArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                       warmup_steps=0, lr_scheduler_type="constant", report_to="none", eval_steps=0),
+    )
+    assert all(layer.self_attn.window_size == 4 for layer in result.model.model.layers)
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    assert trained.config.window_size == 4 and all(layer.self_attn.window_size == 4 for layer in trained.model.layers)
+    assert json.loads((out / "training_summary.json").read_text())["recipe"]["window_dropout"] == 0.5
+
+
+def test_distill_refuses_window_dropout_without_a_window_before_any_work(tmp_path):
+    student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=0,
+                                          num_sink_tokens=0)
+    save_with_tokenizer(student, tmp_path / "converted")
+    with pytest.raises(ValueError, match="no sliding window to shrink"):
+        distill(DistillArguments(model_name_or_path=str(tmp_path / "converted"), window_dropout=0.3),
+                DataArguments(block_size=32), TrainArguments(output_dir=str(tmp_path / "out"), max_steps=1,
+                                                             report_to="none"))
+    assert not (tmp_path / "out").exists()

@@ -94,8 +94,11 @@ def test_the_demo_refuses_a_recovery_window_weight_without_a_window(tmp_path, ca
     (["--restored_heads_n", "4", "--ranking_shortlist", "3"], "the shortlist must hold at least the heads restored"),
     (["--restored_heads_n", "-1"], "restored_heads_n -1"),
     (["--recovery_window_weight", "1"], "recovery_window_weight"),
+    (["--window_dropout", "1"], "window_dropout=1.0"),
+    (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--memory_sizes", "64",
+      "--window_dropout", "0.5"], "no sliding window to shrink"),
 ], ids=["attention option", "memory without window", "passkey variant", "perplexity rows", "shortlist",
-        "negative heads", "recovery γ of 1"])
+        "negative heads", "recovery γ of 1", "window dropout of 1", "window dropout without window"])
 def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, capsys):
     from training import demo
     with pytest.raises(SystemExit) as exit_info:

@@ -17,6 +17,13 @@ output of the forward, so a wrapper that calls it (DistributedDataParallel, acce
 sees it like any other loss. Run the forward through the wrapper: DDP synchronises the gradients of a
 forward only when it ran through DDP, and the ranks drift apart otherwise.
 
+With `window_dropout` = p > 0 (window layers only), each window layer's softmax window shrinks, in a training
+forward with probability p, to a size drawn uniformly from 1 .. window_size − 1 for that forward (sinks kept): the
+linear part then has to carry keys the window would have covered, where the teacher's attention mass is large, so it
+cannot learn to stay idle behind the window. The draws come from the torch RNG once per model forward (so resumed
+runs, which restore it, draw the same; a layer recomputed in backward keeps its draw); evaluation forwards draw
+nothing.
+
 It is all forward hooks, removed on leaving the `with` block: the model's code and its checkpoints hold
 no training state, and parameter names stay as they are (checkpoints saved meanwhile load as usual).
 The teacher's q/k/v are recomputed from the layer's input (a few frozen projections per layer), with the
@@ -53,7 +60,7 @@ class AttentionTransfer:
     """Context manager: while entered, `model`'s linear-attention layers learn from their softmax teachers
     and `model`'s forward returns the transfer loss as `output.loss` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, window_dropout: float = 0.0) -> None:
         if not isinstance(model, LinearAttentionForCausalLM):
             raise TypeError(f"model must be a LinearAttentionForCausalLM (its output carries the transfer loss); "
                             f"got {type(model).__name__}.")
@@ -61,6 +68,10 @@ class AttentionTransfer:
         self.layers = transfer_layers(model)
         if not self.layers:
             raise ValueError("model has no linear-attention layer to transfer attention to (all are softmax_layers).")
+        check_window_dropout(window_dropout, model.config)
+        self.window_dropout = window_dropout
+        self._full_windows = [layer.window_size for layer in self.layers]  # each layer's own, put back after
+        self.windows = list(self._full_windows)  # the window of each layer in this forward (`_start` draws it)
         self.layer_losses: list[torch.Tensor | None] = [None] * len(self.layers)
         self._teachers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -76,6 +87,8 @@ class AttentionTransfer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        for layer, window in zip(self.layers, self._full_windows, strict=True):
+            layer.window_size = window
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -88,6 +101,11 @@ class AttentionTransfer:
             raise ValueError("return_dict=False: attention transfer returns its loss in the output object; "
                              "leave return_dict unset.")
         self.layer_losses = [None] * len(self.layers)
+        self.windows = list(self._full_windows)
+        if self.window_dropout > 0 and model.training:
+            for index, window in enumerate(self._full_windows):
+                if window > 1 and torch.rand(()).item() < self.window_dropout:
+                    self.windows[index] = int(torch.randint(1, window, ()).item())
 
     def _teach(self, index: int, layer: LinearAttention, args: tuple, kwargs: dict[str, Any]) -> None:
         """Before the layer runs: its teacher's output [B, T, H, D] from the same q/k/v."""
@@ -103,10 +121,12 @@ class AttentionTransfer:
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, inputs["cu_seqlens"]
             ).transpose(1, 2)
         self._teachers[index] = (teacher, mask)
+        layer.window_size = self.windows[index]
 
     def _compare(self, index: int, o_proj: nn.Module, args: tuple) -> tuple[torch.Tensor]:
         """Before `o_proj`: record the layer's MSE against its teacher and hand the teacher's output on."""
         (output,) = args  # [B, T, H * D]: the layer's per-head output, after its output norm
+        self.layers[index].window_size = self._full_windows[index]
         teacher, mask = self._teachers.pop(index)
         error = (output.reshape(teacher.shape).float() - teacher.float()).pow(2)
         if mask is not None:
@@ -116,6 +136,17 @@ class AttentionTransfer:
 
     def _finish(self, model: nn.Module, args: tuple, output: ModelOutput) -> ModelOutput:
         return dataclasses.replace(output, loss=torch.stack(self.layer_losses).sum())
+
+
+def check_window_dropout(window_dropout: Any, config: Any) -> None:
+    """ValueError unless `window_dropout` is a probability in [0, 1) and, when > 0, `config` has a sliding window
+    of at least 2 tokens to shrink."""
+    if isinstance(window_dropout, bool) or not isinstance(window_dropout, (int, float)) or not 0 <= window_dropout < 1:
+        raise ValueError(f"window_dropout={window_dropout!r}: give a probability in [0, 1) (0: the window always "
+                         "whole).")
+    if window_dropout > 0 and getattr(config, "window_size", 0) < 2:
+        raise ValueError(f"window_dropout={window_dropout}: the model has no sliding window to shrink (window_size "
+                         f"{getattr(config, 'window_size', 0)}; it needs ≥ 2); give 0.")
 
 
 def attention_transfer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

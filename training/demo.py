@@ -40,6 +40,7 @@ from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_has_window_weight, check_window_weight
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from hf_linear_attn.layer_selection import restore_softmax_heads
+from training.attention_transfer import check_window_dropout
 from training.checkpoint_conversion import (
     head_ranking_prompts,
     rank_restoration_heads,
@@ -94,6 +95,9 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     distill_steps: int = 300
     distill_batch_size: int = 1
     learning_rate: float = 1e-2
+    window_dropout: float = field(default=0.0, metadata={
+        "help": "Stage 1: the probability that a layer's softmax window shrinks for one training forward (to a size "
+                "drawn from 1 .. window_size − 1), so that the linear part learns to carry it (0: never)."})
     recovery_steps: int = field(default=90, metadata={"help": "Stage 2 (LoRA) optimizer steps; 0 skips it."})
     recovery_window_weight: float | None = field(default=None, metadata={
         "help": "Stage 2 starts with the window hybrid's γ set to this in every head (stage 2's LoRA does not train "
@@ -217,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"restored_heads_n {args.restored_heads_n} from ranking_shortlist "
                              f"{args.ranking_shortlist}: the shortlist must hold at least the heads restored (or be 0: "
                              "the first-order estimate alone ranks)")
+        check_window_dropout(args.window_dropout, options)
         if args.memory_sizes and args.window_size == 0:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[3/6] Stage 1: attention transfer, {args.distill_steps} steps of {args.distill_batch_size} x "
           f"{args.block_size} tokens", flush=True)
     distill(
-        DistillArguments(model_name_or_path=str(out / "converted")),
+        DistillArguments(model_name_or_path=str(out / "converted"), window_dropout=args.window_dropout),
         data,
         TrainArguments(output_dir=str(models["stage 1"]), overwrite_output_dir=True, max_steps=args.distill_steps,
                        per_device_train_batch_size=args.distill_batch_size, learning_rate=args.learning_rate,

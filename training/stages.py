@@ -23,7 +23,12 @@ from transformers import AutoTokenizer
 import hf_linear_attn
 from hf_linear_attn.configuration_linear_attention import check_has_window_weight, check_window_weight
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
-from training.attention_transfer import AttentionTransfer, attention_transfer_loss, transfer_layers
+from training.attention_transfer import (
+    AttentionTransfer,
+    attention_transfer_loss,
+    check_window_dropout,
+    transfer_layers,
+)
 from training.checkpoints import export_model
 from training.data import DataArguments, build_datasets, check_data_arguments, check_positions
 from training.hub import HubArguments, push_to_hub
@@ -62,6 +67,13 @@ class DistillArguments:
         metadata={"help": "Regexes of the parameter names that train (default: feature maps, window γ, decay gates and "
                           "the delta rule's β projection, short convolution and output gate; each regex must match)."},
     )
+    window_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Window layers: the probability that a layer's softmax window shrinks, for one training "
+                          "forward, to a size drawn uniformly from 1 .. window_size − 1, so that the linear part "
+                          "learns to carry what the window holds (training/attention_transfer.py). 0: the window "
+                          "always whole."},
+    )
 
 
 def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainArguments) -> TrainResult:
@@ -76,13 +88,14 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
                          "convert it first with training/convert.py.")
     if not transfer_layers(model):
         raise ValueError(f"{args.model_name_or_path} has no linear-attention layer to distill (all softmax_layers).")
+    check_window_dropout(args.window_dropout, model.config)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     check_positions(data_args, model.config.max_position_embeddings)
     tokenizer.model_max_length = tokenizer_max_length(tokenizer, model.config.max_position_embeddings)
     accelerator = make_accelerator(train_args)
     set_seed(train_args.seed)
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
-    with AttentionTransfer(model):  # hooks on the layers, removed before the student is saved
+    with AttentionTransfer(model, args.window_dropout):  # hooks on the layers, removed before the student is saved
         result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
                        loss_fn=attention_transfer_loss, trainable=args.trainable_parameters, run_name="distill",
                        perplexity=False)
