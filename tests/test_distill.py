@@ -19,26 +19,32 @@ def transfer_loss(model, ids: torch.Tensor) -> float:
         return model(ids, use_cache=False, logits_to_keep=1).loss.item()
 
 
+def write_corpus(folder, seed: int, lines: int, held_out: int) -> dict[str, str]:
+    """Random 60-word lines over a 90-word vocabulary in `folder`/train.txt and valid.txt (the last `held_out` of
+    `lines`): DataArguments' file keys."""
+    words = [f"w{i}" for i in range(90)]
+    generator = torch.Generator().manual_seed(seed)
+    text = [" ".join(words[j] for j in torch.randint(0, 90, (60,), generator=generator)) for _ in range(lines)]
+    (folder / "train.txt").write_text("\n".join(text[:-held_out]) + "\n")
+    (folder / "valid.txt").write_text("\n".join(text[-held_out:]) + "\n")
+    return {"train_file": str(folder / "train.txt"), "validation_file": str(folder / "valid.txt")}
+
+
 def test_attention_transfer_lowers_the_layer_loss_and_trains_only_feature_maps(tmp_path):
     source = teacher("llama")
     student = convert_to_linear_attention(source, feature_map="hedgehog", feature_dim=8, window_size=4,
                                           num_sink_tokens=1)
     save_with_tokenizer(student, tmp_path / "converted")
-    words = [f"w{i}" for i in range(90)]
-    generator = torch.Generator().manual_seed(0)
-    lines = [" ".join(words[j] for j in torch.randint(0, 90, (60,), generator=generator)) for _ in range(40)]
-    (tmp_path / "train.txt").write_text("\n".join(lines[:32]) + "\n")
-    (tmp_path / "valid.txt").write_text("\n".join(lines[32:]) + "\n")
+    files = write_corpus(tmp_path, seed=0, lines=40, held_out=8)
     out = tmp_path / "distilled"
     result = distill(
         DistillArguments(model_name_or_path=str(tmp_path / "converted")),
-        DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "valid.txt"),
-                      block_size=48, max_eval_samples=4),
+        DataArguments(**files, block_size=48, max_eval_samples=4),
         TrainArguments(output_dir=str(out), max_steps=25, per_device_train_batch_size=4, learning_rate=3e-2,
                        warmup_steps=0, lr_scheduler_type="constant", report_to="none", logging_steps=5),
     )
     trained = AutoModelForCausalLM.from_pretrained(out).eval()
-    ids = torch.randint(3, 93, (2, 48), generator=generator)
+    ids = torch.randint(3, 93, (2, 48), generator=torch.Generator().manual_seed(1))
     assert transfer_loss(trained, ids) < 0.8 * transfer_loss(student.eval(), ids)
     before, after = student.state_dict(), trained.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -60,16 +66,11 @@ def test_attention_transfer_trains_the_decay_gates_of_a_decayed_hybrid(tmp_path,
     student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4,
                                           num_sink_tokens=1, decay=decay, decay_low_rank_dim=4)
     save_with_tokenizer(student, tmp_path / "converted")
-    words = [f"w{i}" for i in range(90)]
-    generator = torch.Generator().manual_seed(1)
-    lines = [" ".join(words[j] for j in torch.randint(0, 90, (60,), generator=generator)) for _ in range(16)]
-    (tmp_path / "train.txt").write_text("\n".join(lines[:12]) + "\n")
-    (tmp_path / "valid.txt").write_text("\n".join(lines[12:]) + "\n")
+    files = write_corpus(tmp_path, seed=1, lines=16, held_out=4)
     out = tmp_path / "distilled"
     distill(
         DistillArguments(model_name_or_path=str(tmp_path / "converted")),
-        DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "valid.txt"),
-                      block_size=48, max_eval_samples=2),
+        DataArguments(**files, block_size=48, max_eval_samples=2),
         TrainArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
                        warmup_steps=0, lr_scheduler_type="constant", report_to="none", eval_steps=0),
     )
@@ -107,16 +108,11 @@ def test_distill_with_window_dropout_records_it_and_saves_the_whole_window(tmp_p
     student = convert_to_linear_attention(teacher("llama"), feature_map="hedgehog", feature_dim=8, window_size=4,
                                           num_sink_tokens=1)
     save_with_tokenizer(student, tmp_path / "converted")
-    words = [f"w{i}" for i in range(90)]
-    generator = torch.Generator().manual_seed(2)
-    lines = [" ".join(words[j] for j in torch.randint(0, 90, (60,), generator=generator)) for _ in range(16)]
-    (tmp_path / "train.txt").write_text("\n".join(lines[:12]) + "\n")
-    (tmp_path / "valid.txt").write_text("\n".join(lines[12:]) + "\n")
+    files = write_corpus(tmp_path, seed=2, lines=16, held_out=4)
     out = tmp_path / "distilled"
     result = distill(
         DistillArguments(model_name_or_path=str(tmp_path / "converted"), window_dropout=0.5),
-        DataArguments(train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "valid.txt"),
-                      block_size=48, max_eval_samples=2),
+        DataArguments(**files, block_size=48, max_eval_samples=2),
         TrainArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
                        warmup_steps=0, lr_scheduler_type="constant", report_to="none", eval_steps=0),
     )
