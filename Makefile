@@ -118,7 +118,7 @@ $(WHEELS)/.fetched:
 kernel-report: install fla-wheels
 	$(PY) benchmarks/kernel_report.py --fla_dir $(WHEELS)
 
-# The one-shot GPU check (≤ 8 minutes on an H200): tests, kernel benchmark, decode, training, FSDP / DeepSpeed. It runs
+# The one-shot GPU check (≤ 10 minutes on an H200): tests, kernel benchmark, decode, training, FSDP / DeepSpeed. It runs
 # on the GPU machine's own python (torch, triton, transformers, matplotlib, pytest there), the checkout on PYTHONPATH,
 # nothing installed; the wheels come from `make fla-wheels` on a machine with network.
 GPU_PYTHON ?= python3
