@@ -311,9 +311,13 @@ def stage_triton_tests(dry: bool) -> dict:
     """The Triton test modules under pytest, kernels compiled (a dry run collects them only: the interpreter runs
     them in the ordinary test suite). Compiling is the slow part and runs on the CPU: with pytest-xdist the tests
     spread over up to 12 processes sharing the GPU. Each test's outcome is printed as it ends (-v), so a stage cut
-    off by its time box still says which tests failed. Failing tests fail the stage."""
+    off by its time box still says which tests failed. Kernels launch synchronously (CUDA_LAUNCH_BLOCKING), so a
+    fault is raised at the launch that made it, and a worker that saw one is replaced (tests/device_faults.py).
+    Failing tests fail the stage."""
     import pytest
 
+    if not dry:
+        os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # read when CUDA initialises: in the workers, which inherit it
     workers = min(12, os.cpu_count() or 1)
     parallel = [] if dry or workers < 2 or importlib.util.find_spec("xdist") is None else ["-n", str(workers)]
     code = pytest.main(["-v", "--tb=short", "-p", "no:cacheprovider", *parallel, *(["--co", "-q"] if dry else []),

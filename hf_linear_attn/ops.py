@@ -156,7 +156,7 @@ def linear_attention(
 
     tensors = {"q": q, "k": k, "v": v, "log_decay": log_decay, "initial_state": initial_state}
     name = pick_backend(
-        backend, q.device, single_query=length == 1,
+        backend, q.device, single_query=length == 1, head_dims=(q.shape[-1], v.shape[-1]),
         triton_problem=lambda: ops_triton_common.unsupported_inputs(
             {n: x for n, x in tensors.items() if x is not None}
         ),
@@ -490,7 +490,8 @@ def _hybrid(
             {n: x for n, x in tensors.items() if x is not None}, window_head_dims=(head_dim, v.shape[-1])
         )
 
-    name = pick_backend(backend, q.device, single_query=queries == 1, triton_problem=triton_problem)
+    name = pick_backend(backend, q.device, single_query=queries == 1, triton_problem=triton_problem,
+                        head_dims=(head_dim, v.shape[-1], q_feat.shape[-1]))
     if name == "triton" and key_padding_mask is not None:  # chosen explicitly: checked on every device
         _check_contiguous_padding(key_padding_mask)
     skipped = length - queries if name in CHUNKED else 0

@@ -24,6 +24,12 @@ from .backends import BACKENDS
 
 NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
 CHUNK_SIZE = 64  # tokens per chunk of the chunked backends (torch and Triton)
+# "auto" runs the chunked Triton kernels on a GPU only where some head dim they tile reaches this. On the first GPU
+# run (an H200, Triton 3.6.0) every kernel fault came from inputs whose head dims were all below it: illegal memory
+# accesses in the forward output kernel, at the sizes where the kernels also tune over 4-warp and 3-stage configs
+# (`ops_triton_common.spill_free`); with a head dim of 64 or more none was seen (docs/design.md, "The first GPU
+# run"). Below it "auto" takes the torch backend; backend="triton" still runs the kernels.
+AUTO_TRITON_MIN_HEAD_DIM = 64
 # Set to "1" to run the input checks that read tensor values (one host sync each) on every device, not just CPU.
 CHECK_VALUES_ENV = "HF_LINEAR_ATTN_CHECK_VALUES"
 
@@ -251,20 +257,22 @@ def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int) -> None:
 
 def pick_backend(
     backend: str, device: torch.device, *, single_query: bool, triton_problem: Callable[[], str | None],
-    names: tuple[str, ...] = BACKENDS,
+    names: tuple[str, ...] = BACKENDS, head_dims: tuple[int, ...] = (),
 ) -> str:
     """The backend that runs, for every op (`linear_attention`, `window_attention`, `delta_rule_attention`):
     `backend` itself once checked against the op's `names`, or for "auto" the direct form ("recurrent") for a
-    single query, Triton for CUDA tensors it takes, else "torch".
+    single query, Triton for CUDA tensors it takes where a head dim reaches AUTO_TRITON_MIN_HEAD_DIM, else "torch".
 
     triton_problem: says why the triton backend cannot take the inputs (None if it can); asked only when needed.
+    head_dims: the dims the chunked kernels tile (K and V, the window's D); the one-token steps give none.
     """
     if not isinstance(backend, str) or backend not in names:
         raise ValueError(f"backend must be one of {names}, got {backend!r}")
     if backend == "auto":
         if single_query:
             return "recurrent"
-        return "triton" if device.type == "cuda" and triton_problem() is None else "torch"
+        proven = max(head_dims, default=AUTO_TRITON_MIN_HEAD_DIM) >= AUTO_TRITON_MIN_HEAD_DIM
+        return "triton" if device.type == "cuda" and proven and triton_problem() is None else "torch"
     if backend == "triton":
         problem = triton_problem()
         if problem is not None:

@@ -181,7 +181,8 @@ def delta_rule_attention(
     tensors = {"q": q, "k": k, "v": v, "beta": beta, "log_decay": log_decay, "initial_state": initial_state}
     tensors = {arg: x for arg, x in tensors.items() if x is not None}
     name = pick_backend(backend, q.device, single_query=length == 1, names=OP_BACKENDS["delta_rule_attention"],
-                        triton_problem=lambda: unsupported_delta_rule_inputs(tensors))
+                        triton_problem=lambda: unsupported_delta_rule_inputs(tensors),
+                        head_dims=(k.shape[-1], v.shape[-1]))
     return DELTA_RULE_BACKENDS[name](
         q, k, v, beta, log_decay,
         scale=scale,

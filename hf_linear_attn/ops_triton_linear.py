@@ -82,14 +82,20 @@ def _dqk_configs() -> list:
         return []
     if INTERPRET:
         return [triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=2) for bv in (64, 128)]
+    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=2) for bv in DQK_VALUE_WIDTHS]
+
+
+# The BLOCK_V values `_dqk_configs` offers on a GPU; `_dqk_value_width` picks one of them.
+DQK_VALUE_WIDTHS = (64, 128)
 
 
 def _dqk_value_width(value_dim: int, element_size: int) -> int:
-    """BLOCK_V of `_chunk_dqk_kernel`: one 128-wide value block for 16-bit inputs with 64 < V ≤ 128, 64-wide blocks
-    otherwise (64-wide ones spill at V = 128 for the per-key-dim decay, 128-wide ones past V = 128; fp32 128-wide
-    tiles need more than sm_90's shared memory)."""
-    return block_size(value_dim, 128) if element_size <= 2 and value_dim <= 128 else 64
+    """BLOCK_V of `_chunk_dqk_kernel`, one of DQK_VALUE_WIDTHS: one 128-wide value block for 16-bit inputs with
+    64 < V ≤ 128, 64-wide blocks otherwise (64-wide ones spill at V = 128 for the per-key-dim decay, 128-wide ones
+    past V = 128; fp32 128-wide tiles need more than sm_90's shared memory). At V ≤ 64 the block stays 64 wide (its
+    columns past V masked): a narrower one, as 16-bit inputs with V ≤ 32 once got, matched no config and left the
+    autotuner none (on an H200 every such backward stopped with Triton's AutotunerError)."""
+    return 128 if element_size <= 2 and 64 < value_dim <= 128 else 64
 
 
 def _dqk_key_width(key_dim: int, value_dim: int, extra_terms: bool) -> int:

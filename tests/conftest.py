@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from device_faults import pytest_runtest_logfinish, pytest_runtest_makereport  # noqa: E402, F401 (hooks)
 
 # Without a GPU the Triton kernels run in Triton's interpreter. triton reads this when @triton.jit decorates the
 # kernels, i.e. when hf_linear_attn's Triton modules (ops_triton_*) are imported: it must be set before the package
