@@ -74,6 +74,10 @@ __all__ = ["chunk_output", "linear_sums", "triton_linear_attention"]
 VECTOR_SUB_CHUNK = 16
 
 
+# The BLOCK_V values `_dqk_configs` offers on a GPU; `_dqk_value_width` picks one of them.
+DQK_VALUE_WIDTHS = (64, 128)
+
+
 def _dqk_configs() -> list:
     """Launch configurations of `_chunk_dqk_kernel`: 8 warps, 2 stages and a BLOCK_V for V, see `_dqk_value_blocks`
     (an sm_90 compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, with 128-wide K blocks, and with 3
@@ -83,10 +87,6 @@ def _dqk_configs() -> list:
     if INTERPRET:
         return [triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=2) for bv in DQK_VALUE_WIDTHS]
-
-
-# The BLOCK_V values `_dqk_configs` offers on a GPU; `_dqk_value_width` picks one of them.
-DQK_VALUE_WIDTHS = (64, 128)
 
 
 def _dqk_value_width(value_dim: int, element_size: int) -> int:
