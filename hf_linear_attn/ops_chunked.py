@@ -215,7 +215,8 @@ def chunk_window_attention(
     linear attention against keys and values shifted forward by window_size positions, decayed by log_decay
     at the queries' own steps (a key delayed to position j + window_size is decayed by a_i for
     i = j + window_size + 1 .. t, exactly the hybrid's d_tj); the softmax part
-    runs over blocks of CHUNK_SIZE queries, each against its window range of keys plus the sink keys.
+    runs over blocks of CHUNK_SIZE queries, each against its window range of keys plus the sink keys
+    (`_window_softmax`, all blocks at once).
     Memory O(T·(C + window_size + num_sink_tokens)).
     """
     batch, length, heads, head_dim = q.shape
@@ -243,25 +244,58 @@ def chunk_window_attention(
     k_sink = k.gather(1, gather.expand(-1, -1, heads, head_dim))
     v_sink = v_ones.gather(1, gather.expand(-1, -1, heads, value_dim + 1))
 
-    blocks = []
-    for start in range(0, length, CHUNK_SIZE):
-        end = min(start + CHUNK_SIZE, length)
-        first = max(0, start - window_size + 1)  # oldest key any query of the block sees in its window
-        t = torch.arange(start, end, device=q.device)[:, None]  # [Cq, 1]
-        i = torch.arange(first, end, device=q.device)  # [L]
-        in_range = window_keys[:, None, first:end] & (i <= t) & (t - i < window_size)  # [B, Cq, L]
-        allowed = torch.cat([sink_ok[:, None, :] & (sink_pos[:, None, :] <= t), in_range], dim=-1)
-        keys = torch.cat([k_sink, k[:, first:end]], dim=1)  # [B, S + L, H, D]
-        values = torch.cat([v_sink, v_ones[:, first:end]], dim=1)  # [B, S + L, H, V + 1]
-
-        scores = torch.einsum("bthd,bihd->bhti", q[:, start:end], keys) * scale
-        scores = scores.masked_fill(~allowed[:, None], -torch.inf)
-        c = scores.amax(-1, keepdim=True)
-        c = torch.where(c.isfinite(), c, 0.0)  # a pad query has an empty window: keep exp(−inf − c) = 0
-        blocks.append((scores - c).exp() @ values.transpose(1, 2))  # [B, H, Cq, V + 1]
-    softmax = torch.cat(blocks, dim=2).transpose(1, 2)  # [B, T, H, V + 1], last column: Σ exp(s − c)
+    softmax = _window_softmax(q, k, v_ones, window_keys, k_sink, v_sink, sink_ok, sink_pos, window_size, scale)
 
     gamma = torch.sigmoid(window_gate.to(dtype))[:, None]  # [H, 1]
     total = gamma * softmax + linear
     o = divide_at_real_queries(total[..., :value_dim], total[..., value_dim:], real[..., None, None])
     return o.to(v.dtype), state
+
+
+def _window_softmax(
+    q: Tensor, k: Tensor, values: Tensor, window_keys: Tensor, k_sink: Tensor, v_sink: Tensor, sink_ok: Tensor,
+    sink_pos: Tensor, window_size: int, scale: float,
+) -> Tensor:
+    """The window hybrid's softmax terms, unnormalised: Σ_i exp(s_ti − c_t) [v_i, 1] over the sinks and the keys
+    of t's window, as [B, T, H, V + 1] (the last column is the softmax's denominator).
+
+    q, k: [B, T, H, D]; values: [B, T, H, V + 1]; window_keys: bool [B, T], keys reachable through the window
+    range; k_sink: [B, S, H, D], v_sink: [B, S, H, V + 1], sink_ok: bool [B, S] and sink_pos: [B, S], the sinks.
+    Queries are taken in blocks of CHUNK_SIZE; block n sees the keys from nC − (W − 1) to nC + C − 1, a span
+    of C + W − 1 keys, and every block's span is one strided view (`unfold`) of the keys padded by W − 1 at the
+    front (W capped at T): one batched product for all blocks, whose backward is one pass, where a loop of slices would
+    allocate and fill a full-size gradient per block. Memory O(T·(C + W + S)) per head, as the scores are.
+    """
+    batch, length, heads, head_dim = q.shape
+    # A window longer than the sequence reaches back to its start: no key lies further back than length − 1.
+    size, front = CHUNK_SIZE, min(window_size, length) - 1
+    blocks = -(-length // size)
+    span = size + front
+    back = blocks * size - length
+
+    def spans(x: Tensor) -> Tensor:  # [B, T, ...] -> [B, N, ..., span]: block n's window range, zero padded
+        pad = [0, 0] * (x.dim() - 2) + [front, back]
+        return F.pad(x, pad).unfold(1, span, size)
+
+    q_blocks = F.pad(q, (0, 0, 0, 0, 0, back)).view(batch, blocks, size, heads, head_dim)
+    scores = torch.cat([
+        torch.einsum("bnchd,bshd->bnhcs", q_blocks, k_sink),
+        torch.einsum("bnchd,bnhds->bnhcs", q_blocks, spans(k)),
+    ], dim=-1) * scale  # [B, N, H, C, S + span]
+
+    # Query t = nC + c sees key j of its span (position nC − front + j) iff c ≤ j ≤ c + front: inside the window
+    # and not in the future, the same band for every block; pads at either end are not window keys.
+    c = torch.arange(size, device=q.device)[:, None]
+    j = torch.arange(span, device=q.device)
+    in_range = spans(window_keys)[:, :, None, :] & ((c <= j) & (j <= c + front))  # [B, N, C, span]
+    t = torch.arange(blocks * size, device=q.device).view(blocks, size)
+    sinks_seen = sink_ok[:, None, None, :] & (sink_pos[:, None, None, :] <= t[..., None])  # [B, N, C, S]
+    allowed = torch.cat([sinks_seen, in_range], dim=-1)[:, :, None]  # [B, N, 1, C, S + span]
+    scores = scores.masked_fill(~allowed, -torch.inf)
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(top.isfinite(), top, 0.0)  # a pad query has an empty window: keep exp(−inf − c) = 0
+    weights = (scores - top).exp()
+    sink_count = k_sink.shape[1]
+    out = (torch.einsum("bnhcs,bshv->bnchv", weights[..., :sink_count], v_sink)
+           + torch.einsum("bnhcs,bnhvs->bnchv", weights[..., sink_count:], spans(values)))
+    return out.reshape(batch, blocks * size, heads, -1)[:, :length]

@@ -24,11 +24,12 @@ from .backends import BACKENDS
 
 NORM_EPS = 1e-6  # added to the denominator of normalised linear attention
 CHUNK_SIZE = 64  # tokens per chunk of the chunked backends (torch and Triton)
-# "auto" runs the chunked Triton kernels on a GPU only where some head dim they tile reaches this. On the first GPU
-# run (an H200, Triton 3.6.0) every kernel fault came from inputs whose head dims were all below it: illegal memory
-# accesses in the forward output kernel, at the sizes where the kernels also tune over 4-warp and 3-stage configs
-# (`ops_triton_common.spill_free`); with a head dim of 64 or more none was seen (docs/design.md, "The first GPU
-# run"). Below it "auto" takes the torch backend; backend="triton" still runs the kernels.
+# "auto" runs the chunked Triton kernels on a GPU only where some head dim they tile reaches this. On the first two GPU
+# runs (an H200, Triton 3.6.0) every kernel fault came from inputs whose head dims were all below it: illegal memory
+# accesses from 8-warp launches, which the kernels no longer make there (`ops_triton_common.usable_configs`); with a
+# head dim of 64 or more none was seen (docs/design.md, "The first GPU run", "The second GPU run"). Until a GPU run
+# passes every Triton test with the 4-warp launches, "auto" takes the torch backend below it; backend="triton" still
+# runs the kernels.
 AUTO_TRITON_MIN_HEAD_DIM = 64
 # Set to "1" to run the input checks that read tensor values (one host sync each) on every device, not just CPU.
 CHECK_VALUES_ENV = "HF_LINEAR_ATTN_CHECK_VALUES"

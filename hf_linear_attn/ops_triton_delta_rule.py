@@ -64,12 +64,12 @@ from .ops_triton_common import (
     dot,
     load_decay,
     load_tile,
-    spill_free,
     start_state_pass,
     state_base,
     store_tile,
     tl,
     triton,
+    usable_configs,
 )
 from .ops_triton_linear import chunk_output
 
@@ -101,7 +101,7 @@ def _strictly_lower(CHUNK: tl.constexpr):
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _ut_transform_kernel(
     k, v, beta, b, inverse, w_k, w_v, chunk_info,
@@ -147,7 +147,7 @@ def _ut_transform_kernel(
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _delta_state_pass_kernel(
     k, w_k, w_v, b, init, states, pseudo_values, seq_info,
@@ -182,7 +182,7 @@ def _delta_state_pass_kernel(
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _delta_reverse_state_pass_kernel(
     q, k, do, w_k, b, d_final, dstates, d_pseudo_values, seq_info, scale,
@@ -224,7 +224,7 @@ def _delta_reverse_state_pass_kernel(
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _delta_score_grads_kernel(
     k, v, beta, b, do, pseudo_values, d_pseudo_values, inverse, dv, score_grads, dbeta_parts, db_parts, chunk_info,
@@ -280,7 +280,7 @@ def _delta_score_grads_kernel(
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _delta_chunk_dqk_kernel(
     q, k, beta, b, do, pseudo_values, d_rhs_values, score_grads, states, dstates, dq, dk, dbeta_parts, db_parts,

@@ -58,13 +58,13 @@ from .ops_triton_common import (
     load_decay,
     load_tile,
     packed_chunks,
-    spill_free,
     start_state_pass,
     state_base,
     store_tile,
     tile_offsets,
     tl,
     triton,
+    usable_configs,
 )
 
 __all__ = ["chunk_output", "linear_sums", "triton_linear_attention"]
@@ -79,14 +79,16 @@ DQK_VALUE_WIDTHS = (64, 128)
 
 
 def _dqk_configs() -> list:
-    """Launch configurations of `_chunk_dqk_kernel`: 8 warps, 2 stages and a BLOCK_V for V, see `_dqk_value_blocks`
-    (an sm_90 compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, with 128-wide K blocks, and with 3
-    stages when the V loop runs more than once). One under the interpreter."""
+    """Launch configurations of `_chunk_dqk_kernel`: a BLOCK_V for V, see `_dqk_value_blocks`, at 8 warps and 2
+    stages (an sm_90 compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, with 128-wide K blocks, and
+    with 3 stages when the V loop runs more than once), and for head dims below 64 the 64-wide block at 4 warps (8
+    faulted there, see `ops_triton_common.usable_configs`). One under the interpreter."""
     if not HAS_TRITON:
         return []
     if INTERPRET:
         return [triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=2) for bv in DQK_VALUE_WIDTHS]
+    return [*(triton.Config({"BLOCK_V": bv}, num_warps=8, num_stages=2) for bv in DQK_VALUE_WIDTHS),
+            triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=2)]
 
 
 def _dqk_value_width(value_dim: int, element_size: int) -> int:
@@ -106,9 +108,11 @@ def _dqk_key_width(key_dim: int, value_dim: int, extra_terms: bool) -> int:
 
 
 def _dqk_value_blocks(configs: list, named_args: dict, **kwargs) -> list:
-    """The config the autotuner may pick for this V (`_dqk_value_width`); any under the interpreter."""
+    """The config the autotuner may pick for this K and V: `_dqk_value_width`'s block, at the warps of
+    `usable_configs`; any under the interpreter."""
     width = _dqk_value_width(kwargs["V"], named_args["q"].element_size())
-    return [c for c in configs if INTERPRET or c.kwargs["BLOCK_V"] == width]
+    warps = {c.num_warps for c in usable_configs(autotune_configs(), named_args, K=kwargs["K"], V=kwargs["V"])}
+    return [c for c in configs if INTERPRET or (c.kwargs["BLOCK_V"] == width and c.num_warps in warps)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,7 +154,7 @@ def _sub_chunk_grads(dA_diagonal, q_rows, k_rows, b_rows, SUB: tl.constexpr):
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY", "REVERSE", "HAS_INIT", "work_bucket"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _state_pass_kernel(
     outer_k, outer_v, b, init, states, last, seq_info, outer_k_scale, work_bucket,
@@ -200,7 +204,8 @@ def _state_pass_kernel(
     store_tile(state_base(last, tl.program_id(2) // H, h, H, K, V), state, kk, K, V, vv, V)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "BLOCK_K"], prune_configs_by={"early_config_prune": spill_free})
+@triton.autotune(configs=autotune_configs(), key=["K", "BLOCK_K"],
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _vector_scores_kernel(
     q, k, b, scores, chunk_info, scale,
@@ -244,7 +249,7 @@ def _vector_scores_kernel(
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "DECAY", "TRANSPOSE", "HAS_STATE"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _chunk_output_kernel(
     row_k, col_k, col_v, b, scores, states, out, norm_states, den, chunk_info, row_scale, col_scale,
@@ -399,7 +404,7 @@ def _chunk_dqk_kernel(
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "BLOCK_K", "DECAY_GRAD"],
-                 prune_configs_by={"early_config_prune": spill_free})
+                 prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _vector_grads_kernel(
     q, k, log_decay, b, dA, dq_state, dk_state, state_term, dq, dk, d_log_decay, chunk_info, scale,

@@ -27,11 +27,11 @@ from .ops_triton_common import (
     dot,
     load_tile,
     real_token_bounds,
-    spill_free,
     store_tile,
     tile_offsets,
     tl,
     triton,
+    usable_configs,
 )
 from .ops_triton_linear import linear_sums
 
@@ -95,7 +95,7 @@ def _window_setup(bounds, sinks, H: tl.constexpr):
     return pid, row, h, lo, hi, tl.minimum(lo + sinks, hi)
 
 
-@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": spill_free})
+@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _window_fwd_kernel(
     q, k, v, num, den, row_max, row_argmax, bounds, scale, T, window, sinks,
@@ -161,7 +161,7 @@ def _window_load_row_grads(dnum, dden, row_max, row_argmax, d_max, token0, t, T,
             tl.load(row_argmax + stats, mask=t < T, other=0), tl.load(d_max + stats, mask=t < T, other=0.0))
 
 
-@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": spill_free})
+@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _window_dq_kernel(
     q, k, v, dnum, dden, row_max, row_argmax, d_max, dq, bounds, scale, T, window, sinks,
@@ -220,7 +220,7 @@ def _window_reach(i, window, BLOCK_N: tl.constexpr):
     return (i // BLOCK_N) * BLOCK_N + BLOCK_N - 1 + window
 
 
-@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": spill_free})
+@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _window_dkdv_kernel(
     q, k, v, dnum, dden, row_max, row_argmax, d_max, sink_dk, sink_dv, dk, dv, bounds, scale, T, window, sinks,
@@ -268,7 +268,7 @@ def _window_dkdv_kernel(
     store_tile(dv + (token0 * H + h) * V, dv_acc, i, T, H * V, vv, V)
 
 
-@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": spill_free})
+@triton.autotune(configs=autotune_configs(), key=["D", "V"], prune_configs_by={"early_config_prune": usable_configs})
 @triton.jit
 def _window_sink_dkdv_kernel(
     q, k, v, dnum, dden, row_max, row_argmax, d_max, sink_dk, sink_dv, bounds, scale, T, window, sinks, slice_blocks,

@@ -75,7 +75,7 @@ def test_kernel_report_dry(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the report compiles Triton kernels")
 def test_kernel_report_pruned_configs_do_not_spill(tmp_path, monkeypatch):
-    """What the pruners (`_spill_free`, `_dqk_value_blocks`) and the launchers' block sizes leave compiles for sm_90
+    """What the pruners (`usable_configs`, `_dqk_value_blocks`) and the launchers' block sizes leave compiles for sm_90
     without spilling registers at head dim 64, with at least one config per specialization: the dq/dk kernel in every
     decay mode with and without normalize's extra value column and in the window's linear part, the per-key-dim
     decay's gradient kernel and the window's backward kernels (the sinks' one included)."""

@@ -168,16 +168,21 @@ def test_decay_gradient_in_the_kernels_only_when_needed(launches, decay, dtype, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_gpu_launch_keeps_an_autotune_config(monkeypatch, dtype):
     """With the GPU's configs (not the interpreter's single one) each pruner leaves the autotuner a config at every
-    head dim 1-256: an H200 run found the dq / dk pruner leaving none for 16-bit inputs at V ≤ 32."""
+    head dim 1-256 (an H200 run found the dq / dk pruner leaving none for 16-bit inputs at V ≤ 32), and only the
+    warps that ran there: 8 where a head dim reaches 64, 4 below (8 faulted at K = 20, V = 7)."""
     for module in (ops_triton_common, ops_triton_linear):
         monkeypatch.setattr(module, "INTERPRET", False)
     general, dqk = ops_triton_common.autotune_configs(), ops_triton_linear._dqk_configs()
     assert {config.kwargs["BLOCK_V"] for config in dqk} == set(ops_triton_linear.DQK_VALUE_WIDTHS)
     q = torch.empty(1, dtype=dtype)
     for dim in range(1, 257):
+        warps = 8 if dim >= 64 else 4
         for name in ("K", "D", "V"):
-            assert ops_triton_common.spill_free(general, {}, **{name: dim}), (name, dim)
-        assert len(ops_triton_linear._dqk_value_blocks(dqk, {"q": q}, K=dim, V=dim)) == 1, dim
+            kept = ops_triton_common.usable_configs(general, {}, **{name: dim})
+            assert kept and {config.num_warps for config in kept} == {warps}, (name, dim)
+        for key_dim, value_dim in ((dim, dim), (dim, 8), (8, dim)):
+            kept = ops_triton_linear._dqk_value_blocks(dqk, {"q": q}, K=key_dim, V=value_dim)
+            assert len(kept) == 1 and kept[0].num_warps == warps, (key_dim, value_dim)
 
 
 @pytest.mark.parametrize("decay", [None, "scalar", "vector"])
