@@ -293,7 +293,7 @@ def _window_softmax(
     allowed = torch.cat([sinks_seen, in_range], dim=-1)[:, :, None]  # [B, N, 1, C, S + span]
     scores = scores.masked_fill(~allowed, -torch.inf)
     top = scores.amax(-1, keepdim=True)
-    top = torch.where(top.isfinite(), top, 0.0)  # a pad query has an empty window: keep exp(−inf − c) = 0
+    top = torch.where(top.isfinite(), top, 0.0)  # a pad query has an empty window: keep exp(−inf − top) = 0
     weights = (scores - top).exp()
     sink_count = k_sink.shape[1]
     out = (torch.einsum("bnhcs,bshv->bnchv", weights[..., :sink_count], v_sink)

@@ -80,16 +80,20 @@ def autotune_configs() -> list:
     return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
 
 
-def usable_configs(configs: list, named_args: dict, **kwargs) -> list:
-    """The configs the autotuner may pick for the kernels tuned over `autotune_configs()`, by the widest head dim
-    they tile (K, D or V): at 64 or more only 8 warps and 2 stages (an sm_90 compile spills registers with 4 warps or
-    3 stages, up to 2 KB in the linear kernels and 8 KB in the window and delta-rule ones); below 64 only 4 warps.
+def launch_warps(**head_dims: int) -> int:
+    """Warps of every GPU launch, by the widest head dim it tiles (K, D or V): 8 at 64 or more (with 4, an sm_90
+    compile spills registers, up to 2 KB in the linear kernels and 8 KB in the window and delta-rule ones), 4 below.
     On an H200 (Triton 3.6) the linear kernels at K = 20, V = 7 stopped with an illegal memory access whenever they
-    ran with 8 warps (2 or 3 stages) and ran with 4 (docs/design.md, "The second GPU run"). All of them under the
-    interpreter."""
+    ran with 8 warps (2 or 3 stages) and ran with 4 (docs/design.md, "The second GPU run")."""
+    return 8 if max(head_dims.get(name, 0) for name in ("K", "D", "V")) >= 64 else 4
+
+
+def usable_configs(configs: list, named_args: dict, **kwargs) -> list:
+    """The configs the autotuner may pick for the kernels tuned over `autotune_configs()`: `launch_warps`' warps,
+    and at 8 warps only 2 stages (3 spill registers); all of them under the interpreter."""
     if INTERPRET:
         return configs
-    warps = 8 if max(kwargs.get(name, 0) for name in ("K", "D", "V")) >= 64 else 4
+    warps = launch_warps(**kwargs)
     return [c for c in configs if c.num_warps == warps and (warps == 4 or c.num_stages == 2)]
 
 

@@ -55,6 +55,7 @@ from .ops_triton_common import (
     chunk_cumsum,
     decay_mode,
     dot,
+    launch_warps,
     load_decay,
     load_tile,
     packed_chunks,
@@ -82,7 +83,7 @@ def _dqk_configs() -> list:
     """Launch configurations of `_chunk_dqk_kernel`: a BLOCK_V for V, see `_dqk_value_blocks`, at 8 warps and 2
     stages (an sm_90 compile at K = V = 128 spills registers with 4 warps, up to 1.8 KB, with 128-wide K blocks, and
     with 3 stages when the V loop runs more than once), and for head dims below 64 the 64-wide block at 4 warps (8
-    faulted there, see `ops_triton_common.usable_configs`). One under the interpreter."""
+    faulted there, see `ops_triton_common.launch_warps`). One under the interpreter."""
     if not HAS_TRITON:
         return []
     if INTERPRET:
@@ -108,11 +109,11 @@ def _dqk_key_width(key_dim: int, value_dim: int, extra_terms: bool) -> int:
 
 
 def _dqk_value_blocks(configs: list, named_args: dict, **kwargs) -> list:
-    """The config the autotuner may pick for this K and V: `_dqk_value_width`'s block, at the warps of
-    `usable_configs`; any under the interpreter."""
+    """The config the autotuner may pick for this K and V: `_dqk_value_width`'s block at `launch_warps`' warps; any
+    under the interpreter."""
     width = _dqk_value_width(kwargs["V"], named_args["q"].element_size())
-    warps = {c.num_warps for c in usable_configs(autotune_configs(), named_args, K=kwargs["K"], V=kwargs["V"])}
-    return [c for c in configs if INTERPRET or (c.kwargs["BLOCK_V"] == width and c.num_warps in warps)]
+    warps = launch_warps(K=kwargs["K"], V=kwargs["V"])
+    return [c for c in configs if INTERPRET or (c.kwargs["BLOCK_V"] == width and c.num_warps == warps)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
