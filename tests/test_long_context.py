@@ -37,7 +37,16 @@ from training.long_context_metrics import (
     perplexity_by_context,
     perplexity_windows,
 )
-from training.measure import cache_bytes, cache_bytes_by_context, cache_memory, new_cache, prefill
+from training.measure import (
+    cache_bytes,
+    cache_bytes_by_context,
+    cache_memory,
+    decode_times,
+    extend_cache,
+    extension_period,
+    new_cache,
+    prefill,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 259  # the byte-level tokenizer's
@@ -486,6 +495,62 @@ def test_layout_cache_bytes_equal_those_of_a_prefilled_hybrid_with_softmax_layer
     assert layout[2] > layout[1] > layout[0]  # the softmax layer's keys and values grow with the context
     rows = cache_memory(model.config.to_dict() | {"dtype": str(dtype).removeprefix("torch.")}, tuple(contexts))
     assert [r["linear_bytes"] for r in rows] == layout
+
+
+def cache_layout(cache) -> list[tuple]:
+    """Per layer: its class, positions seen and the shape of every tensor it holds (by name)."""
+    rows = []
+    for layer in cache.layers:
+        tensors = layer.tensors() if hasattr(layer, "tensors") else {"keys": layer.keys, "values": layer.values}
+        rows.append((type(layer).__name__, layer.get_seq_length(),
+                     {name: tuple(t.shape) for name, t in tensors.items()}))
+    return rows
+
+
+# Models whose cache `extend_cache` extends, with the period of their cache's bookkeeping: lcm(8, 8 + 64, 64) for the
+# window of 8 with a sparse memory (its ring keeps a memory block more), the window for the delta-rule window, 1 for
+# caches without a ring.
+EXTENDED_MODELS = {
+    "window-memory-heads": (lambda: tiny_model(
+        vocab_size=VOCAB, num_hidden_layers=3, window_size=8, num_sink_tokens=2, decay="scalar", sparse_cache_size=16,
+        softmax_layers=[2], softmax_heads={0: [1]}), 576),
+    "delta-window-heads": (lambda: tiny_model(
+        vocab_size=VOCAB, num_hidden_layers=2, window_size=8, num_sink_tokens=2, update_rule="delta",
+        feature_map="elu", normalize=False, decay="scalar", softmax_heads={1: [0]}), 8),
+    "linear-conv": (lambda: tiny_model(vocab_size=VOCAB, num_hidden_layers=2, decay="vector", conv_size=4,
+                                       softmax_layers=[0]), 1),
+    "llama": (byte_llama, 1),
+}
+
+
+@pytest.mark.parametrize(("build", "period"), EXTENDED_MODELS.values(), ids=EXTENDED_MODELS.keys())
+def test_an_extended_cache_has_the_layout_of_a_real_prefill_and_decodes_like_it(build, period):
+    model = build()
+    cache = new_cache(model)
+    assert extension_period(cache) == period
+    head, extra = 21, 3 * period
+    logits = prefill(model, cache, head, chunk=16)
+    extend_cache(cache, extra)
+    real = new_cache(model)
+    real_logits = prefill(model, real, head + extra, chunk=16)
+    assert cache_layout(cache) == cache_layout(real)  # positions seen included: each ring slot is where it is real
+    assert cache_bytes(cache) == cache_bytes(real)
+    decode_times(model, cache, logits, 3)  # decode steps run on it and grow it as on the real one
+    decode_times(model, real, real_logits, 3)
+    assert cache_layout(cache) == cache_layout(real)
+
+
+def test_extending_a_cache_refuses_what_it_cannot_keep_consistent():
+    model = EXTENDED_MODELS["window-memory-heads"][0]()
+    cache = new_cache(model)
+    prefill(model, cache, 10, chunk=16)
+    with pytest.raises(ValueError, match="multiple of its period 576"):
+        extend_cache(cache, 64)
+    sliding = byte_mistral(sliding_window=8)
+    cache = new_cache(sliding)
+    prefill(sliding, cache, 10, chunk=16)
+    with pytest.raises(TypeError, match="DynamicSlidingWindowLayer"):
+        extend_cache(cache, 8)
 
 
 def byte_mistral(sliding_window: int) -> MistralForCausalLM:

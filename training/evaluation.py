@@ -18,7 +18,8 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
   key's mean log-probability with its standard error over trials, and the share of its tokens that are the
   argmax; for the models of `passkey_models` (default all), as it is the expensive part;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
-  (`training.measure`), for the models of `decode_models` (default all).
+  (`training.measure.decode_profile`: a context longer than `decode_prefilled` tokens is a real prefill of about
+  that many, extended to its length by shape), for the models of `decode_models` (default all).
 With `sparse_cache_sizes`, the models of `memory_models` (default all; window hybrids) are measured again with a
 sparse exact memory of each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M"; with
 `softmax_head_counts`, again with N more KV heads restored to softmax (`restore_softmax_heads`, training-free),
@@ -138,8 +139,12 @@ class EvaluateArguments:
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
     decode_models: list[str] | None = field(default=None, metadata={
         "help": "Labels whose decode latency and cache are measured (teacher, model labels); default: all."})
-    decode_tokens: int = field(default=8, metadata={"help": "Decode steps timed after each context."})
+    decode_tokens: int = field(default=32, metadata={"help": "Decode steps timed after each context (the median)."})
     prefill_chunk: int = 1024
+    decode_prefilled: int = field(default=1024, metadata={
+        "help": "A decode context up to this many tokens is prefilled for real; a longer one prefills about this "
+                "many and is extended to its length by shape (training.measure.extend_cache: the decode step does the "
+                "same work; a real prefill of 16K tokens is minutes of CPU)."})
     seed: int = field(default=0, metadata={"help": "Seed of the passkey trials (keys, haystack offsets)."})
     output_dir: str = "outputs/evaluate"
     update_model_cards: bool = field(
@@ -271,7 +276,8 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
         raise ValueError("softmax_head_counts with head_ranking teacher needs --teacher, whose heads are ranked; "
                          "give it or rank with --head_ranking restoration")
     for name in ("max_eval_rows", "eval_batch_size", "document_tokens", "documents_per_source",
-                 "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk", "head_ranking_prompts"):
+                 "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk", "decode_prefilled",
+                 "head_ranking_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
     if args.baseline_window < 0 or args.baseline_sinks < 0 or args.passkey_trials < 0:
@@ -398,7 +404,8 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         if label in head_variants or label not in decode_models:  # a head variant decodes as its model does
             progress(f"{label}: done")
             continue
-        profile = decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk)
+        profile = decode_profile(model, args.decode_contexts, args.decode_tokens, args.prefill_chunk,
+                                 args.decode_prefilled)
         for entry, cache_bytes in zip(profile, cache_bytes_by_context(model, args.decode_contexts), strict=True):
             decode.append({"model": label, "context": entry["context"], "cache_bytes": cache_bytes,
                            "ms_per_token": entry["ms_per_token"]})

@@ -10,15 +10,24 @@ record them too; they need only torch, transformers and `hf_linear_attn`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import hf_linear_attn
+from hf_linear_attn.cache_linear_attention import (
+    GrowingLayer,
+    LinearStateLayer,
+    SoftmaxHeadsState,
+    SparseWindowStateLayer,
+    WindowStateLayer,
+)
+from hf_linear_attn.ops_sparse_memory import MEMORY_BLOCK_SIZE
 
 CACHE_CONTEXTS = (512, 4096)
 
@@ -61,13 +70,59 @@ def decode_times(model: PreTrainedModel, cache, logits: torch.Tensor, steps: int
     return times
 
 
-def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chunk: int) -> list[dict[str, Any]]:
-    """Per context length: the median ms of `steps` decode steps after prefilling it (the cache bytes at a
-    context are `cache_bytes_by_context`'s, from the layout, without a prefill)."""
+def extension_period(cache) -> int:
+    """The positions by which a cache's bookkeeping repeats: every window layer's ring slot (position mod its ring
+    size) and, with a sparse memory, the block that ends (position mod MEMORY_BLOCK_SIZE) are the same after any
+    multiple of it (1 for a cache without windows)."""
+    sizes = [layer.ring_size for layer in cache.layers if isinstance(layer, WindowStateLayer)]
+    sizes += [MEMORY_BLOCK_SIZE for layer in cache.layers if isinstance(layer, SparseWindowStateLayer)]
+    return math.lcm(1, *sizes)
+
+
+def repeated(x: torch.Tensor, positions: int) -> torch.Tensor:
+    """`positions` positions of keys or values `x` [B, H, T, D]: its own T positions over and over."""
+    return x.repeat(1, 1, -(-positions // x.shape[2]), 1)[:, :, :positions]
+
+
+def extend_cache(cache, positions: int) -> None:
+    """Make a prefilled `cache` (`new_cache`) hold `positions` more positions, by shape: every growing key/value
+    tensor (softmax layers, softmax heads) gets `positions` more of its own positions repeated, and every
+    position counter advances by as many (`positions` a multiple of `extension_period`, so each ring slot and
+    memory block stays where a real prefill would leave it). The values are not those a real prefill of the
+    longer context would leave, the shapes, positions and bookkeeping are: a decode step does the same work on
+    it. Raises TypeError for a cache layer of another kind (its bookkeeping is not known here)."""
+    period = extension_period(cache)
+    if positions % period:
+        raise ValueError(f"a cache is extended by a multiple of its period {period} positions, got {positions}")
+    for layer in cache.layers:
+        if isinstance(layer, LinearStateLayer):
+            if isinstance(layer, SoftmaxHeadsState):
+                layer.update_softmax_heads(repeated(layer.head_keys, positions),
+                                           repeated(layer.head_values, positions))
+            layer.seen.add_(positions)
+        elif type(layer) in (DynamicLayer, GrowingLayer):
+            layer.update(repeated(layer.keys, positions), repeated(layer.values, positions))
+        else:
+            raise TypeError(f"extend_cache: no rule for a {type(layer).__name__} cache layer")
+
+
+def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chunk: int,
+                   prefilled: int) -> list[dict[str, Any]]:
+    """Per context length: the median ms of `steps` decode steps with a cache of that many positions (the cache
+    bytes at a context are `cache_bytes_by_context`'s, from the layout, without a prefill). A context up to
+    `prefilled` tokens is prefilled for real (in chunks of `chunk`); a longer one prefills about `prefilled` and
+    extends the cache to the context by shape (`extend_cache`): a decode step's cost depends on the cache's shapes,
+    not its values, and a real prefill of 16K tokens took SmolLM2-135M about 2 minutes on 2 CPU cores (its
+    attention alone is ~9 TFLOP), for decode steps that time the same on either cache (docs/design.md, "Decode
+    after a long context, measured by shape")."""
     rows = []
     for context in contexts:
         cache = new_cache(model)
-        logits = prefill(model, cache, context, chunk)
+        period = extension_period(cache)
+        extra = max(0, context - prefilled) // period * period
+        logits = prefill(model, cache, context - extra, chunk)
+        if extra:
+            extend_cache(cache, extra)
         ms = 1000 * sorted(decode_times(model, cache, logits, steps))[steps // 2]
         rows.append({"context": context, "ms_per_token": ms})
     return rows
