@@ -35,6 +35,7 @@ from __future__ import annotations
 from training.checkpoint_conversion import ConversionArguments, convert_checkpoint
 from training.command_line import exit_on_bad_input
 from training.data import DataArguments
+from training.host_memory import keep_freed_memory
 from training.recipes import parse_recipe_args
 
 
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ConversionArguments, Data
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # this process runs one job: reuse freed host memory (training.host_memory)
     args, data_args = parse_args(argv)
     with exit_on_bad_input():
         convert_checkpoint(args, data_args)

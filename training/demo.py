@@ -56,6 +56,7 @@ from training.evaluation import (
     variant_label,
     write_evaluation,
 )
+from training.host_memory import keep_freed_memory
 from training.hub import HubArguments
 from training.long_context_data import DEFAULT_DATA_DIR, check_texts
 from training.loop import TrainArguments
@@ -206,6 +207,7 @@ def evaluation_arguments(args: DemoArguments, folder: str, models: dict[str, Pat
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # this process runs one job: reuse freed host memory (training.host_memory)
     args = parse_recipe_args(DemoArguments, argv, default_recipe=DEFAULT_RECIPE)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.output_dir)

@@ -23,10 +23,12 @@ from __future__ import annotations
 from training.command_line import exit_on_bad_input
 from training.data import DataArguments
 from training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
+from training.host_memory import keep_freed_memory
 from training.recipes import parse_recipe_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # this process runs one job: reuse freed host memory (training.host_memory)
     args, data_args = parse_recipe_args((EvaluateArguments, DataArguments), argv)
     with exit_on_bad_input():
         write_evaluation(evaluate_models(args, data_args), args, data_args)
