@@ -41,6 +41,7 @@ from training.measure import (
     cache_bytes,
     cache_bytes_by_context,
     cache_memory,
+    decode_profile,
     decode_times,
     extend_cache,
     extension_period,
@@ -549,8 +550,16 @@ def test_extending_a_cache_refuses_what_it_cannot_keep_consistent():
     sliding = byte_mistral(sliding_window=8)
     cache = new_cache(sliding)
     prefill(sliding, cache, 10, chunk=16)
+    before = cache_layout(cache)
     with pytest.raises(TypeError, match="DynamicSlidingWindowLayer"):
         extend_cache(cache, 8)
+    assert cache_layout(cache) == before  # refused before any layer changed
+
+
+def test_decode_is_timed_after_a_real_prefill_where_the_cache_cannot_be_extended():
+    sliding = byte_mistral(sliding_window=8)
+    [row] = decode_profile(sliding, [40], steps=2, chunk=16, prefilled=16)
+    assert row["context"] == 40 and row["ms_per_token"] > 0
 
 
 def byte_mistral(sliding_window: int) -> MistralForCausalLM:

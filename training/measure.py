@@ -84,26 +84,35 @@ def repeated(x: torch.Tensor, positions: int) -> torch.Tensor:
     return x.repeat(1, 1, -(-positions // x.shape[2]), 1)[:, :, :positions]
 
 
+def extendable(cache) -> bool:
+    """Whether `extend_cache` knows the bookkeeping of every layer of `cache`: this package's state layers and
+    transformers' growing `DynamicLayer` (not, for one, a sliding-window layer, which drops old positions)."""
+    return all(isinstance(layer, LinearStateLayer) or type(layer) in (DynamicLayer, GrowingLayer)
+               for layer in cache.layers)
+
+
 def extend_cache(cache, positions: int) -> None:
     """Make a prefilled `cache` (`new_cache`) hold `positions` more positions, by shape: every growing key/value
     tensor (softmax layers, softmax heads) gets `positions` more of its own positions repeated, and every
     position counter advances by as many (`positions` a multiple of `extension_period`, so each ring slot and
     memory block stays where a real prefill would leave it). The values are not those a real prefill of the
     longer context would leave, the shapes, positions and bookkeeping are: a decode step does the same work on
-    it. Raises TypeError for a cache layer of another kind (its bookkeeping is not known here)."""
+    it. Raises, before changing anything, ValueError for another number of positions and TypeError for a cache
+    with a layer of another kind (`extendable`)."""
     period = extension_period(cache)
     if positions % period:
         raise ValueError(f"a cache is extended by a multiple of its period {period} positions, got {positions}")
+    if not extendable(cache):
+        kinds = sorted({type(layer).__name__ for layer in cache.layers})
+        raise TypeError(f"extend_cache knows this package's state layers and DynamicLayer, not all of {kinds}")
     for layer in cache.layers:
         if isinstance(layer, LinearStateLayer):
             if isinstance(layer, SoftmaxHeadsState):
                 layer.update_softmax_heads(repeated(layer.head_keys, positions),
                                            repeated(layer.head_values, positions))
             layer.seen.add_(positions)
-        elif type(layer) in (DynamicLayer, GrowingLayer):
-            layer.update(repeated(layer.keys, positions), repeated(layer.values, positions))
         else:
-            raise TypeError(f"extend_cache: no rule for a {type(layer).__name__} cache layer")
+            layer.update(repeated(layer.keys, positions), repeated(layer.values, positions))
 
 
 def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chunk: int,
@@ -111,15 +120,15 @@ def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chun
     """Per context length: the median ms of `steps` decode steps with a cache of that many positions (the cache
     bytes at a context are `cache_bytes_by_context`'s, from the layout, without a prefill). A context up to
     `prefilled` tokens is prefilled for real (in chunks of `chunk`); a longer one prefills about `prefilled` and
-    extends the cache to the context by shape (`extend_cache`): a decode step's cost depends on the cache's shapes,
-    not its values, and a real prefill of 16K tokens took SmolLM2-135M about 2 minutes on 2 CPU cores (its
-    attention alone is ~9 TFLOP), for decode steps that time the same on either cache (docs/design.md, "Decode
-    after a long context, measured by shape")."""
+    extends the cache to the context by shape (`extend_cache`; a cache it cannot extend is prefilled for real):
+    a decode step's cost depends on the cache's shapes, not its values, and a real prefill of 16K tokens took
+    SmolLM2-135M about 2 minutes on 2 CPU cores (its attention alone is ~9 TFLOP), for decode steps that time the
+    same on either cache (docs/design.md, "Decode after a long context, measured by shape")."""
     rows = []
     for context in contexts:
         cache = new_cache(model)
         period = extension_period(cache)
-        extra = max(0, context - prefilled) // period * period
+        extra = max(0, context - prefilled) // period * period if extendable(cache) else 0
         logits = prefill(model, cache, context - extra, chunk)
         if extra:
             extend_cache(cache, extra)
