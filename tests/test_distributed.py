@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,9 +54,32 @@ def launch(engine: str, processes: int, script: str, *args: str, machine: tuple[
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def finish(process: subprocess.Popen) -> None:
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr[-4000:]
+def finish(*processes: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait for every launch, all within `timeout` seconds, reading the stderr of each as it comes (one thread a
+    launch: a launch blocked on writing to a full pipe would stall the others, whose collectives wait for it); fail
+    unless each exits 0, with the end of each one's stderr. On a timeout every launch still running is killed (its
+    whole session) first, so that no process is left behind."""
+    stderr: list[str] = [""] * len(processes)
+
+    def drain(index: int) -> None:
+        stderr[index] = processes[index].communicate()[1]
+
+    readers = [threading.Thread(target=drain, args=(index,), daemon=True) for index in range(len(processes))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if any(reader.is_alive() for reader in readers):
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        for reader in readers:
+            reader.join()
+    codes = [process.wait() for process in processes]
+    assert codes == [0] * len(processes), "\n".join(
+        f"launch {index}: exit status {code}\n{text[-3000:]}"
+        for index, (code, text) in enumerate(zip(codes, stderr, strict=True)))
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -161,8 +185,7 @@ def test_multi_node_fsdp2_as_two_machines_on_this_one(one_process, tmp_path, dat
     out, port = tmp_path / "run", free_port()
     machines = [launch("multi-node-fsdp2", 2, "finetune.py", *tiny_args(out, dataset_cache, *STEPS, *geometry(2)),
                        machine=(rank, port)) for rank in (0, 1)]
-    for machine in machines:
-        finish(machine)
+    finish(*machines)
     assert_same_run(out, one_process)
     # the recipe keeps the newest 2
     assert [p.name for p in checkpoints.complete_checkpoints(out)] == ["checkpoint-6", "checkpoint-8"]
