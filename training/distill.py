@@ -25,14 +25,12 @@ from __future__ import annotations
 
 from training.command_line import exit_on_bad_input
 from training.data import DataArguments
-from training.host_memory import keep_freed_memory
 from training.loop import TrainArguments
 from training.recipes import parse_recipe_args
 from training.stages import DistillArguments, distill
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_freed_memory()  # this process runs one job: reuse freed host memory (training.host_memory)
     args = parse_recipe_args((DistillArguments, DataArguments, TrainArguments), argv)
     with exit_on_bad_input():
         distill(*args)

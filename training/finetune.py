@@ -32,7 +32,6 @@ The run is `training.stages.finetune`; this script parses its arguments.
 from __future__ import annotations
 
 from training.command_line import exit_on_bad_input
-from training.host_memory import keep_freed_memory
 from training.recipes import parse_recipe_args
 from training.stages import FINETUNE_ARGUMENTS, FinetuneArguments, finetune
 
@@ -44,7 +43,6 @@ def parse_args(argv: list[str] | None = None) -> FinetuneArguments:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_freed_memory()  # this process runs one job: reuse freed host memory (training.host_memory)
     args = parse_args(argv)
     with exit_on_bad_input():
         finetune(args)

@@ -8,7 +8,8 @@ host anew). Served from malloc's heap instead, and the heap never trimmed, a fre
 Measured on a converted SmolLM2-135M (2,048 tokens, forward + backward, 2 CPU threads, the 2nd-4th steps of 3
 runs each, docs/design.md "Host memory"): 21-29 s a step by default, 13.5-18.5 s with it; the peak resident
 memory was the same (9.3-9.7 GB). What it costs: a process's resident memory does not shrink until it ends, so
-it is for commands that run one job and exit (the training, conversion and evaluation commands call it first),
+it is for commands that run one job in one process (the demo, conversion and evaluation commands call it first;
+not distill and finetune, which run under `accelerate launch`: see docs/design.md),
 never set on import of the library.
 """
 
