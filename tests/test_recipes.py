@@ -4,9 +4,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import save_with_tokenizer, teacher
+from transformers import AutoTokenizer
 
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
-from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from hf_linear_attn.layer_selection import parse_softmax_layers
 from training.checkpoint_conversion import ConversionArguments
 from training.data import DataArguments
@@ -149,3 +152,20 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
         "stage 1 + 2 softmax layers + 6 heads": tmp_path / "stage1-heads", "stage 2": tmp_path / "stage2"}
     assert demo.evaluation_arguments(layers, tmp_path / "teacher", models).passkey_models == ["teacher", "stage 2",
                                                                                   "stage 2 + 6 heads"]
+
+
+def test_the_demo_saves_its_teacher_as_a_checkpoint_with_the_same_logits(tmp_path):
+    """Stage 2 and the evaluation load the teacher the demo writes (`save_dequantized`: its weights in a fresh model,
+    since transformers refuses to save a GGUF-loaded one): the same weights, generation config and tokenizer."""
+    from training import demo
+    source = teacher("llama")
+    source.generation_config.max_new_tokens = 7
+    save_with_tokenizer(source, tmp_path / "source")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "source")
+    demo.save_dequantized(source, tokenizer, tmp_path / "teacher")
+    saved = load_teacher(str(tmp_path / "teacher")).eval()  # refuses missing, unexpected or mis-shaped weights
+    ids = torch.randint(3, 93, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(saved(ids).logits, source(ids).logits)
+    assert saved.generation_config.max_new_tokens == 7
+    assert AutoTokenizer.from_pretrained(tmp_path / "teacher")("w1 w2 w5").input_ids == tokenizer("w1 w2 w5").input_ids
