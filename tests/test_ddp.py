@@ -22,9 +22,10 @@ CONFIG = ROOT / "configs" / "accelerate" / "cpu_ddp_2proc.yaml"
 
 
 def launch_two_ranks(*worker_args: str) -> None:
-    """`tests/ddp_worker.py WORKER_ARGS` on two gloo ranks, as `accelerate launch` with the shipped config."""
-    command = [str(ACCELERATE), "launch", "--config_file", str(CONFIG), str(ROOT / "tests" / "ddp_worker.py"),
-               *worker_args]
+    """`tests/ddp_worker.py WORKER_ARGS` on two gloo ranks, as `accelerate launch` with the shipped config, on a free
+    port (0: accelerate picks one; on its default, launches of parallel test workers collide)."""
+    command = [str(ACCELERATE), "launch", "--config_file", str(CONFIG), "--main_process_port", "0",
+               str(ROOT / "tests" / "ddp_worker.py"), *worker_args]
     result = subprocess.run(command, cwd=ROOT, env=script_env(ACCELERATE_USE_CPU="1"), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -6,7 +6,6 @@ processes; every entry point (full fine-tuning, attention transfer, LoRA with a 
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from helpers import ROOT, read_log, save_with_tokenizer, script_env, teacher, tiny_args
+from helpers import ROOT, free_port, read_log, save_with_tokenizer, script_env, teacher, tiny_args
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -44,9 +43,12 @@ def launch(engine: str, processes: int, script: str, *args: str, machine: tuple[
            ) -> subprocess.Popen:
     """`accelerate launch` of `training/SCRIPT ARGS` with the shipped config of `engine` on `processes` CPU
     processes, in a session of its own (so a kill reaches every process); `machine` (rank, port): as that machine
-    of two on this one, the main one at 127.0.0.1:port."""
-    nodes = [] if machine is None else ["--num_machines", "2", "--machine_rank", str(machine[0]), "--main_process_ip",
-                                        "127.0.0.1", "--main_process_port", str(machine[1])]
+    of two on this one, the main one at 127.0.0.1:port. One machine listens on a free port that accelerate picks
+    (port 0): on its default, 29500, two launches of parallel test workers collided, the later one failing to
+    listen (EADDRINUSE) or its processes joining the other's rendezvous."""
+    nodes = ["--main_process_port", "0"] if machine is None else [
+        "--num_machines", "2", "--machine_rank", str(machine[0]), "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(machine[1])]
     command = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / CONFIGS[engine]),
                "--num_processes", str(processes), *nodes, "--mixed_precision", "no", str(ROOT / "training" / script),
                *args]
@@ -170,12 +172,6 @@ def test_deepspeed_zero_trains_saves_and_resumes_exactly(stage, one_process, tmp
     assert read_log(resumed) == read_log(out)
     for name, tensor in weights(out).items():
         assert torch.equal(weights(resumed)[name], tensor), name
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_multi_node_fsdp2_as_two_machines_on_this_one(one_process, tmp_path, dataset_cache):
