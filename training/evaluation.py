@@ -75,7 +75,7 @@ from training.long_context_metrics import (
     document_mask,
     passkey_scores,
     perplexity_by_context,
-    perplexity_windows,
+    perplexity_spans,
 )
 from training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
 from training.measure import cache_bytes_by_context, cache_memory, decode_profile
@@ -343,7 +343,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     documents = [] if texts is None else long_documents(tokenizer, texts, args.document_tokens,
                                                            args.documents_per_source)
     for context in args.long_contexts:  # raises now, not after the first models, when the documents are too few
-        perplexity_windows(documents, context, args.long_scored_tokens, args.long_min_rows)
+        perplexity_spans(documents, context, args.long_scored_tokens, args.long_min_rows)
     passkey_sets = {(length, haystack, variant): passkey_trials(
         tokenizer, documents, length, args.passkey_trials, haystack, variant, args.seed, args.passkey_keys)
         for length, haystack, variant in passkey_settings}

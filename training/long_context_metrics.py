@@ -162,8 +162,8 @@ def perplexity_by_context(models: dict[str, object], documents: list[LongDocumen
 
     Rows that start at the same token of a document, at different contexts, are scored from one forward of the
     longest of them: a causal model predicts a position from the tokens before it in its row only, so a shorter
-    row's losses are the longer row's at the same positions (at 256-4K with 2 documents, 10K tokens of forward
-    a model instead of 18K). The tests check this against one forward per row."""
+    row's losses are the longer row's at the same positions (the demo's 256-4K, 8 documents: 10K tokens of
+    forward a model instead of 18K). The tests check this against one forward per row."""
     spans = {context: perplexity_spans(documents, context, scored_tokens, min_rows) for context in contexts}
     reach: dict[tuple[int, int], tuple[int, int]] = {}  # (document, start) -> (end of the longest row, first scored)
     for context, starts in spans.items():
