@@ -1,5 +1,8 @@
 """Every recipe in configs/ parses with the dataclasses of the script it is written for."""
 
+import os
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -169,3 +172,26 @@ def test_the_demo_saves_its_teacher_as_a_checkpoint_with_the_same_logits(tmp_pat
         assert torch.equal(saved(ids).logits, source(ids).logits)
     assert saved.generation_config.max_new_tokens == 7
     assert AutoTokenizer.from_pretrained(tmp_path / "teacher")("w1 w2 w5").input_ids == tokenizer("w1 w2 w5").input_ids
+
+
+OFFLINE_PROBE = """
+import huggingface_hub.constants as hub
+from transformers.utils.hub import is_offline_mode
+from training.command_line import offline_by_default
+before = hub.is_offline_mode()
+offline_by_default()
+print(before, hub.is_offline_mode(), is_offline_mode())
+"""
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "False True True"), ("0", "False False False"),
+                                              ("1", "True True True")])
+def test_the_demo_and_tour_stay_offline_unless_told_otherwise(preset, expected):
+    # The demo and the tour call offline_by_default() in main(), after transformers (and with it huggingface_hub,
+    # which reads HF_HUB_OFFLINE once at import) is imported: setting the variable alone would leave the Hub online.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    if preset is not None:
+        env["HF_HUB_OFFLINE"] = preset
+    probe = subprocess.run([sys.executable, "-c", OFFLINE_PROBE], env=env, capture_output=True, text=True,
+                           cwd=CONFIGS.parent, check=True)
+    assert probe.stdout.split("\n")[-2] == expected

@@ -11,6 +11,7 @@ Importing this module needs nothing outside the standard library (yaml, for one,
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,19 @@ def parse_dataclasses(parser: HfArgumentParser, argv: list[str] | None = None) -
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return tuple(parsed)
+
+
+def offline_by_default() -> None:
+    """Run without the network unless the caller chose otherwise: HF_HUB_OFFLINE=1 when neither it nor
+    TRANSFORMERS_OFFLINE is set. huggingface_hub reads the variable once, when it is imported, and a command has
+    imported it (through transformers) before `main` runs, so its flag is set too; setting the variable alone left
+    the demo asking the Hub for the base model's card (and retrying for half a minute without a network)."""
+    if "HF_HUB_OFFLINE" in os.environ or "TRANSFORMERS_OFFLINE" in os.environ:
+        return
+    os.environ["HF_HUB_OFFLINE"] = "1"  # for child processes
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
 @contextlib.contextmanager

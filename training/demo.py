@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from training.checkpoint_conversion import (
     rank_retrieval_heads,
     restore_ranked_layers,
 )
-from training.command_line import exit_on_bad_input
+from training.command_line import exit_on_bad_input, offline_by_default
 from training.data import DataArguments
 from training.evaluation import (
     EvaluateArguments,
@@ -221,7 +220,7 @@ def evaluation_arguments(args: DemoArguments, teacher: Path, models: dict[str, P
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # this process runs one job: reuse freed host memory (training.host_memory)
     args = parse_recipe_args(DemoArguments, argv, default_recipe=DEFAULT_RECIPE)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_by_default()
     out = Path(args.output_dir)
     start = time.perf_counter()
     with exit_on_bad_input():  # every argument is checked before minutes of work

@@ -6,7 +6,6 @@ any field can be overridden on the command line, e.g. `python training/tour.py -
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
-from training.command_line import exit_on_bad_input
+from training.command_line import exit_on_bad_input, offline_by_default
 from training.recipes import parse_recipe_args
 
 # Attention variants by name: the config fields that select them.
@@ -90,7 +89,7 @@ def run_variant(name: str, args: TourArguments) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_by_default()
     args = parse_args(argv)
     hf_logging.disable_progress_bar()
     print(f"hf-linear-attn {hf_linear_attn.__version__} tour: {len(args.variants)} variants, "
