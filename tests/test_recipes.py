@@ -48,6 +48,18 @@ def test_recipe_with_an_unknown_key_is_refused(tmp_path, capsys):
     assert "unknown key(s) ['window']" in capsys.readouterr().err
 
 
+def test_the_delta_rule_demo_is_the_demo_with_another_layer_kind():
+    # configs/demo_delta_window.yaml is compared with configs/demo.yaml in the README: everything but the
+    # attention layers (and what only the additive hybrid has: its γ schedule, the sparse memory) must match.
+    default = parse_recipe_args(DemoArguments, [], default_recipe=DEMO_RECIPE)
+    delta = parse_recipe_args(DemoArguments, ["--config", str(CONFIGS / "demo_delta_window.yaml")])
+    options = AttentionOptions(**attention_options(delta))  # valid together
+    assert (options.update_rule, options.window_size, options.num_sink_tokens) == ("delta", 64, 4)
+    additive_only = {"recovery_window_weight", "memory_sizes", "output_dir"}
+    differing = {f.name for f in fields(DemoArguments) if getattr(default, f.name) != getattr(delta, f.name)}
+    assert differing - set(ATTENTION_OPTIONS) == additive_only
+
+
 @pytest.mark.parametrize("arguments", [ConversionArguments, DemoArguments], ids=["convert", "demo"])
 def test_scripts_take_every_attention_option_as_declared(arguments):
     declared = {f.name: f for f in fields(AttentionOptions)}
