@@ -191,54 +191,58 @@ def chunk_delta_rule(
     dtype = accumulation_dtype(*tensors)
     if log_decay is None:
         log_decay = q.new_zeros(batch, length, heads, dtype=dtype)
-    bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
-    source, real, chunks = _chunk_layout(length, bounds, q.device)
-    num_chunks = len(source) // CHUNK_SIZE
-    # the zero token(s) `source` points at: the padding of a single sequence, one to gather from for packed ones
-    pad_tokens = len(source) - length if cu_seqlens is None else 1
+    # Precision is chosen here (`dtype`): under autocast the products below would come out in bf16 and meet the
+    # fp32 state inside `_ChunkStates` (a mixed-dtype baddbmm fails).
+    with torch.autocast(q.device.type, enabled=False):
+        bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
+        source, real, chunks = _chunk_layout(length, bounds, q.device)
+        num_chunks = len(source) // CHUNK_SIZE
+        # the zero token(s) `source` points at: the padding of a single sequence, one to gather from for packed ones
+        pad_tokens = len(source) - length if cu_seqlens is None else 1
 
-    def to_chunks(x: Tensor) -> Tensor:
-        """[B, T, H, ...] → [num_chunks, B·H, C, ...] in the accumulation dtype, pad tokens zero."""
-        x = x.to(dtype)
-        if pad_tokens:
-            x = torch.cat([x, x.new_zeros((batch, pad_tokens, *x.shape[2:]))], dim=1)
-        if cu_seqlens is not None:  # packed sequences are gathered into whole chunks; one needs only the padding
-            x = x.index_select(1, source)
-        x = x.unflatten(1, (num_chunks, CHUNK_SIZE)).movedim(3, 2).movedim(0, 1)  # [N, B, H, C, ...]
-        return x.flatten(1, 2)
+        def to_chunks(x: Tensor) -> Tensor:
+            """[B, T, H, ...] → [num_chunks, B·H, C, ...] in the accumulation dtype, pad tokens zero."""
+            x = x.to(dtype)
+            if pad_tokens:
+                x = torch.cat([x, x.new_zeros((batch, pad_tokens, *x.shape[2:]))], dim=1)
+            if cu_seqlens is not None:  # packed sequences are gathered into whole chunks; one needs only the padding
+                x = x.index_select(1, source)
+            x = x.unflatten(1, (num_chunks, CHUNK_SIZE)).movedim(3, 2).movedim(0, 1)  # [N, B, H, C, ...]
+            return x.flatten(1, 2)
 
-    out_dtype = v.dtype
-    q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
-    q = q * scale  # Q̃
+        out_dtype = v.dtype
+        q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, log_decay))
+        q = q * scale  # Q̃
 
-    # D[..., i, t] = Σ_{i<s≤t} g_s for t ≥ i: a cumulative sum over s of g_s masked to s > i, per row i (along
-    # the last dim: along another one its backward is several times slower).
-    token = torch.arange(CHUNK_SIZE, device=q.device)
-    strictly_lower, causal = token[:, None] > token[None, :], token[:, None] >= token[None, :]  # [C, C]
-    decay_sums = torch.where(strictly_lower.T, g[..., None, :], 0.0).cumsum(-1)  # [N, B·H, C, C]
-    # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
-    pair_decay = torch.where(causal, decay_sums.transpose(-1, -2), -torch.inf).exp()
-    gamma = g.cumsum(-1).exp()  # Γ_t = exp(D(−1, t)), [N, B·H, C]
+        # D[..., i, t] = Σ_{i<s≤t} g_s for t ≥ i: a cumulative sum over s of g_s masked to s > i, per row i (along
+        # the last dim: along another one its backward is several times slower).
+        token = torch.arange(CHUNK_SIZE, device=q.device)
+        strictly_lower, causal = token[:, None] > token[None, :], token[:, None] >= token[None, :]  # [C, C]
+        decay_sums = torch.where(strictly_lower.T, g[..., None, :], 0.0).cumsum(-1)  # [N, B·H, C, C]
+        # M[t, i] = exp(D(i, t)) for i ≤ t; −inf before exp keeps exp and its gradient finite above the diagonal
+        pair_decay = torch.where(causal, decay_sums.transpose(-1, -2), -torch.inf).exp()
+        gamma = g.cumsum(-1).exp()  # Γ_t = exp(D(−1, t)), [N, B·H, C]
 
-    # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
-    decayed_products = (torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, CHUNK_SIZE))
-    decayed_keys, scores = (decayed_products * pair_decay[..., None, :, :]).unbind(-3)  # each [N, B·H, C, C]
+        # KKᵀ and Q̃Kᵀ in one product, both masked by the decays: [.., 0, t, i] = M ⊙ KKᵀ, [.., 1, t, i] = M ⊙ Q̃Kᵀ
+        decayed_products = (torch.cat([k, q], dim=-2) @ k.transpose(-1, -2)).unflatten(-2, (2, CHUNK_SIZE))
+        decayed_keys, scores = (decayed_products * pair_decay[..., None, :, :]).unbind(-3)  # each [N, B·H, C, C]
 
-    # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched solve.
-    ut_system = beta[..., None] * decayed_keys  # A below its diagonal, the only part the solve reads
-    rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [N, B·H, C, V + K]
-    w = _UnitLowerTriangularSolve.apply(ut_system, rhs)
-    w_v, w_k = w.split([value_dim, key_dim], dim=-1)  # split, not slices: a slice's backward fills a full zero
+        # The UT transform: [W_v, W_k] = (I + A)⁻¹ [β ⊙ V, β Γ ⊙ K], one batched solve.
+        ut_system = beta[..., None] * decayed_keys  # A below its diagonal, the only part the solve reads
+        rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], dim=-1)  # [N, B·H, C, V + K]
+        w = _UnitLowerTriangularSolve.apply(ut_system, rhs)
+        w_v, w_k = w.split([value_dim, key_dim], dim=-1)  # split, not slices: a slice's backward fills a full zero
 
-    # The only sequential part: the state entering each chunk S_0 and U = W_v − W_k S_0.
-    k_to_end = (pair_decay[..., -1, :, None] * k).transpose(-1, -2)  # K_Cᵀ, [N, B·H, K, C]
-    decay_to_end = gamma[..., -1, None, None]  # Γ_{C−1}, [N, B·H, 1, 1]
-    # [S, B·H, K, V]: one sequence of B·H rows, or S packed sequences of H rows (B = 1)
-    initial_shape = (len(chunks), batch * heads, key_dim, value_dim)
-    initial = q.new_zeros(initial_shape) if initial_state is None else initial_state.to(dtype).reshape(initial_shape)
-    s0, u, finals = _ChunkStates.apply(w_v, w_k, k_to_end.contiguous(), decay_to_end, initial, chunks)
+        # The only sequential part: the state entering each chunk S_0 and U = W_v − W_k S_0.
+        k_to_end = (pair_decay[..., -1, :, None] * k).transpose(-1, -2)  # K_Cᵀ, [N, B·H, K, C]
+        decay_to_end = gamma[..., -1, None, None]  # Γ_{C−1}, [N, B·H, 1, 1]
+        # [S, B·H, K, V]: one sequence of B·H rows, or S packed sequences of H rows (B = 1)
+        initial_shape = (len(chunks), batch * heads, key_dim, value_dim)
+        initial = (q.new_zeros(initial_shape) if initial_state is None
+                   else initial_state.to(dtype).reshape(initial_shape))
+        s0, u, finals = _ChunkStates.apply(w_v, w_k, k_to_end.contiguous(), decay_to_end, initial, chunks)
 
-    o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U, [N, B·H, C, V]
-    o = o.unflatten(1, (batch, heads)).movedim(0, 1).movedim(2, 3).flatten(1, 2)  # [B, T', H, V]
-    o = o[:, :length] if cu_seqlens is None else o.index_select(1, real)
-    return o.to(out_dtype), finals.reshape(-1, heads, key_dim, value_dim) if output_final_state else None
+        o = (gamma[..., None] * q) @ s0 + scores @ u  # (Γ ⊙ Q̃) S_0 + (M ⊙ Q̃Kᵀ) U, [N, B·H, C, V]
+        o = o.unflatten(1, (batch, heads)).movedim(0, 1).movedim(2, 3).flatten(1, 2)  # [B, T', H, V]
+        o = o[:, :length] if cu_seqlens is None else o.index_select(1, real)
+        return o.to(out_dtype), finals.reshape(-1, heads, key_dim, value_dim) if output_final_state else None

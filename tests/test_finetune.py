@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -526,6 +527,34 @@ def test_logit_distillation_loss_is_cross_entropy_plus_kl_per_document():
         plain_sum, _ = causal_lm_loss(student, batch)
         only_ce, _ = logit_distillation_loss(teacher, 0.0, temperature)(student, batch)
     torch.testing.assert_close(only_ce, plain_sum)
+
+
+def test_the_teacher_runs_in_the_precision_it_is_given():
+    """Stage 2 passes `accelerator.autocast`: under bf16 the teacher's logits are those of its bf16-autocast
+    forward, not of an fp32 one (which would cost the bf16 speed-up on the teacher's half of the work)."""
+    student, teacher = tiny_model(vocab_size=259).eval(), tiny_teacher()
+    batch = collate_rows(list(Dataset.from_dict(pack_documents([list(range(3, 35))], block_size=32))))
+    bf16 = partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain, _ = logit_distillation_loss(teacher, 1.0, 1.0)(student, batch)
+        autocast, _ = logit_distillation_loss(teacher, 1.0, 1.0, teacher_precision=bf16)(student, batch)
+        logits = student(batch["input_ids"]).logits[0, :-1]
+        with bf16():
+            target = teacher(batch["input_ids"]).logits[0, :-1].float()
+        expected = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(target, -1), log_target=True, reduction="sum")
+    assert autocast.sum().item() == pytest.approx(expected.item(), rel=1e-5)
+    assert autocast.sum().item() != pytest.approx(plain.sum().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_mixed_precision_is_bf16_where_the_device_has_it(native, tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "native_bf16", lambda: native)
+    args = loop.TrainArguments(output_dir=str(tmp_path / "out"), max_steps=1, mixed_precision="auto")
+    loop.check_train_arguments(args)
+    assert args.mixed_precision == ("bf16" if native else "no")
+    with pytest.raises(ValueError, match="use no, fp16, bf16 or auto"):
+        loop.check_train_arguments(loop.TrainArguments(output_dir=str(tmp_path / "out"), max_steps=1,
+                                                       mixed_precision="fp8"))
 
 
 def test_kl_to_the_teacher_trains_towards_it_and_evaluation_stays_perplexity(trained, tmp_path, dataset_cache):

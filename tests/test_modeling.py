@@ -353,6 +353,23 @@ def test_bf16_forward_is_close_to_fp32(name):
     torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_bf16_autocast_training_step_is_close_to_fp32(name):
+    """Mixed precision (`--mixed_precision bf16`: fp32 weights, bf16 autocast) runs every kind of attention forward and
+    backward, and its loss and gradients stay close to fp32's (the ops pick their own accumulation precision)."""
+    ids = torch.randint(3, 128, (2, 70))
+    losses, grads = [], []
+    for autocast in (False, True):
+        model = tiny_model(**VARIANTS[name])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[1] == pytest.approx(losses[0], rel=0.02)
+    assert F.cosine_similarity(grads[0], grads[1], dim=0) > 0.98
+
+
 def test_tied_embeddings_share_storage():
     model = tiny_model(tie_word_embeddings=True)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

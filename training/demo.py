@@ -108,6 +108,9 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     lora_r: int = 8
     lora_alpha: float = 16.0
     kl_weight: float = field(default=1.0, metadata={"help": "Stage 2 loss: (1 - w) CE + w KL(teacher || model)."})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "Compute precision of both training stages (weights stay fp32; the ranking and the evaluation run in "
+                "fp32): bf16, no, or auto (bf16 where the device computes it natively, training.loop.native_bf16)."})
     eval_rows: int = 16
     eval_block_size: int = field(default=256, metadata={"help": "Tokens per row of the short held-out perplexity."})
     long_contexts: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096],
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{args.ranking_shortlist}: the shortlist must hold at least the heads restored (or be 0: "
                              "the first-order estimate alone ranks)")
         check_window_dropout(args.window_dropout, options)
+        if args.mixed_precision not in ("auto", "bf16", "no"):
+            raise ValueError(f"mixed_precision {args.mixed_precision!r}: use auto, bf16 or no")
         if args.memory_sizes and args.window_size == 0:
             raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
                              "leave it); give window_size > 0 or memory_sizes: []")
@@ -277,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         data,
         TrainArguments(output_dir=str(models["stage 1"]), overwrite_output_dir=True, max_steps=args.distill_steps,
                        per_device_train_batch_size=args.distill_batch_size, learning_rate=args.learning_rate,
-                       lr_scheduler_type="cosine", warmup_steps=max(1, args.distill_steps // 10),
+                       mixed_precision=args.mixed_precision, lr_scheduler_type="cosine",
+                       warmup_steps=max(1, args.distill_steps // 10),
                        logging_steps=10, report_to="none"),
     )
     if args.softmax_layers_k > 0:
@@ -298,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             data,
             TrainArguments(output_dir=str(models["stage 2"]), overwrite_output_dir=True, max_steps=args.recovery_steps,
                            per_device_train_batch_size=args.recovery_batch_size,
-                           learning_rate=args.recovery_learning_rate, lr_scheduler_type="cosine",
+                           learning_rate=args.recovery_learning_rate, mixed_precision=args.mixed_precision,
+                           lr_scheduler_type="cosine",
                            warmup_steps=max(1, args.recovery_steps // 10), logging_steps=10, save_steps=0,
                            report_to="none"),
             HubArguments(license="apache-2.0"),  # SmolLM2's licence, for the model card (offline: not looked up)

@@ -16,6 +16,7 @@ the last batch; `weighted_mean` turns any number of them into Σ loss / Σ count
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -69,16 +70,18 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     return token_cross_entropy(logits, batch["labels"]).sum(dim=1), predicted_tokens(batch["labels"]).sum(dim=1)
 
 
-def logit_distillation_loss(teacher: nn.Module, kl_weight: float, temperature: float) -> LossFn:
+def logit_distillation_loss(teacher: nn.Module, kl_weight: float, temperature: float,
+                            teacher_precision: Callable[[], AbstractContextManager] = nullcontext) -> LossFn:
     """A loop loss: per packed row, Σ over predicted tokens of (1 − w)·CE + w·T²·KL(teacher ‖ model), with
     both distributions at temperature T (T² keeps the gradient scale of the KL term independent of T), and
-    the number of those tokens. The teacher sees the same packed rows, documents kept apart."""
+    the number of those tokens. The teacher sees the same packed rows, documents kept apart, inside
+    `teacher_precision()` (e.g. `accelerator.autocast`, so that it runs in the student's mixed precision)."""
 
     def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         rows, length = batch["input_ids"].shape
         predicted = predicted_tokens(batch["labels"])
         logits = packed_forward(model, batch).logits.reshape(rows, length, -1)  # [rows, L, V]
-        with torch.no_grad():
+        with torch.no_grad(), teacher_precision():
             target = packed_forward(teacher, batch).logits.reshape(rows, length, -1)[:, :-1].float()
         token_loss = torch.zeros(predicted.shape, device=logits.device)
         if kl_weight < 1:

@@ -183,7 +183,8 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     loss_fn = causal_lm_loss
     if model_args.teacher_name_or_path:
         teacher = load_distillation_teacher(model_args, config).to(accelerator.device)
-        loss_fn = logit_distillation_loss(teacher, model_args.kl_weight, model_args.kl_temperature)
+        loss_fn = logit_distillation_loss(teacher, model_args.kl_weight, model_args.kl_temperature,
+                                          teacher_precision=accelerator.autocast)
     if train_args.gradient_checkpointing:
         # transformers 5.24 renamed it (the old name warns); 5.5 has only the old one.
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
