@@ -76,10 +76,10 @@ def test_script_defaults():
     assert attention_options(ConversionArguments()) == DEFAULT_ATTENTION_OPTIONS
     assert attention_options(DemoArguments()) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32}
     demo = parse_recipe_args(DemoArguments, [], default_recipe=DEMO_RECIPE)
-    # The demo's recipe adds a decayed linear part with a short starting memory; γ starts at the default 0.5 and is
-    # raised to 0.99 for stage 2 (configs/demo.yaml).
+    # The demo's recipe adds a decayed linear part with a short starting memory and a 96-token window; γ starts at the
+    # default 0.5 and is raised to 0.99 for stage 2 (configs/demo.yaml).
     assert attention_options(demo) == {**DEFAULT_ATTENTION_OPTIONS, "feature_dim": 32, "decay": "scalar",
-                                       "decay_horizon": 256}
+                                       "decay_horizon": 256, "window_size": 96}
     assert DemoArguments().recovery_window_weight is None and demo.recovery_window_weight == 0.99
 
 
