@@ -165,7 +165,9 @@ def native_bf16() -> bool:
     is emulated, slower than fp32 on a CPU."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    # Private probes (torch 2.13 has both; an older torch without them gets fp32, the safe side).
+    probes = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return any(probe() for probe in probes if probe is not None)
 
 
 def make_accelerator(args: TrainArguments) -> Accelerator:
