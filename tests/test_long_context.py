@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from helpers import WORDS, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from training import long_context
+from training import long_context, measure
 from training.data import byte_level_tokenizer
 from training.long_context_data import (
     PREAMBLE,
@@ -568,6 +568,23 @@ def test_decode_is_timed_after_a_real_prefill_where_the_cache_cannot_be_extended
     sliding = byte_mistral(sliding_window=8)
     [row] = decode_profile(sliding, [40], steps=2, chunk=16, prefilled=16)
     assert row["context"] == 40 and row["ms_per_token"] > 0
+
+
+def test_decode_profile_times_the_contexts_in_turns(monkeypatch):
+    model = byte_llama()
+    lengths = []  # the context each timed or untimed step decodes after
+    step = measure.timed_decode_step
+
+    def recorded(model, cache, logits):
+        lengths.append(cache.get_seq_length())
+        return step(model, cache, logits)
+
+    monkeypatch.setattr(measure, "timed_decode_step", recorded)
+    rows = decode_profile(model, [20, 40], steps=3, chunk=16, prefilled=64)
+    assert [row["context"] for row in rows] == [20, 40]
+    assert all(row["ms_per_token"] > 0 for row in rows)
+    # One untimed step after each prefill, then the timed steps alternate between the two caches.
+    assert lengths == [20, 40, 21, 41, 22, 42, 23, 43]
 
 
 def byte_mistral(sliding_window: int) -> MistralForCausalLM:

@@ -59,14 +59,20 @@ def prefill(model: PreTrainedModel, cache, length: int, chunk: int) -> torch.Ten
 
 
 @torch.no_grad()
+def timed_decode_step(model: PreTrainedModel, cache, logits: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """One greedy decode step with the cache after `logits`: its seconds and the new logits."""
+    next_id = logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    logits = model(input_ids=next_id, cache=cache, use_cache=True).logits
+    return time.perf_counter() - start, logits
+
+
 def decode_times(model: PreTrainedModel, cache, logits: torch.Tensor, steps: int) -> list[float]:
     """Seconds of each of `steps` greedy decode steps with the cache, starting from `logits`."""
     times = []
     for _ in range(steps):
-        next_id = logits[:, -1].argmax(-1, keepdim=True)
-        start = time.perf_counter()
-        logits = model(input_ids=next_id, cache=cache, use_cache=True).logits
-        times.append(time.perf_counter() - start)
+        seconds, logits = timed_decode_step(model, cache, logits)
+        times.append(seconds)
     return times
 
 
@@ -117,14 +123,15 @@ def extend_cache(cache, positions: int) -> None:
 
 def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chunk: int,
                    prefilled: int) -> list[dict[str, Any]]:
-    """Per context length: the median ms of `steps` decode steps with a cache of that many positions (the cache
+    """Per context length: the median ms of `steps` decode steps with a cache of that many positions, the contexts'
+    steps taken in turns after one untimed step each (the cache
     bytes at a context are `cache_bytes_by_context`'s, from the layout, without a prefill). A context up to
     `prefilled` tokens is prefilled for real (in chunks of `chunk`); a longer one prefills about `prefilled` and
     extends the cache to the context by shape (`extend_cache`; a cache it cannot extend is prefilled for real):
     a decode step's cost depends on the cache's shapes, not its values, and a real prefill of 16K tokens took
     SmolLM2-135M about 2 minutes on 2 CPU cores (its attention alone is ~9 TFLOP), for decode steps that time the
     same on either cache (docs/design.md, "Decode after a long context, measured by shape")."""
-    rows = []
+    caches, last_logits = [], []
     for context in contexts:
         cache = new_cache(model)
         period = extension_period(cache)
@@ -132,9 +139,18 @@ def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chun
         logits = prefill(model, cache, context - extra, chunk)
         if extra:
             extend_cache(cache, extra)
-        ms = 1000 * sorted(decode_times(model, cache, logits, steps))[steps // 2]
-        rows.append({"context": context, "ms_per_token": ms})
-    return rows
+        caches.append(cache)
+        last_logits.append(timed_decode_step(model, cache, logits)[1])  # untimed: the first step allocates
+    # One step of each context in turn, so that a change in the machine's speed during the run (other processes,
+    # clocks) reaches every context alike and their ratio holds: timed one context after the other, the same
+    # model's 1K time read 47 ms in one run and 71 ms in the next (docs/design.md).
+    times = [[] for _ in contexts]
+    for _ in range(steps):
+        for i, cache in enumerate(caches):
+            seconds, last_logits[i] = timed_decode_step(model, cache, last_logits[i])
+            times[i].append(seconds)
+    return [{"context": context, "ms_per_token": 1000 * sorted(steps_times)[steps // 2]}
+            for context, steps_times in zip(contexts, times, strict=True)]
 
 
 def softmax_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
