@@ -19,7 +19,8 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
   argmax; for the models of `passkey_models` (default all), as it is the expensive part;
 - decode memory and latency: cache bytes and ms per token after `decode_contexts` tokens of context
   (`training.measure.decode_profile`: a context longer than `decode_prefilled` tokens is a real prefill of about
-  that many, extended to its length by shape), for the models of `decode_models` (default all).
+  that many, extended to its length by shape; the contexts' steps are timed in turns), for the models of
+  `decode_models` (default all).
 With `sparse_cache_sizes`, the models of `memory_models` (default all; window hybrids) are measured again with a
 sparse exact memory of each size switched on (`sparse_cache_size`, training-free), labelled "LABEL + memory M"; with
 `softmax_head_counts`, again with N more KV heads restored to softmax (`restore_softmax_heads`, training-free),

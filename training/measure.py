@@ -123,9 +123,9 @@ def extend_cache(cache, positions: int) -> None:
 
 def decode_profile(model: PreTrainedModel, contexts: list[int], steps: int, chunk: int,
                    prefilled: int) -> list[dict[str, Any]]:
-    """Per context length: the median ms of `steps` decode steps with a cache of that many positions, the contexts'
-    steps taken in turns after one untimed step each (the cache
-    bytes at a context are `cache_bytes_by_context`'s, from the layout, without a prefill). A context up to
+    """Per context length: the median ms of `steps` decode steps with a cache of that many positions, every
+    context's cache held at once and their steps taken in turns after one untimed step each (the cache bytes at a
+    context are `cache_bytes_by_context`'s, from the layout, without a prefill). A context up to
     `prefilled` tokens is prefilled for real (in chunks of `chunk`); a longer one prefills about `prefilled` and
     extends the cache to the context by shape (`extend_cache`; a cache it cannot extend is prefilled for real):
     a decode step's cost depends on the cache's shapes, not its values, and a real prefill of 16K tokens took
