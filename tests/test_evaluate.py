@@ -87,6 +87,7 @@ def arguments(root, *extra: str) -> list[str]:
             "--passkey_models", "teacher", BASELINE, "narrow",
             "--decode_contexts", "40", "160", "--decode_tokens", "2", "--prefill_chunk", "64",
             "--decode_prefilled", "48",  # 160 tokens: about 48 prefilled, the rest by shape (measure.extend_cache)
+            "--position_bins", "1", "8", "300", "--position_rows", "3",
             "--output_dir", str(root / "out"), *extra]
 
 
@@ -391,6 +392,31 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
     assert error.startswith("error: long_context_data:") and "python -m training.long_context prepare" in error
 
 
+def test_perplexity_by_position_is_reported_for_every_model_against_the_teachers(evaluated):
+    root, teacher, _, documents = evaluated
+    rows = json.loads((root / "out" / "positions.json").read_text())["rows"]
+    assert [(r["model"], r["first"], r["end"]) for r in rows] == [
+        (m, a, b) for m in ("teacher", BASELINE, "wide", "narrow") for a, b in ((1, 8), (8, 300))]
+    by = {(r["model"], r["first"]): r for r in rows}
+    narrow = AutoModelForCausalLM.from_pretrained(root / "narrow").eval()
+
+    def bin_perplexity(model, first, end):  # written out: one forward of each document's first 300 tokens
+        with torch.no_grad():
+            logits = [model(documents[d].input_ids[None, :300]).logits[0] for d in range(3)]
+        losses = torch.stack([F.cross_entropy(x[:-1], documents[d].input_ids[1:300], reduction="none")
+                              for d, x in enumerate(logits)])  # [3, 299]: position p at column p - 1
+        return math.exp(losses[:, first - 1:end - 1].mean().item())
+
+    for first, end in ((1, 8), (8, 300)):
+        assert by["teacher", first]["perplexity"] == pytest.approx(bin_perplexity(teacher, first, end), rel=1e-5)
+        assert by["narrow", first]["perplexity"] == pytest.approx(bin_perplexity(narrow, first, end), rel=1e-5)
+        assert by["narrow", first]["vs_teacher"] == pytest.approx(
+            by["narrow", first]["perplexity"] / by["teacher", first]["perplexity"])
+    # Within its window (64 tokens) a converted model is the teacher.
+    assert by["wide", 1]["vs_teacher"] == pytest.approx(1.0, rel=1e-5)
+    assert "from position" in (root / "out" / "positions.md").read_text()
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--passkey_models", "teacher", "stage 9"], r"passkey_models \['stage 9'\] are not evaluated"),
     (["--decode_models", "stage 9"], r"decode_models \['stage 9'\] are not evaluated"),
@@ -399,6 +425,9 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
     (["--passkey_variants", "chat", "twice"], r"passkey_variants must be a non-empty list of \['chat', 'single'"),
     (["--long_min_rows", "0"], "long_min_rows must be ≥ 1, got 0"),
     (["--long_contexts", "1"], "long_contexts must be"),
+    (["--position_bins", "0", "64"], r"position_bins \[0, 64\]: give at least 2 strictly increasing positions"),
+    (["--position_bins", "1", "9000"], "up to document_tokens=8192"),
+    (["--position_bins", "1", "64", "--position_rows", "9"], r"position_rows must be in \[1, 8\]"),
     (["--models", "teacher=x"], "labels must differ"),
     (["--models", "m=x", "--sparse_cache_sizes", "0"], "sparse_cache_sizes must be distinct sizes ≥ 1"),
     (["--models", "m=x", "--sparse_cache_sizes", "4", "--memory_models", "n"], r"memory_models \['n'\] are not"),

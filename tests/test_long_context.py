@@ -35,6 +35,7 @@ from training.long_context_metrics import (
     key_score,
     passkey_scores,
     perplexity_by_context,
+    perplexity_by_position,
     perplexity_spans,
     perplexity_windows,
 )
@@ -232,6 +233,33 @@ def test_perplexity_equals_a_direct_per_row_computation(documents):
             direct_perplexity(teacher, windows, lambda n: window_mask(n, 8, 2)), rel=1e-5)
         assert got["linear", context] == pytest.approx(direct_perplexity(linear, windows), rel=1e-5)
         assert got["window", context] != pytest.approx(got["teacher", context], rel=1e-4)  # the window binds
+
+
+def test_perplexity_by_position_averages_each_bin_of_one_forward_per_document(documents):
+    teacher = byte_llama()
+    linear = tiny_model(vocab_size=VOCAB, max_position_embeddings=1024, window_size=8, num_sink_tokens=2)
+    edges = [1, 40, 41, 200]
+    rows = perplexity_by_position({"teacher": teacher, "linear": linear}, documents, edges, rows=3, log=str)
+    assert [(r["model"], r["first"], r["end"]) for r in rows] == [
+        (m, a, b) for m in ("teacher", "linear") for a, b in ((1, 40), (40, 41), (41, 200))]
+    for label, model in (("teacher", teacher), ("linear", linear)):
+        # Written out: one forward of each document's first 200 tokens, position p's loss at logits[p - 1].
+        losses = []
+        for d in range(3):
+            row = documents[d].input_ids[None, :200]
+            with torch.no_grad():
+                logits = model(row).logits[0]
+            losses.append(F.cross_entropy(logits[:-1], row[0, 1:], reduction="none"))
+        losses = torch.stack(losses)  # [3, 199]: position p at column p - 1
+        got = [r for r in rows if r["model"] == label]
+        for r, (a, b) in zip(got, zip(edges, edges[1:]), strict=True):
+            assert r["rows"] == 3 and r["scored_tokens"] == 3 * (b - a)
+            assert r["perplexity"] == pytest.approx(math.exp(losses[:, a - 1:b - 1].mean().item()), rel=1e-5)
+    for bad in ([0, 10], [10], [10, 10], [20, 10], [1, 513]):
+        with pytest.raises(ValueError, match="strictly increasing positions from 1"):
+            perplexity_by_position({"teacher": teacher}, documents, bad, rows=1, log=str)
+    with pytest.raises(ValueError, match=r"position rows 5: give 1 \.\. 4"):
+        perplexity_by_position({"teacher": teacher}, documents, [1, 10], rows=5, log=str)
 
 
 # ------------------------------------------------------------------------------------------ passkey

@@ -10,6 +10,8 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
   training stage reads (`training.long_context`; prepared once into `long_context_data` by
   `python -m training.long_context prepare`), and the bytes of the decoding cache after each of those contexts
   (softmax layers counted; computed from the attention layout, `training.measure.cache_bytes_by_context`);
+- with `position_bins`, held-out perplexity by position along one row of each of `position_rows` long documents
+  (`long_context_metrics.perplexity_by_position`): where along a context a model falls behind the teacher;
 - passkey retrieval at each of `passkey_lengths` tokens: `passkey_trials` trials with the needle's depth spread
   over the context, for each haystack (natural text, repeated filler) and variant (`chat`: one key asked for in
   the tokenizer's chat template, which the instruct teacher passes; `single`: one key in plain text; `multi`:
@@ -65,6 +67,7 @@ from training.long_context_data import (
     DOORS,
     HAYSTACKS,
     PREPARE_COMMAND,
+    SOURCES,
     VARIANTS,
     load_texts,
     long_documents,
@@ -73,9 +76,11 @@ from training.long_context_data import (
 from training.long_context_metrics import (
     WindowBaseline,
     cache_bytes_at,
+    check_position_bins,
     document_mask,
     passkey_scores,
     perplexity_by_context,
+    perplexity_by_position,
     perplexity_spans,
 )
 from training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
@@ -102,6 +107,11 @@ class EvaluateArguments:
         "help": "Tokens scored at least at each long context (the second half of each row)."})
     long_min_rows: int = field(default=8, metadata={
         "help": "Rows (windows of the documents) scored at least at each long context, the longest included."})
+    position_bins: list[int] = field(default_factory=list, metadata={
+        "help": "Edges of position bins (e.g. 1 1024 2048 4096 8192): perplexity at positions [edge_i, edge_i+1) of "
+                "one row of each of position_rows documents (an extra forward of the last edge's length per row and "
+                "model); empty: skip."})
+    position_rows: int = field(default=8, metadata={"help": "Documents scored by position (≤ the long documents)."})
     document_tokens: int = field(default=8192, metadata={"help": "Tokens per long document (≥ every length)."})
     documents_per_source: int = field(default=4, metadata={"help": "Long documents taken from each text."})
     passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096],
@@ -164,6 +174,7 @@ class Evaluation:
     models: dict[str, str]  # label -> path of the models given
     linear: list[str]  # the labels of the linear-attention checkpoints among them (not their memory variants)
     eval_rows: int  # short held-out rows scored
+    positions: list[dict[str, Any]] = field(default_factory=list)  # per model and position bin: perplexity, vs_teacher
 
 
 def parse_models(entries: list[str]) -> dict[str, str]:
@@ -293,6 +304,12 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     if longest > args.document_tokens:
         raise ValueError(f"long_contexts / passkey_lengths go up to {longest} tokens, more than document_tokens="
                          f"{args.document_tokens}: raise document_tokens")
+    if args.position_bins:
+        check_position_bins(args.position_bins, args.document_tokens)
+        documents = args.documents_per_source * len(SOURCES)
+        if not 1 <= args.position_rows <= documents:
+            raise ValueError(f"position_rows must be in [1, {documents}] (documents_per_source × {len(SOURCES)} "
+                             f"texts), got {args.position_rows}")
     for name, given, allowed in (("passkey_haystacks", args.passkey_haystacks, HAYSTACKS),
                                  ("passkey_variants", args.passkey_variants, VARIANTS)):
         if not given or any(value not in allowed for value in given):
@@ -330,7 +347,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
                         for haystack in args.passkey_haystacks for variant in args.passkey_variants
                         ] if args.passkey_trials else []
     texts = None
-    if args.long_contexts or any(haystack == "natural" for _, haystack, _ in passkey_settings):
+    if args.long_contexts or args.position_bins or any(haystack == "natural" for _, haystack, _ in passkey_settings):
         try:
             texts = load_texts(args.long_context_data)
         except FileNotFoundError as error:
@@ -373,7 +390,7 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
 
     start = time.perf_counter()
     progress = lambda line: log(f"  [{time.perf_counter() - start:5.0f} s] {line}")  # noqa: E731
-    quality, long_rows, passkey, decode, linear_labels = [], [], [], [], []
+    quality, long_rows, by_position, passkey, decode, linear_labels = [], [], [], [], [], []
     for label, load in candidates:
         model = load().eval()
         if label == "teacher" and ranking_prompts and args.head_ranking == "teacher":
@@ -395,6 +412,9 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
             for row in perplexity_by_context({name: candidate}, documents, args.long_contexts,
                                                 args.long_scored_tokens, args.long_min_rows, log=progress):
                 long_rows.append({**row, "cache_bytes": cache_bytes[row["context"]]})
+            if args.position_bins:
+                by_position += perplexity_by_position({name: candidate}, documents, args.position_bins,
+                                                      args.position_rows, log=progress)
             if name in passkey_models:
                 for (length, haystack, variant), setting_trials in passkey_sets.items():
                     scores = passkey_scores(candidate, setting_trials)
@@ -419,7 +439,10 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
     by_context = {r["context"]: r["perplexity"] for r in long_rows if r["model"] == "teacher"}
     for r in long_rows:
         r["vs_teacher"] = r["perplexity"] / by_context[r["context"]] if r["context"] in by_context else None
-    return Evaluation(quality, long_rows, passkey, decode, models, linear_labels, len(rows))
+    by_bin = {r["first"]: r["perplexity"] for r in by_position if r["model"] == "teacher"}
+    for r in by_position:
+        r["vs_teacher"] = r["perplexity"] / by_bin[r["first"]] if r["first"] in by_bin else None
+    return Evaluation(quality, long_rows, passkey, decode, models, linear_labels, len(rows), by_position)
 
 
 QUALITY_COLUMNS = {"model": "model", "perplexity": "perplexity", "vs_teacher": "× teacher"}
@@ -475,7 +498,8 @@ def frontier_plot(rows: list[dict[str, Any]], lengths: list[int]) -> Callable:
 
 def write_evaluation(evaluation: Evaluation, args: EvaluateArguments, data_args: DataArguments) -> tuple[str, str]:
     """Print and write `evaluation.{md,json,png}` (short perplexity; long-context perplexity, passkey and cache
-    bytes by context; the plot of perplexity and cache bytes against context) and `decode.{md,json,png}` to
+    bytes by context; the plot of perplexity and cache bytes against context), `positions.{md,json}` (perplexity by
+    position, when measured), `frontier.{md,json,png}` and `decode.{md,json,png}` to
     `args.output_dir` and, with `args.update_model_cards`, the record and model card of every linear-attention
     checkpoint evaluated. Returns the evaluation's and the decode table (Markdown)."""
     record = {"machine": machine(), "eval_rows": evaluation.eval_rows, "block_size": data_args.block_size,
@@ -490,6 +514,11 @@ def write_evaluation(evaluation: Evaluation, args: EvaluateArguments, data_args:
         evaluation.quality, QUALITY_COLUMNS, args.output_dir, "evaluation", plot,
         meta={"args": asdict(args), "data": asdict(data_args), "long_context": evaluation.long_context,
               "passkey": evaluation.passkey}, sections=long_context_tables(record))
+
+    if evaluation.positions:
+        write_report(evaluation.positions, {"model": "model", "first": "from position", "end": "to (excl.)",
+                                            "perplexity": "perplexity", "vs_teacher": "× teacher"},
+                     args.output_dir, "positions")
 
     frontier = frontier_rows(evaluation)
     if frontier:

@@ -10,6 +10,9 @@ has at least L / 2 tokens of context, so a model that uses context can only gain
 the same for every model at a given L (they are different windows at different L: compare models at one L, and
 each model's trend over L). Rows of different L that start at the same token share one forward.
 
+Perplexity by position (`perplexity_by_position`): the first N tokens of each of several documents, one forward
+each, the losses averaged over bins of positions: where along a context a model falls behind its teacher.
+
 Passkey retrieval at length L: the prompts of `long_context_data.passkey_trials`, each scored teacher-forced
 (`key_score`: one forward over the prompt and the key's tokens): the log-probability of the key's tokens, the
 share of them that are the argmax, and greedy exact match (every key token the argmax: greedy decoding emits
@@ -185,6 +188,37 @@ def perplexity_by_context(models: dict[str, object], documents: list[LongDocumen
             results.append({"model": label, "context": context, "rows": len(starts), "scored_tokens": count,
                             "perplexity": math.exp(total / count)})
             log(f"  perplexity @{context}: {label} {results[-1]['perplexity']:.2f}")
+    return results
+
+
+def check_position_bins(edges: list[int], document_tokens: int) -> None:
+    """ValueError unless `edges` are ≥ 2 strictly increasing positions from 1 to at most `document_tokens`."""
+    if len(edges) < 2 or edges[0] < 1 or edges[-1] > document_tokens or any(
+            a >= b for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"position_bins {edges}: give at least 2 strictly increasing positions from 1 (position 0 "
+                         f"has nothing before it to be predicted from) up to document_tokens={document_tokens}")
+
+
+def perplexity_by_position(models: dict[str, object], documents: list[LongDocument], edges: list[int],
+                           rows: int, log: Callable[[str], None] = print) -> list[dict]:
+    """Held-out perplexity of every model at the positions [edges[i], edges[i+1]) of one long row, on the first
+    `edges[-1]` tokens of each of the first `rows` documents: each position predicted from every token before it
+    in its document (the same positions and tokens for every model). Where `perplexity_by_context` shows what a
+    longer context buys, this shows where along one context a model falls behind: a rise past the length a model
+    was trained on and a gap that grows with the context read the same at one context, and differently here. One
+    row per (model, bin): `first`, `end`, `rows`, `scored_tokens`, `perplexity`."""
+    check_position_bins(edges, min((len(d.input_ids) for d in documents), default=0))
+    if not 1 <= rows <= len(documents):
+        raise ValueError(f"position rows {rows}: give 1 .. {len(documents)} (one row per long document)")
+    results = []
+    for label, model in models.items():
+        # losses[r, p - 1]: the loss of position p of row r (predicted from positions 0 .. p - 1)
+        losses = torch.stack([token_losses(model, documents[r].input_ids[None, :edges[-1]], 1) for r in range(rows)])
+        for first, end in zip(edges, edges[1:]):
+            results.append({"model": label, "first": first, "end": end, "rows": rows,
+                            "scored_tokens": rows * (end - first),
+                            "perplexity": math.exp(losses[:, first - 1:end - 1].mean().item())})
+            log(f"  perplexity at positions {first}-{end - 1}: {label} {results[-1]['perplexity']:.2f}")
     return results
 
 
