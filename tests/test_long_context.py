@@ -7,6 +7,7 @@ import math
 import re
 import struct
 import zlib
+from itertools import pairwise
 
 import pytest
 import torch
@@ -252,7 +253,7 @@ def test_perplexity_by_position_averages_each_bin_of_one_forward_per_document(do
             losses.append(F.cross_entropy(logits[:-1], row[0, 1:], reduction="none"))
         losses = torch.stack(losses)  # [3, 199]: position p at column p - 1
         got = [r for r in rows if r["model"] == label]
-        for r, (a, b) in zip(got, zip(edges, edges[1:]), strict=True):
+        for r, (a, b) in zip(got, pairwise(edges), strict=True):
             assert r["rows"] == 3 and r["scored_tokens"] == 3 * (b - a)
             assert r["perplexity"] == pytest.approx(math.exp(losses[:, a - 1:b - 1].mean().item()), rel=1e-5)
     for bad in ([0, 10], [10], [10, 10], [20, 10], [1, 513]):

@@ -32,6 +32,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -194,7 +195,7 @@ def perplexity_by_context(models: dict[str, object], documents: list[LongDocumen
 def check_position_bins(edges: list[int], document_tokens: int) -> None:
     """ValueError unless `edges` are ≥ 2 strictly increasing positions from 1 to at most `document_tokens`."""
     if len(edges) < 2 or edges[0] < 1 or edges[-1] > document_tokens or any(
-            a >= b for a, b in zip(edges, edges[1:])):
+            a >= b for a, b in pairwise(edges)):
         raise ValueError(f"position_bins {edges}: give at least 2 strictly increasing positions from 1 (position 0 "
                          f"has nothing before it to be predicted from) up to document_tokens={document_tokens}")
 
@@ -214,7 +215,7 @@ def perplexity_by_position(models: dict[str, object], documents: list[LongDocume
     for label, model in models.items():
         # losses[r, p - 1]: the loss of position p of row r (predicted from positions 0 .. p - 1)
         losses = torch.stack([token_losses(model, documents[r].input_ids[None, :edges[-1]], 1) for r in range(rows)])
-        for first, end in zip(edges, edges[1:]):
+        for first, end in pairwise(edges):
             results.append({"model": label, "first": first, "end": end, "rows": rows,
                             "scored_tokens": rows * (end - first),
                             "perplexity": math.exp(losses[:, first - 1:end - 1].mean().item())})
