@@ -18,10 +18,30 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.utils import logging
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .backends import BACKENDS, OP_BACKENDS, accepted_by
 from .feature_maps import FEATURE_MAP_CLASSES, LEARNED_FEATURE_MAPS, feature_output_dim
+
+logger = logging.get_logger(__name__)
+
+# What a saved checkpoint's `auto_map` holds: the three Auto classes resolve to this package's own files, copied
+# beside the weights by `save_pretrained`, so that `trust_remote_code=True` loads the checkpoint without the package.
+AUTO_MAP = {
+    "AutoConfig": "configuration_linear_attention.LinearAttentionConfig",
+    "AutoModel": "modeling_linear_attention.LinearAttentionModel",
+    "AutoModelForCausalLM": "modeling_linear_attention.LinearAttentionForCausalLM",
+}
+# The one-line repair of a checkpoint whose `auto_map` names other code (training/export.py).
+REPAIR_COMMAND = "hf-linear-attn-export --model_name_or_path {folder} --output_dir {folder}"
+
+
+def foreign_auto_map(auto_map: dict[str, Any] | None) -> dict[str, Any]:
+    """The entries of a checkpoint's `auto_map` that name code other than this package's (e.g. the class an engine
+    made: FSDP2's `_fsdp_init.FSDPLinearAttentionForCausalLM`, whose file is torch's)."""
+    return {key: value for key, value in (auto_map or {}).items() if AUTO_MAP.get(key, value) != value}
+
 
 FEATURE_MAPS = tuple(FEATURE_MAP_CLASSES)
 DECAYS = ("none", "fixed", "scalar", "vector")
@@ -410,6 +430,15 @@ class LinearAttentionConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        if foreign := foreign_auto_map(getattr(self, "auto_map", None)):
+            # Loading still works here (this package's classes are registered and win over `auto_map`); where it is
+            # not installed, transformers would import the named files (an engine's) and fail.
+            logger.warning(
+                f"This checkpoint's config.json names code that is not hf-linear-attn's in `auto_map` ({foreign}): it "
+                "was saved by an older version through a training engine's wrapper, and loading it with "
+                "trust_remote_code=True where hf-linear-attn is not installed fails. Repair the folder in place "
+                "(config.json and the code files only, not the weights): "
+                + REPAIR_COMMAND.format(folder="CHECKPOINT_DIR") + "; or re-save it with this version.")
 
     def _validate_decoder(self, pad_token_id: Any, bos_token_id: Any, eos_token_id: Any,
                           tie_word_embeddings: Any) -> None:

@@ -42,6 +42,7 @@ from .cache_linear_attention import (
     config_fingerprint,
 )
 from .configuration_linear_attention import (
+    AUTO_MAP,
     LinearAttentionConfig,
     check_has_window_weight,
     check_sparse_cache_size,
@@ -88,13 +89,6 @@ GENERATE_CACHE_KEY = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
 )
-
-AUTO_MAP = {
-    "AutoConfig": "configuration_linear_attention.LinearAttentionConfig",
-    "AutoModel": "modeling_linear_attention.LinearAttentionModel",
-    "AutoModelForCausalLM": "modeling_linear_attention.LinearAttentionForCausalLM",
-}
-
 
 class LinearAttentionRMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in fp32 (as Llama's)."""
@@ -1003,7 +997,15 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         # transformers writes only the class being saved into `auto_map`; a Hub checkpoint must
         # resolve all three Auto classes with trust_remote_code=True.
         self.config.auto_map = dict(AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        # An engine may have swapped this model's class for a subclass of its own (FSDP2's `fully_shard` makes
+        # `FSDPLinearAttentionForCausalLM`, defined in torch): transformers would name that class in `auto_map` and
+        # copy its source files, torch's, as the model's code. The save runs as this file's class, whatever wraps it.
+        engine_class = type(self)
+        self.__class__ = next(cls for cls in engine_class.__mro__ if cls.__module__ == __name__)
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.__class__ = engine_class
 
 
 def _tracing() -> bool:

@@ -81,6 +81,8 @@ TIERS = {
     # Several processes under `accelerate launch` (~20-45 s each): the quick tier keeps 2-process FSDP2 fine-tuning.
     "test_distributed.py::test_the_same_model_on_any_number_of_processes": ONE,
     "test_distributed.py::test_fsdp2_*": FULL,
+    "test_distributed.py::test_attention_transfer_matches_one_process": FULL,
+    "test_distributed.py::test_lora_with_a_kl_teacher_ends_in_a_merged_checkpoint_that_pushes_and_generates": FULL,
     "test_distributed.py::test_multi_node_fsdp2_as_two_machines_on_this_one": FULL,
     "test_distributed.py::test_deepspeed_zero_trains_saves_and_resumes_exactly": FULL,
     "test_distributed.py::test_sharding_engines_refuse_to_merge_lora_before_training": FULL,

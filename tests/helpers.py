@@ -436,3 +436,60 @@ def wait_until_healthy(server: subprocess.Popen, url: str, name: str, timeout: f
         except requests.ConnectionError:
             pass
         time.sleep(1)
+
+
+# Checkpoints as a Hub user without hf-linear-attn meets them
+# ---------------------------------------------------------------------------------------------------------------
+
+# In a fresh Python where neither `hf_linear_attn` nor `training` imports, with torch's FSDP imported (as in the
+# process that trained: an engine's sources copied as "remote code" then fail to register their operators again):
+# loads each folder with trust_remote_code=True, checks that the class is the folder's copy, and saves the logits.
+STRANGER = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_linear_attn"] = sys.modules["training"] = None  # `import` of either fails, as where not installed
+    import torch
+    import torch.distributed.fsdp  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    ids, logits = torch.load(sys.argv[1]), {}
+    for folder in sys.argv[3:]:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            logits[folder] = model(ids).logits
+        model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)
+    torch.save(logits, sys.argv[2])
+    """
+)
+# What a model folder written by the training scripts may hold besides the code files and `checkpoint-*` folders.
+MODEL_FOLDER_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                      "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md",
+                      "training_summary.json", "log.jsonl", "runs"}
+
+
+def stranger_logits(work: Path, ids: torch.Tensor, *folders: str | Path, **env: str) -> dict[str, torch.Tensor]:
+    """The logits of `ids` from each checkpoint (a folder, or a repository id with `env` pointing at a Hub), loaded
+    (`STRANGER`) in a subprocess run from the empty folder `work`, with a modules cache of its own; keyed by
+    `str(folder)`."""
+    work.mkdir(parents=True)
+    torch.save(ids, work / "ids.pt")
+    result = subprocess.run([sys.executable, "-c", STRANGER, str(work / "ids.pt"), str(work / "logits.pt"),
+                             *map(str, folders)], cwd=work,
+                            env=script_env(HF_MODULES_CACHE=str(work / "modules"), **env),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(work / "logits.pt")
+
+
+def assert_ordinary_checkpoint(folder: Path) -> None:
+    """`folder` is a model repository as the Hub needs it: config.json's `auto_map` names this package's classes, the
+    code files are exactly this package's (no engine's), every other file is one a model folder holds."""
+    from hf_linear_attn.checkpoint_code import code_files
+    from hf_linear_attn.configuration_linear_attention import AUTO_MAP
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["LinearAttentionForCausalLM"], config
+    names = {path.name for path in folder.iterdir() if not path.name.startswith("checkpoint-")}
+    assert {name for name in names if name.endswith(".py")} == code_files().keys()
+    assert {"config.json", "model.safetensors"} <= names - code_files().keys() <= MODEL_FOLDER_FILES, names

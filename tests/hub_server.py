@@ -24,6 +24,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -236,6 +237,19 @@ class HubServer:
         self._server.hub = self
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def env(self, home: Path) -> dict[str, str]:
+        """Environment variables of a process that talks to this server (online, a token, `home` as HF_HOME)."""
+        return {"HF_ENDPOINT": self.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_test", "HF_HOME": str(home)}
+
+    def use_in_this_process(self, monkeypatch: Any, home: Path) -> None:
+        """Point huggingface_hub in this process at the server (what `env` does for a subprocess)."""
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "ENDPOINT", self.url)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_test")
+        monkeypatch.setenv("HF_HOME", str(home))
 
     def __enter__(self) -> HubServer:
         self._thread.start()

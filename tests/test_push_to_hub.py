@@ -3,39 +3,15 @@
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
-from helpers import ROOT, script_env, tiny_args, tiny_model
+from helpers import ROOT, script_env, stranger_logits, tiny_args, tiny_model
 from hub_server import HubServer, card_metadata_errors
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
 from training.model_card import render_model_card
-
-# Runs where hf_linear_attn is not installed: loads both pushed repos from the server with
-# trust_remote_code=True (the code files travel with the weights) and saves their logits.
-DOWNLOAD = textwrap.dedent(
-    """
-    import sys
-    sys.modules["hf_linear_attn"] = None  # as on a machine without `pip install hf-linear-attn`
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    ids = torch.load(sys.argv[1])
-    logits = {}
-    for repo in sys.argv[3:]:
-        tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
-        assert tokenizer.decode(tokenizer("Linear state")["input_ids"]) == "Linear state"
-        model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
-        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        with torch.no_grad():
-            logits[repo] = model(ids).logits
-    torch.save(logits, sys.argv[2])
-    """
-)
-
 
 @pytest.fixture
 def hub():
@@ -44,11 +20,9 @@ def hub():
 
 
 def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, dataset_cache, monkeypatch, capsys):
-    from huggingface_hub import constants
-
     from training.push_to_hub import main as push_to_hub_main
 
-    env = script_env(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN="hf_test", HF_HOME=str(tmp_path / "home"))
+    env = script_env(**hub.env(tmp_path / "home"))
     out = tmp_path / "out"
     train = subprocess.run(
         [sys.executable, "training/finetune.py",
@@ -57,10 +31,7 @@ def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, 
     assert train.returncode == 0, train.stderr[-3000:]
     # training/push_to_hub.py's main runs in this process, as `env` would set the Hub up for it: a subprocess spends
     # ~9 s importing on the suite's slow machine. The training run and the download (no hf_linear_attn) stay apart.
-    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_TOKEN", "hf_test")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    hub.use_in_this_process(monkeypatch, tmp_path / "home")
     assert push_to_hub_main([str(out), "someone/tiny-linear-mit", "--license", "mit"]) == 0
     assert "someone/tiny-linear-mit" in capsys.readouterr().out
     assert hub.validations and all(errors == [] for errors in hub.validations)  # the Hub check of each card ran
@@ -74,16 +45,13 @@ def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, 
             "tokenizer.json", "README.md", "training_summary.json"} <= files
     assert not any(name.startswith(("checkpoint-", "runs/")) or name == "log.jsonl" for name in files)
 
+    # Downloaded where hf_linear_attn is not installed, with trust_remote_code=True (the code travels with the weights).
     ids = torch.randint(3, 259, (2, 40), generator=torch.Generator().manual_seed(0))
-    torch.save(ids, tmp_path / "ids.pt")
-    download = subprocess.run(
-        [sys.executable, "-c", DOWNLOAD, str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
-         "someone/tiny-linear", "someone/tiny-linear-mit"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert download.returncode == 0, download.stderr[-3000:]
+    downloaded = stranger_logits(tmp_path / "stranger", ids, "someone/tiny-linear", "someone/tiny-linear-mit",
+                                 **hub.env(tmp_path / "home"))
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
-    for repo, logits in torch.load(tmp_path / "logits.pt").items():
+    for repo, logits in downloaded.items():
         assert torch.equal(logits, expected), repo
 
     # The card: metadata the Hub accepts, model-index with the run's held-out metrics, licence.
@@ -147,3 +115,26 @@ def test_a_failed_push_leaves_the_folder_and_the_hub_as_they_were(hub, tmp_path,
     with pytest.raises(ConnectionError):
         push_to_hub(folder, "someone/unreachable", license="mit")
     assert not (folder / "README.md").exists()
+
+
+def test_a_folder_that_would_not_load_from_the_hub_is_refused_before_the_hub_is_asked(hub, tmp_path, monkeypatch):
+    """A LoRA adapter folder, and a checkpoint whose remote code is an engine's (as an older version saved FSDP2
+    runs): a clear error naming the command that fixes it, and no request reaches the Hub."""
+    from training.hub import push_to_hub
+
+    hub.use_in_this_process(monkeypatch, tmp_path / "home")
+    broken = tmp_path / "broken"
+    tiny_model().save_pretrained(broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["auto_map"]["AutoModelForCausalLM"] = "_fsdp_init.FSDPLinearAttentionForCausalLM"
+    (broken / "config.json").write_text(json.dumps(config))
+    (broken / "_fsdp_init.py").write_text("# torch's file\n")
+    with pytest.raises(ValueError, match=rf"_fsdp_init.*hf-linear-attn-export --model_name_or_path {broken} "
+                                         rf"--output_dir {broken}"):
+        push_to_hub(broken, "someone/broken", license="mit")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="LoRA adapter, not a model: merge it into its base first"):
+        push_to_hub(adapter, "someone/adapter", license="mit")
+    assert hub.requests == [] and hub.repos == {}

@@ -7,6 +7,7 @@ The remote-code test loads the checkpoint in a fresh Python process in which
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_linear_attn
 from hf_linear_attn import LinearAttentionConfig, LinearAttentionForCausalLM, LinearAttentionModel
+from hf_linear_attn.checkpoint_code import checkpoint_code_problems, code_files
+from hf_linear_attn.configuration_linear_attention import AUTO_MAP
 
 CHECKPOINT_VARIANT = {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 6, "num_sink_tokens": 1,
                       "softmax_layers": [1], "softmax_heads": {0: [1]}, "use_qk_norm": True}
@@ -64,6 +67,50 @@ def test_checkpoint_files_and_auto_map(saved):
         "AutoModel": "modeling_linear_attention.LinearAttentionModel",
         "AutoModelForCausalLM": "modeling_linear_attention.LinearAttentionForCausalLM",
     }
+
+
+class EngineMixin:
+    """Stands in for the class a training engine mixes into the model's (FSDP2's `fully_shard` does this)."""
+
+
+def test_a_model_whose_class_an_engine_swapped_saves_as_the_projects_model(tmp_path):
+    """FSDP2 replaces the model's class by `FSDPLinearAttentionForCausalLM(FSDPModule, LinearAttentionForCausalLM)`,
+    defined in torch's module: the save still names and copies only this package's code, and the model keeps the
+    engine's class afterwards."""
+    model = tiny_model()
+    engine_class = type("FSDPLinearAttentionForCausalLM", (EngineMixin, LinearAttentionForCausalLM),
+                        {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"})
+    model.__class__ = engine_class
+    model.save_pretrained(tmp_path / "saved")
+    assert type(model) is engine_class
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["LinearAttentionForCausalLM"]
+    assert {path.name for path in (tmp_path / "saved").glob("*.py")} == code_files().keys()
+    assert checkpoint_code_problems(tmp_path / "saved") == []
+
+
+def test_a_checkpoint_saved_with_an_engines_code_loads_here_with_a_warning_naming_the_repair(saved, tmp_path,
+                                                                                               caplog):
+    """Such a checkpoint from an older version (auto_map naming the engine's class, the engine's files beside the
+    weights) loads where the package is installed (its classes win over auto_map), with a warning that says where it
+    fails and the one command that repairs it."""
+    broken = tmp_path / "broken"
+    shutil.copytree(saved, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["auto_map"]["AutoModelForCausalLM"] = "_fsdp_init.FSDPLinearAttentionForCausalLM"
+    (broken / "config.json").write_text(json.dumps(config))
+    (broken / "_fsdp_init.py").write_text("# torch's file\n")
+    problems = checkpoint_code_problems(broken)
+    assert len(problems) == 2 and "_fsdp_init.FSDPLinearAttentionForCausalLM" in problems[0]
+    assert "_fsdp_init.py" in problems[1]
+    model = AutoModelForCausalLM.from_pretrained(broken, trust_remote_code=True)
+    assert type(model) is LinearAttentionForCausalLM
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any("_fsdp_init.FSDPLinearAttentionForCausalLM" in text and "hf-linear-attn-export --model_name_or_path "
+               "CHECKPOINT_DIR --output_dir CHECKPOINT_DIR" in text for text in warnings), warnings
+    caplog.clear()
+    AutoModelForCausalLM.from_pretrained(saved)
+    assert not [record for record in caplog.records if "auto_map" in record.getMessage()]
 
 
 def relative_imports(module: Path) -> set[str]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from hf_linear_attn.checkpoint_code import checkpoint_code_problems
+from hf_linear_attn.configuration_linear_attention import REPAIR_COMMAND
 from training.checkpoints import (
     CHECKPOINT_PREFIX,
     LOG_FILE,
@@ -55,7 +57,15 @@ def push_to_hub(
     An invalid card (e.g. a licence id the Hub does not know) raises ValueError before the repository is
     created; if the upload fails, `folder/README.md` is restored to what it was."""
     folder = Path(folder)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} holds a LoRA adapter, not a model: merge it into its base first "
+                         f"(hf-linear-attn-export --model_name_or_path {folder} --output_dir MERGED_DIR), then push "
+                         "MERGED_DIR.")
     card = render_model_card(folder, repo_id=repo_id, license=license)
+    if problems := checkpoint_code_problems(folder):
+        raise ValueError(f"{folder} would not load from the Hub with trust_remote_code=True: "
+                         + "; ".join(problems) + ". Repair it first (config.json and code files only): "
+                         + REPAIR_COMMAND.format(folder=folder))
     try:
         card.validate(repo_type="model")
     except ValueError as error:

@@ -133,6 +133,10 @@ def check_finetune_arguments(model_args: ModelArguments, data_args: DataArgument
     if model_args.use_lora:
         if model_args.lora_r < 1:
             raise ValueError(f"--lora_r must be >= 1, got {model_args.lora_r}.")
+        if model_args.config_name and not model_args.merge_lora:
+            raise ValueError("--use_lora --merge_lora false from --config_name: the adapter's base would be a random "
+                             "initialisation saved nowhere, so it could never be merged or loaded; fine-tune a "
+                             "checkpoint (--model_name_or_path) or keep --merge_lora true.")
         if model_args.trainable_parameters and not model_args.merge_lora:
             raise ValueError("--trainable_parameters with an unmerged LoRA adapter: a PEFT adapter does not store "
                              "the base weights that would train; set --merge_lora true.")
@@ -168,7 +172,8 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     accelerator = make_accelerator(train_args)
     if model_args.use_lora and model_args.merge_lora and _shards_parameters(accelerator):
         raise ValueError("Merging LoRA needs the full weights on one process; under FSDP / ZeRO-3 train with "
-                         "--merge_lora false and merge the saved adapter afterwards.")
+                         "--merge_lora false, then merge the saved adapter into its base: hf-linear-attn-export "
+                         "--model_name_or_path OUTPUT_DIR --output_dir MERGED_DIR.")
     set_seed(train_args.seed)
     config = load_config(model_args)
     tokenizer = load_tokenizer(model_args)
