@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import PretrainedConfig
-from transformers.utils import logging
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import logging
 
 from .backends import BACKENDS, OP_BACKENDS, accepted_by
 from .feature_maps import FEATURE_MAP_CLASSES, LEARNED_FEATURE_MAPS, feature_output_dim

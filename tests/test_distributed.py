@@ -95,6 +95,11 @@ def finish(*processes: subprocess.Popen, timeout: float = 300) -> None:
         for index, (code, text) in enumerate(zip(codes, stderr, strict=True)))
 
 
+def named(name: str):
+    """An `assert_close` message: the tensor's name before torch's description of the mismatch."""
+    return lambda message: f"{name}: {message}"
+
+
 def weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
@@ -118,7 +123,7 @@ def assert_same_run(folder: Path, reference: Path, engine: str = "fsdp2") -> Non
                                    torch.tensor([r[key] for r in expected if key in r]), rtol=loss_rtol, atol=1e-6)
     expected_weights = weights(reference)
     for name, tensor in weights(folder).items():
-        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=weight_atol, msg=name)
+        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=weight_atol, msg=named(name))
     assert_stranger_loads(folder, reference, engine)
 
 
@@ -192,7 +197,7 @@ def test_deepspeed_zero_trains_saves_and_resumes_exactly(stage, one_process, tmp
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-3, atol=0)
     loaded = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
     for name, tensor in weights(one).items():  # Adam turns the slightly other gradients into ~1e-3 steps
-        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=TOLERANCES[stage][1], msg=name)
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=TOLERANCES[stage][1], msg=named(name))
     assert_stranger_loads(out, one, stage)
 
     resumed.mkdir()
@@ -290,6 +295,10 @@ def test_lora_with_a_kl_teacher_ends_in_a_merged_checkpoint_that_pushes_and_gene
 
     needs_engine(engine)
     loss_rtol, weight_atol, logit_atol = TOLERANCES[engine]
+    if engine.startswith("zero"):
+        # At LoRA's learning rate (1e-2), an adapter weight whose gradient is near zero may step the other way under
+        # DeepSpeed's per-micro-batch means; Adam bounds each step by about the learning rate (4 steps here).
+        weight_atol = 4 * 1e-2
     one, sharded, merged = tmp_path / "one", tmp_path / engine, tmp_path / "merged"
     stages.finetune(finetune.parse_args(lora_kl_args(tmp_path, one, dataset_cache, 1, one_process)))
     finish(launch(engine, 2, "finetune.py", *lora_kl_args(tmp_path, sharded, dataset_cache, 2, one_process)))
@@ -299,7 +308,7 @@ def test_lora_with_a_kl_teacher_ends_in_a_merged_checkpoint_that_pushes_and_gene
     adapter, expected_adapter = (load_file(str(folder / "adapter_model.safetensors")) for folder in (sharded, one))
     assert adapter.keys() == expected_adapter.keys() and any("lora_B" in name for name in adapter)
     for name, tensor in adapter.items():
-        torch.testing.assert_close(tensor, expected_adapter[name], rtol=0, atol=weight_atol, msg=name)
+        torch.testing.assert_close(tensor, expected_adapter[name], rtol=0, atol=weight_atol, msg=named(name))
     assert not list(sharded.glob("*.py")) and not (sharded / "config.json").exists()
 
     assert export.main(["--model_name_or_path", str(sharded), "--output_dir", str(merged)]) == 0

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from training.model_card import render_model_card
 
+
 @pytest.fixture
 def hub():
     with HubServer() as server:

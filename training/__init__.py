@@ -1,7 +1,7 @@
 """The training package: scripts and the library modules they are thin command lines over.
 
 Scripts (`python training/NAME.py`, `python -m training.NAME`, `accelerate launch training/NAME.py`, or the
-installed commands `hf-linear-attn-convert`, `-distill`, `-finetune`, `-evaluate`, `-push`); each parses its
+installed commands `hf-linear-attn-convert`, `-distill`, `-finetune`, `-evaluate`, `-export`, `-push`); each parses its
 arguments and calls library functions, none imports another, all exit alike (`command_line.py`):
 - `convert.py`       softmax checkpoint -> linear-attention checkpoint
 - `distill.py`       stage 1, attention transfer
@@ -11,6 +11,7 @@ arguments and calls library functions, none imports another, all exit alike (`co
 - `long_context.py`  `python -m training.long_context prepare|needles`: the held-out long texts, the lm-eval
                      needle data
 - `push_to_hub.py`   upload a saved checkpoint with a generated model card
+- `export.py`        merge a LoRA adapter into its base, or repair a checkpoint's code files
 - `demo.py`, `tour.py`  the `make demo` and `make tour` scripts
 
 Library modules:
@@ -33,4 +34,5 @@ Library modules:
 - `report.py`        tables (one cell format) written as Markdown, JSON and plots
 - `model_card.py`    model cards rendered from `model_card.md` and the runs' records
 - `hub.py`           `push_to_hub`: card, repository, one upload
+- `adapters.py`      merging a LoRA adapter into its base, shard by shard
 """

@@ -14,11 +14,14 @@ Both run on the training loop (`training.loop`) and check every input before tra
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from transformers import AutoTokenizer
+from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
 import hf_linear_attn
 from hf_linear_attn.configuration_linear_attention import check_has_window_weight, check_window_weight
@@ -164,6 +167,23 @@ def _shards_parameters(accelerator: Accelerator) -> bool:
     )
 
 
+@contextlib.contextmanager
+def whole_weights(accelerator: Accelerator) -> Iterator[None]:
+    """Models loaded inside hold their whole weights on every process. Under ZeRO-3 transformers partitions weights
+    as it loads them (zero.Init) for DeepSpeed to gather in the forward; a frozen teacher is not handed to DeepSpeed,
+    so it must be whole. (accelerate's `zero3_init_context_manager(enable=False)` leaves transformers' DeepSpeed
+    config in place in accelerate 1.x, so it is unset here and set again after.)"""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
 def finetune(args: FinetuneArguments) -> TrainResult:
     """Stage 2, or training from a config: set up everything (checking all inputs first), train, save and optionally
     push."""
@@ -187,7 +207,8 @@ def finetune(args: FinetuneArguments) -> TrainResult:
         model.set_window_weight(model_args.set_window_weight)
     loss_fn = causal_lm_loss
     if model_args.teacher_name_or_path:
-        teacher = load_distillation_teacher(model_args, config).to(accelerator.device)
+        with whole_weights(accelerator):
+            teacher = load_distillation_teacher(model_args, config).to(accelerator.device)
         loss_fn = logit_distillation_loss(teacher, model_args.kl_weight, model_args.kl_temperature,
                                           teacher_precision=accelerator.autocast)
     if train_args.gradient_checkpointing:
