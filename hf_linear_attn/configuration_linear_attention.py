@@ -66,6 +66,8 @@ DELTA_FEATURE_MAPS = ("identity", "elu", "relu", "t2r", "hedgehog")
 DELTA_DECAYS = ("none", "fixed", "scalar")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
+# The rope types whose frequencies follow the input's length (transformers' `dynamic_rope_update`).
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 def _fail(name: str, value: Any, allowed: str, error: type[Exception] = ValueError) -> None:
@@ -339,6 +341,14 @@ class LinearAttentionConfig(PretrainedConfig):
     `tie_word_embeddings`, `initializer_range`). `rope_parameters` may use every `rope_type`
     transformers knows; `dynamic` and `longrope` rescale with the input's length as in Llama.
 
+    Past the trained positions:
+        rope_position_cap (`int | None`, default None): the frequency pairs of RoPE that do not complete a turn within
+            this many positions (the slow ones, which a model reads as where a token is) rotate up to position
+            `rope_position_cap - 1` and no further; the faster pairs, whose every angle training has seen, rotate
+            on. Below the cap nothing changes; past it, every position looks like one the model was trained at,
+            and each position's rotation stays fixed (a cache and a streamed state stay consistent). Converted
+            models set it to the teacher's `max_position_embeddings`. Not with a `dynamic` or `longrope` rope_type.
+
     Architecture switches for converted checkpoints:
         attention_bias: bias on q/k/v projections (Qwen2; Llama's `attention_bias=True` also
             needs `attention_out_bias=True`).
@@ -384,6 +394,7 @@ class LinearAttentionConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         rope_theta: float = 10000.0,
         rope_parameters: dict | None = None,
+        rope_position_cap: int | None = None,
         attention_bias: bool = False,
         attention_out_bias: bool = False,
         use_qk_norm: bool = False,
@@ -423,6 +434,8 @@ class LinearAttentionConfig(PretrainedConfig):
         # dict, as older configs carry, takes precedence as in transformers).
         self.rope_theta = rope_theta
         self._set_rope_parameters(kwargs.pop("rope_scaling", None) or rope_parameters)
+        self.rope_position_cap = rope_position_cap
+        self._check_rope_position_cap()
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -512,6 +525,15 @@ class LinearAttentionConfig(PretrainedConfig):
             self.validate_rope()  # transformers' checks of the keys each rope_type needs
         except KeyError as error:
             raise ValueError(f"invalid `rope_parameters`={rope!r}: {error.args[0]}.") from None
+
+    def _check_rope_position_cap(self) -> None:
+        """`rope_position_cap`: None, or an int ≥ 2 with a RoPE whose rotations do not depend on the input's length."""
+        _check_int("rope_position_cap", self.rope_position_cap, 2, optional=True)
+        rope_type = self.rope_parameters["rope_type"]
+        if self.rope_position_cap is not None and rope_type in LENGTH_DEPENDENT_ROPE_TYPES:
+            _fail("rope_position_cap", self.rope_position_cap, f"fixes the rotation of every position for good, and "
+                  f"rope_type {rope_type!r} rescales them with the input's length: set one or the other (the cap "
+                  "with rope_type 'default', or None)")
 
     def layer_kind(self, layer_idx: int) -> str:
         """The kind of attention of layer `layer_idx`, one of LAYER_KINDS: "softmax" (listed in softmax_layers), else

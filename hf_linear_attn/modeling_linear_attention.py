@@ -128,6 +128,18 @@ class LinearAttentionRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = init_fn(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+        self.position_cap = config.rope_position_cap  # the angle caps are made from inv_freq at every call
+
+    def angles(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """position_ids [B, T] -> fp32 angles [B, T, D / 2]: position × frequency, with `rope_position_cap` the
+        angle of each frequency that does not complete a turn within the cap held at its value at the last position
+        below it (the other frequencies' angles, every value of which training saw, are left to grow)."""
+        inv_freq = self.inv_freq.to(device=position_ids.device, dtype=torch.float)
+        angles = position_ids[..., None].float() * inv_freq
+        if self.position_cap is None:
+            return angles
+        last = (self.position_cap - 1) * inv_freq
+        return torch.minimum(angles, torch.where(last < 2 * math.pi, last, torch.inf))
 
     @staticmethod
     def compute_default_rope_parameters(config: LinearAttentionConfig, **kwargs) -> tuple[torch.Tensor, float]:
@@ -140,7 +152,7 @@ class LinearAttentionRotaryEmbedding(nn.Module):
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids [B, T] -> cos, sin [B, T, D], in x's dtype.
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        freqs = self.angles(position_ids.to(x.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 

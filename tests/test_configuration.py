@@ -119,6 +119,9 @@ def test_rope_parameters_keep_scaling_type():
         ({"rope_parameters": {"rope_type": "dynamic"}}, "rope_parameters"),  # dynamic needs a factor
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
          "rope_parameters['partial_rotary_factor']"),
+        ({"rope_position_cap": 1}, "rope_position_cap"),  # a cap at position 0 would leave no slow rotation at all
+        # A length-dependent RoPE moves every position's rotation with the input; the cap fixes them.
+        ({"rope_position_cap": 64, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_position_cap"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides, field):
@@ -233,6 +236,41 @@ def test_dynamic_rope_changes_the_model_only_beyond_max_position_embeddings():
     with torch.no_grad():
         torch.testing.assert_close(dynamic(ids[:, :32]).logits, plain(ids[:, :32]).logits, rtol=0, atol=0)
         assert not torch.allclose(dynamic(ids).logits, plain(ids).logits, atol=1e-4)
+
+
+def test_the_position_cap_holds_only_the_rotations_training_never_saw_complete():
+    """Below the cap RoPE is untouched; past it the slow frequencies (no full turn within the cap) stay at their
+    angle of the last position below it, and the fast ones, whose every angle was seen, turn on as before."""
+    plain = LinearAttentionRotaryEmbedding(tiny_config(head_dim=32))
+    capped = LinearAttentionRotaryEmbedding(tiny_config(head_dim=32, rope_position_cap=64))
+    positions = torch.arange(300)[None]
+    free, held = plain.angles(positions)[0], capped.angles(positions)[0]  # [300, 16]
+    torch.testing.assert_close(held[:64], free[:64], rtol=0, atol=0)
+    slow = 63 * plain.inv_freq < 2 * torch.pi
+    assert 0 < int(slow.sum()) < len(slow)
+    torch.testing.assert_close(held[64:, slow], free[63, slow].expand(236, -1), rtol=0, atol=0)
+    torch.testing.assert_close(held[:, ~slow], free[:, ~slow], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"window_size": 8, "num_sink_tokens": 2, "decay": "scalar",
+                                           "softmax_heads": {1: [0]}}], ids=["linear", "window+heads"])
+def test_a_model_with_a_position_cap_decodes_past_it_as_its_forward_reads(overrides):
+    """Each position's rotation is fixed whatever the input's length: below the cap the model is the uncapped one,
+    and token-by-token decoding past the cap (the cache's keys and state) gives the full forward's logits."""
+    capped = tiny_model(max_position_embeddings=64, rope_position_cap=16, head_dim=32, **overrides).eval()
+    plain = tiny_model(max_position_embeddings=64, head_dim=32, **overrides).eval()
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(capped(ids[:, :16]).logits, plain(ids[:, :16]).logits, rtol=0, atol=0)
+        full = capped(ids).logits
+        assert not torch.allclose(full, plain(ids).logits, atol=1e-4)
+        out = capped(ids[:, :12], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(12, 40):
+            out = capped(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
 DELTA = {"update_rule": "delta", "feature_map": "identity", "normalize": False}

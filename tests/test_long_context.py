@@ -206,15 +206,16 @@ def test_every_model_scores_the_same_rows_and_the_second_half_of_each(documents)
         perplexity_windows(documents, 64, 100, min_rows=0)
 
 
-def direct_perplexity(model, windows, mask_of=None) -> float:
+def direct_perplexity(model, windows, mask_of=None, first=lambda length: length // 2) -> float:
+    """Perplexity over positions first(L) .. L - 1 of each row, one forward per row."""
     total, count = 0.0, 0
     for row in windows:
         length = row.shape[1]
         mask = None if mask_of is None else mask_of(length)
         with torch.no_grad():
             logits = model(row, attention_mask=mask).logits[0]
-        total += F.cross_entropy(logits[length // 2 - 1:-1], row[0, length // 2:], reduction="sum").item()
-        count += length - length // 2
+        total += F.cross_entropy(logits[first(length) - 1:-1], row[0, first(length):], reduction="sum").item()
+        count += length - first(length)
     return math.exp(total / count)
 
 
@@ -234,6 +235,11 @@ def test_perplexity_equals_a_direct_per_row_computation(documents):
             direct_perplexity(teacher, windows, lambda n: window_mask(n, 8, 2)), rel=1e-5)
         assert got["linear", context] == pytest.approx(direct_perplexity(linear, windows), rel=1e-5)
         assert got["window", context] != pytest.approx(got["teacher", context], rel=1e-4)  # the window binds
+    last = {(r["model"], r["context"]): r["last_quarter_perplexity"] for r in rows}
+    for context in contexts:
+        windows = perplexity_windows(documents, context, 80)
+        assert last["linear", context] == pytest.approx(
+            direct_perplexity(linear, windows, first=lambda length: length - length // 4), rel=1e-5)
 
 
 def test_perplexity_by_position_averages_each_bin_of_one_forward_per_document(documents):

@@ -181,14 +181,15 @@ def perplexity_by_context(models: dict[str, object], documents: list[LongDocumen
     results = []
     for context, starts in spans.items():
         for label in models:
-            total, count = 0.0, 0
-            for d, start in starts:
-                offset = start + context // 2 - reach[d, start][1]  # the row's first scored token in its losses
-                total += losses[label][d, start][offset:offset + context - context // 2].sum().item()
-                count += context - context // 2
-            results.append({"model": label, "context": context, "rows": len(starts), "scored_tokens": count,
-                            "perplexity": math.exp(total / count)})
-            log(f"  perplexity @{context}: {label} {results[-1]['perplexity']:.2f}")
+            scored = torch.cat([losses[label][d, start][offset:offset + context - context // 2]
+                                for d, start in starts
+                                for offset in [start + context // 2 - reach[d, start][1]]])  # from the row's first
+            last = torch.cat(list(scored.view(len(starts), -1)[:, -(context // 4):])) if context >= 4 else scored
+            results.append({"model": label, "context": context, "rows": len(starts), "scored_tokens": len(scored),
+                            "perplexity": math.exp(scored.mean().item()),
+                            "last_quarter_perplexity": math.exp(last.mean().item())})
+            log(f"  perplexity @{context}: {label} {results[-1]['perplexity']:.2f} (last quarter "
+                f"{results[-1]['last_quarter_perplexity']:.2f})")
     return results
 
 

@@ -115,6 +115,9 @@ def long_context_tables(evaluation: dict[str, Any], label: str | None = None) ->
         scored = min(r["scored_tokens"] for r in long_rows)
         tables[f"Held-out perplexity by context (≥ {scored:,} scored tokens each; × teacher)"] = by_model(
             lambda r, t: format_cell(r["perplexity"]) + (f" ({r['perplexity'] / t['perplexity']:.2f}×)" if t else ""))
+        if all("last_quarter_perplexity" in r for r in long_rows):  # records before it was measured lack it
+            tables["Perplexity over the last quarter of each window, where the far context is read"] = by_model(
+                lambda r, t: format_cell(r["last_quarter_perplexity"]))
         tables["Decoding cache by context (share of the teacher's)"] = by_model(
             lambda r, t: _human_bytes(r["cache_bytes"]) + (f" ({r['cache_bytes'] / t['cache_bytes']:.0%})" if t else "")
         )
