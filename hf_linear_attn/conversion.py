@@ -38,7 +38,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions, LinearAttentionConfig
+from .configuration_linear_attention import (
+    ATTENTION_OPTIONS,
+    LENGTH_DEPENDENT_ROPE_TYPES,
+    AttentionOptions,
+    LinearAttentionConfig,
+)
 from .modeling_linear_attention import LinearAttentionForCausalLM
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -102,6 +107,10 @@ def linear_attention_config(
         eos_token_id=c.eos_token_id,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         rope_parameters=dict(c.rope_parameters),
+        # The teacher's RoPE is trained up to its max_position_embeddings: past it, its slow rotations are held there
+        # (not with a length-dependent RoPE, whose rotations follow the input).
+        rope_position_cap=(None if c.rope_parameters.get("rope_type") in LENGTH_DEPENDENT_ROPE_TYPES
+                           else c.max_position_embeddings),
         attention_bias=qkv_bias,
         attention_out_bias=out_bias,
         use_qk_norm=model_type == "qwen3",

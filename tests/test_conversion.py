@@ -447,3 +447,15 @@ def test_convert_cli_restores_the_heads_a_trained_checkpoint_gains_most_from(tmp
     assert ranking["ranking_model"] == str(tmp_path / "stage1")
     assert "restored" in ranking["measure"] and ranking["prompts"] == 2
     assert all(torch.equal(value, stage1.state_dict()[name]) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_a_conversion_holds_the_slow_rotations_at_the_teachers_positions(name):
+    """The converted model reads past the teacher's positions with its slow RoPE rotations held at the last one
+    (`rope_position_cap`); below it, the cap changes nothing. A length-dependent RoPE is left as it is."""
+    source = teacher(name)
+    config = linear_attention_config(source.config)
+    assert config.rope_position_cap == source.config.max_position_embeddings
+    source.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0,
+                                     "rope_theta": source.config.rope_parameters["rope_theta"]}
+    assert linear_attention_config(source.config).rope_position_cap is None
