@@ -1,9 +1,11 @@
 """The benchmark scripts run end to end on tiny settings, so they cannot rot between real runs."""
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 # The models of the decode and train benchmarks' tests: one layer, hidden 32, vocabulary 64.
 TINY_DECODE = ["--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
@@ -159,3 +161,65 @@ def test_serving_benchmark_refuses_a_non_positive_size_before_any_engine(flag, v
     with pytest.raises(SystemExit) as exit_:
         benchmark_module("bench_vllm.py").main(["run", flag, value, "--output_dir", str(tmp_path)])
     assert exit_.value.code == 2 and f"error: {flag} must be positive, got {value}" in capsys.readouterr().err
+
+
+def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(benchmark_main, tmp_path):
+    """bench_reach on a byte-level Llama and its conversion (positions trained: 64; the conversion holds its slow
+    rotations there): each length's numbers are those of a forward of the window's first L tokens (they are read
+    from one forward of the longest), the last quarter and the within-N reference are the losses of the tokens they
+    name, and the cap variants are the converted model with the cap as saved and removed."""
+    from helpers import WORDS
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_linear_attn import convert_to_linear_attention
+    from training.data import byte_level_tokenizer
+    from training.long_context_data import load_texts, long_documents
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=64)).eval()
+    student = convert_to_linear_attention(teacher, feature_map="hedgehog", feature_dim=8, window_size=8,
+                                          num_sink_tokens=2).eval()
+    assert student.config.rope_position_cap == 64
+    for name, model in (("teacher", teacher), ("student", student)):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    (tmp_path / "texts").mkdir()
+    for s, source in enumerate(("kjv", "austen")):
+        text = " ".join(WORDS[(5 * i + s) % len(WORDS)] for i in range(120))
+        (tmp_path / "texts" / f"{source}.jsonl").write_text(json.dumps({"title": source, "text": text}) + "\n")
+    assert benchmark_main("bench_reach.py", "--models", f"teacher={tmp_path / 'teacher'}",
+                          f"student={tmp_path / 'student'}", "--lengths", "128", "256", "--position_caps", "none",
+                          "--within", "64", "--slice_tokens", "40", "--long_context_data", str(tmp_path / "texts"),
+                          "--output_dir", str(tmp_path / "out")) == 0
+    rows = json.loads((tmp_path / "out" / "reach.json").read_text())["rows"]
+    assert [(r["model"], r["variant"], r["text"], r["length"]) for r in rows] == [
+        (model, variant, text, length) for model, variant in (("teacher", "as saved"), ("student", "as saved"),
+                                                               ("student", "cap none"))
+        for text in ("kjv", "austen") for length in (128, 256)]
+    documents = long_documents(tokenizer, load_texts(tmp_path / "texts"), document_tokens=256, documents_per_source=1)
+    uncapped = convert_to_linear_attention(teacher, feature_map="hedgehog", feature_dim=8, window_size=8,
+                                           num_sink_tokens=2).eval()
+    uncapped.load_state_dict(student.state_dict())
+    uncapped.model.rotary_emb.position_cap = None
+    models = {("teacher", "as saved"): teacher, ("student", "as saved"): student, ("student", "cap none"): uncapped}
+    for row in rows:
+        ids = documents[row["text"] == "austen"].input_ids[None, :row["length"]]
+        with torch.no_grad():
+            losses = F.cross_entropy(models[row["model"], row["variant"]](ids).logits[0, :-1], ids[0, 1:],
+                                     reduction="none")
+        assert row["perplexity"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-5)
+        assert row["last_quarter"] == pytest.approx(math.exp(losses[-(row["length"] // 4):].mean().item()), rel=1e-5)
+        within = []
+        for start in range(row["length"] * 3 // 4, row["length"], 32):
+            window = ids[:, start - 32:start + 32]
+            with torch.no_grad():
+                within.append(F.cross_entropy(models[row["model"], row["variant"]](window).logits[0, -33:-1],
+                                              window[0, -32:], reduction="none"))
+        assert row["last_quarter_within"] == pytest.approx(math.exp(torch.cat(within).mean().item()), rel=1e-5)
+    ids = documents[0].input_ids[None]
+    with torch.no_grad():  # the two variants are two models past the cap (so the checks above tell them apart)
+        torch.testing.assert_close(student(ids[:, :64]).logits, uncapped(ids[:, :64]).logits, rtol=0, atol=0)
+        assert not torch.allclose(student(ids).logits, uncapped(ids).logits, atol=1e-5)
