@@ -91,6 +91,23 @@ def test_card_of_a_converted_checkpoint_inherits_the_source_licence(tmp_path):
     assert render_model_card(tmp_path / "converted", license="mit").data.license == "mit"
 
 
+@pytest.mark.parametrize("overrides, grows", [
+    ({}, None),
+    ({"softmax_heads": {0: [1]}}, "only the 1 softmax KV head in 1 layer (`softmax_heads`) keep"),
+    ({"softmax_heads": {0: [0, 1]}, "softmax_layers": [1]},
+     "only the full-softmax layers (1) and the 2 softmax KV heads in 1 layer (`softmax_heads`) keep"),
+])
+def test_the_card_says_what_in_the_cache_grows_with_the_context(overrides, grows, tmp_path):
+    """Softmax heads keep a growing key/value cache as softmax layers do: a card may say that nothing grows only
+    when neither is there."""
+    tiny_model(feature_map="hedgehog", feature_dim=8, window_size=4, rope_position_cap=256,
+               **overrides).save_pretrained(tmp_path / "model")
+    text = render_model_card(tmp_path / "model").text
+    assert ("nothing grows with the context" in text) == (grows is None)
+    assert grows is None or grows in text
+    assert "held at position 255 (`rope_position_cap`)" in text
+
+
 def test_a_failed_push_leaves_the_folder_and_the_hub_as_they_were(hub, tmp_path, monkeypatch):
     from huggingface_hub import HfApi, constants
 

@@ -225,6 +225,7 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         base_model=base_model,
         converted_from=converted_from,
         config=config,
+        growing=growing_cache(config),
         num_parameters=_num_parameters(folder),
         cache_rows=[{"tokens": r["tokens"], "linear": _human_bytes(r["linear_bytes"]),
                      "softmax": _human_bytes(r["softmax_bytes"])} for r in measured],
@@ -238,6 +239,20 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         license=final_license,
         license_inherited=final_license is not None and recorded_license is None,
     )
+
+
+def growing_cache(config: dict[str, Any]) -> str | None:
+    """What in a model's decoding cache grows with the context, in words (None: nothing does): the full-softmax
+    layers' key/value cache and the softmax heads' (`softmax_heads`). The states, windows, convolution inputs and
+    the sparse memory are of a fixed size."""
+    parts = []
+    if layers := config.get("softmax_layers"):
+        parts.append(f"the full-softmax layers ({', '.join(map(str, layers))})")
+    if heads := {layer: kv for layer, kv in (config.get("softmax_heads") or {}).items() if kv}:
+        count = sum(len(kv) for kv in heads.values())
+        parts.append(f"the {count} softmax KV head{'s' * (count != 1)} in {len(heads)} "
+                     f"layer{'s' * (len(heads) != 1)} (`softmax_heads`)")
+    return " and ".join(parts) or None
 
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, license: str | None = None) -> ModelCard:
