@@ -59,13 +59,14 @@ KINDS = {
 }
 # The engine tests' models: one per kind, and checkpoints converted from a softmax model (biases, tied embeddings,
 # q/k norms: Qwen3) with the demo's options: its kind, and its recipe scaled down (a 64-token window, 4 sinks, 2 of 4
-# layers softmax, softmax heads in the others).
+# layers softmax, softmax heads in the others), with its slow rotations held at position 99 (`rope_position_cap`, as
+# a conversion of a source trained on 100 positions has them), which the prompts of 120 and 300 tokens run past.
 MODELS = {**{kind: (lambda options=options: tiny_model(options)) for kind, options in KINDS.items()},
           "converted_qwen3": lambda: converted_model(),
           "converted_demo_recipe": lambda: converted_model(
               dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
               dict(KINDS["demo"], window_size=64, num_sink_tokens=4, softmax_layers=[1, 3],
-                   softmax_heads={0: [1], 2: [0, 1]}))}
+                   softmax_heads={0: [1], 2: [0, 1]}), rope_position_cap=100)}
 # Beyond the window (16) and the step's token budget (64); 120 + 10 tokens decode across a sparse memory block end
 # (position 127); two one-token prompts start in one decode batch (vLLM counts a one-token step as a decode).
 PROMPT_LENGTHS = (1, 1, 7, 40, 120, 300)
@@ -86,15 +87,22 @@ def tiny_model(options: dict) -> LinearAttentionForCausalLM:
     return model
 
 
-def converted_model(shape: dict | None = None, options: dict | None = None) -> LinearAttentionForCausalLM:
-    """A random Qwen3 (TINY, with `shape`'s sizes) converted with `options` (the demo's kind, layer 1 softmax)."""
+def converted_model(shape: dict | None = None, options: dict | None = None,
+                    **config_overrides) -> LinearAttentionForCausalLM:
+    """A random Qwen3 (TINY, with `shape`'s sizes) converted with `options` (the demo's kind, layer 1 softmax), its
+    config then given `config_overrides`."""
     torch.manual_seed(0)
     source = Qwen3ForCausalLM(Qwen3Config(**{**TINY, **(shape or {})}, tie_word_embeddings=True, attention_bias=True,
                                           bos_token_id=1, eos_token_id=2))
     with torch.no_grad():
         for p in source.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.add_(0.1 * torch.randn_like(p))
-    return convert_to_linear_attention(source, **(options or dict(KINDS["demo"], softmax_layers=[1]))).eval()
+    model = convert_to_linear_attention(source, **(options or dict(KINDS["demo"], softmax_layers=[1])))
+    if config_overrides:
+        state = model.state_dict()
+        model = LinearAttentionForCausalLM(LinearAttentionConfig(**{**model.config.to_dict(), **config_overrides}))
+        model.load_state_dict(state)
+    return model.eval()
 
 
 def prompts(lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
