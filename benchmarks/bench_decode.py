@@ -25,13 +25,13 @@ brought to the context without the prefill's cost (`cache_at_context`; the teach
 the same rounds, so the ratios hold under a changing load; each eager variant's aten operators per step are counted
 on one untimed step. Report `decode_loop.*`.
 
-    python benchmarks/bench_decode.py                                # 256, 1K, 8K
-    python benchmarks/bench_decode.py --contexts 256 1024 8192 65536 --peak_memory
-    python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384   # converted SmolLM2-135M shape
-    python benchmarks/bench_decode.py --contexts 1024 --compile      # eager vs torch.compile, batch 1
-    python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 --batch_size 1 8
-    python benchmarks/bench_decode.py --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --timings loop
-    python benchmarks/bench_decode.py --layout smollm2 --attention delta_window --contexts 1024 --batch_size 1 \
+    python -m benchmarks.bench_decode                                # 256, 1K, 8K
+    python -m benchmarks.bench_decode --contexts 256 1024 8192 65536 --peak_memory
+    python -m benchmarks.bench_decode --layout smollm2 --contexts 1024 16384   # converted SmolLM2-135M shape
+    python -m benchmarks.bench_decode --contexts 1024 --compile      # eager vs torch.compile, batch 1
+    python -m benchmarks.bench_decode --layout smollm2 --contexts 1024 --batch_size 1 8
+    python -m benchmarks.bench_decode --layout smollm2 --contexts 1024 16384 --batch_size 1 8 --timings loop
+    python -m benchmarks.bench_decode --layout smollm2 --attention delta_window --contexts 1024 --batch_size 1 \
         --timings loop                                               # the delta rule behind the window
 
 Prints the tables, writes JSON (and a PNG when matplotlib is installed) to --output_dir.
@@ -48,6 +48,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
+from hf_linear_attn.training.measure import cache_bytes, decode_times, new_cache, prefill
+from hf_linear_attn.training.report import log_log_plot, machine, write_report
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
@@ -56,9 +59,6 @@ import hf_linear_attn
 from benchmarks.common import added_peak_mib, reset_peak_rss
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
 from hf_linear_attn.conversion import GATED_DELTANET_WINDOW_OPTIONS
-from training.command_line import exit_on_bad_input, parse_dataclasses
-from training.measure import cache_bytes, decode_times, new_cache, prefill
-from training.report import log_log_plot, machine, write_report
 
 
 @dataclass
@@ -167,7 +167,7 @@ def build(kind: str, args: DecodeBenchmarkArguments) -> torch.nn.Module:
 
 def peak_prefill_rss(kind: str, length: int, args: DecodeBenchmarkArguments) -> float:
     """MiB of peak RSS added by prefilling `length` tokens, measured in a fresh child process."""
-    cmd = [sys.executable, __file__, "--child", f"{kind}:{length}"]
+    cmd = [sys.executable, "-m", __spec__.name, "--child", f"{kind}:{length}"]
     for name, value in asdict(args).items():
         if name in ("child", "peak_memory", "contexts", "models", "compile", "compile_backend", "batch_size",
                     "timings"):

@@ -11,8 +11,8 @@ makes each such tensor a fresh mapping whose pages fault in on first touch: that
 ~2.7× and the loop ~1.5× in a measurement at T = 4K. So the speed table's times come from a child process with the
 default allocator (the `*_mmap_ms` columns keep the times of the peak runs); the memory rows are timed as read.
 
-    python benchmarks/bench_delta_rule.py
-    python benchmarks/bench_delta_rule.py --lengths 256 --memory_lengths 256 512 --repeats 1   # quick look
+    python -m benchmarks.bench_delta_rule
+    python -m benchmarks.bench_delta_rule --lengths 256 --memory_lengths 256 512 --repeats 1   # quick look
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from hf_linear_attn.training.command_line import parse_dataclasses
 from transformers import HfArgumentParser
 
 from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn.ops_delta_rule import delta_rule_attention
-from training.command_line import parse_dataclasses
 
 
 @dataclass
@@ -82,7 +82,7 @@ def speed_times(args: DeltaRuleBenchmarkArguments) -> dict[str, float]:
 def speed_times_with_default_allocator(args: DeltaRuleBenchmarkArguments, argv: list[str]) -> dict[str, float]:
     """`speed_times` in a child process that runs with glibc's default allocator settings."""
     env = {name: value for name, value in os.environ.items() if name != "MALLOC_MMAP_THRESHOLD_"}
-    out = subprocess.run([sys.executable, __file__, *argv, "--timing_child", "true"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", __spec__.name, *argv, "--timing_child", "true"], capture_output=True,
                          text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

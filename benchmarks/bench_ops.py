@@ -6,8 +6,8 @@ For each sequence length T and decay mode, times the forward and forward+backwar
 `scaled_dot_product_attention` (up to `--max_sdpa_len`), all fp32 with shape (B, T, H, D) =
 (1, T, 8, 64) by default, and the peak RSS each adds. All in one process, side by side.
 
-    python benchmarks/bench_ops.py                              # T = 512 ... 32K
-    python benchmarks/bench_ops.py --lengths 512 1024 --decays none --repeats 1   # quick look
+    python -m benchmarks.bench_ops                              # T = 512 ... 32K
+    python -m benchmarks.bench_ops --lengths 512 1024 --decays none --repeats 1   # quick look
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from hf_linear_attn.training.command_line import parse_dataclasses
 from transformers import HfArgumentParser
 
 from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn import linear_attention
-from training.command_line import parse_dataclasses
 
 
 @dataclass

@@ -12,7 +12,7 @@ or `none` to remove it). `--within N` adds, per model and length, the perplexity
 read within N tokens (windows of N, each scoring its last N / 2 tokens): the text's difficulty with the context the
 model was trained on, against which reading the whole window is judged. Report `reach.*`.
 
-    python benchmarks/bench_reach.py --models teacher=outputs/demo/teacher "stage 2=outputs/demo/stage2" \\
+    python -m benchmarks.bench_reach --models teacher=outputs/demo/teacher "stage 2=outputs/demo/stage2" \\
         --lengths 4096 8192 16384 32768 --position_caps none 8192 --within 8192
 """
 
@@ -23,14 +23,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
+from hf_linear_attn.training.long_context_data import DEFAULT_DATA_DIR, load_texts, long_documents
+from hf_linear_attn.training.report import log_log_plot
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 import hf_linear_attn  # noqa: F401  (registers the linear-attention classes with the Auto classes)
 from benchmarks.common import machine, write_report
 from hf_linear_attn.configuration_linear_attention import LENGTH_DEPENDENT_ROPE_TYPES, LinearAttentionConfig
-from training.command_line import exit_on_bad_input, parse_dataclasses
-from training.long_context_data import DEFAULT_DATA_DIR, load_texts, long_documents
-from training.report import log_log_plot
 
 
 @dataclass

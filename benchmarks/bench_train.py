@@ -3,8 +3,8 @@
 Each step is forward + backward + AdamW on a batch of `--batch` × `--seq_len` random tokens; the median
 of `--steps` timed steps (after one warm-up step) gives tokens/s. Both models run in the same process.
 
-    python benchmarks/bench_train.py                          # seq_len 512, 2048
-    python benchmarks/bench_train.py --seq_lens 4096 --feature_maps elu hedgehog
+    python -m benchmarks.bench_train                          # seq_len 512, 2048
+    python -m benchmarks.bench_train --seq_lens 4096 --feature_maps elu hedgehog
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+from hf_linear_attn.training.command_line import parse_dataclasses
+from hf_linear_attn.training.report import log_log_plot, machine, write_report
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
 from benchmarks.common import measure, return_freed_memory_to_the_os
-from training.command_line import parse_dataclasses
-from training.report import log_log_plot, machine, write_report
 
 
 @dataclass

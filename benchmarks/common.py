@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from training.report import machine, write_report
+from hf_linear_attn.training.report import machine, write_report
 
 __all__ = ["KERNEL_DECAYS", "KERNEL_SHAPES", "added_peak_mib", "machine", "measure", "reset_peak_rss",
            "return_freed_memory_to_the_os", "rss_kib", "write_report"]
@@ -25,7 +25,8 @@ def return_freed_memory_to_the_os() -> None:
     lowers RSS at once and per-measurement peaks (VmHWM - VmRSS) are not hidden by memory kept for reuse."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        # as it was started: `python -m benchmarks.NAME` (the benchmarks are modules of the checkout, not installed)
+        os.execve(sys.executable, [sys.executable, "-m", sys.modules["__main__"].__spec__.name, *sys.argv[1:]], env)
 
 
 def rss_kib(field_name: str = "VmRSS") -> int:

@@ -13,10 +13,10 @@ Stages:
   fsdp          a few FSDP2 (fully_shard) training steps of the linear model, one process
   deepspeed     a few DeepSpeed ZeRO-2 steps, one process (skipped with a line when deepspeed is not installed)
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --wheels build/wheels     # make gpu-check
-    PYTHONPATH=. python benchmarks/gpu_check.py --dry                     # every stage on CPU at toy sizes (CI)
+    python -m benchmarks.gpu_check --wheels build/wheels     # make gpu-check
+    python -m benchmarks.gpu_check --dry                     # every stage on CPU at toy sizes (CI)
 
-It runs from a checkout with the repository on PYTHONPATH (nothing installed); --wheels: a folder of wheels
+It runs from the root of a checkout installed in place (`pip install --no-deps -e .`); --wheels: a folder of wheels
 installed (pip --no-index --no-deps --target) into a temporary folder on the stages' PYTHONPATH, for a GPU machine
 without network (`make fla-wheels` downloads fla's). The versions of the packages the stages use are recorded
 first. Writes, to --output_dir: gpu_check.json (versions; every stage's status, seconds and rows),
@@ -42,9 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
 from transformers import HfArgumentParser
-
-from training.command_line import exit_on_bad_input, parse_dataclasses
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = ["tests/test_triton_ops.py", "tests/test_window_ops.py", "tests/test_delta_rule_triton.py"]

@@ -14,10 +14,10 @@ moves bytes = per_token · B·T·H + per_sequence · B·H: both are fitted on (1
 checked at a third (the "fit error" column), then evaluated at the real shapes.
 Target: ours / fla ≤ 1.0 on every shape and decay mode.
 
-    python benchmarks/kernel_report.py                          # full report (several minutes)
-    python benchmarks/kernel_report.py --fla_dir build/wheels   # fla's wheels (make fla-wheels) or packages
-    python benchmarks/kernel_report.py --dry                    # tiny shapes, one kernel compiled (CI)
-    python benchmarks/kernel_report.py --parts compile --kernels _chunk_dqk_kernel   # one part, some kernels
+    python -m benchmarks.kernel_report                          # full report (several minutes)
+    python -m benchmarks.kernel_report --fla_dir build/wheels   # fla's wheels (make fla-wheels) or packages
+    python -m benchmarks.kernel_report --dry                    # tiny shapes, one kernel compiled (CI)
+    python -m benchmarks.kernel_report --parts compile --kernels _chunk_dqk_kernel   # one part, some kernels
 
 Run it WITHOUT TRITON_INTERPRET (the traffic is counted in a spawned process with it). Prints the tables and writes
 kernel_compile.{md,json} and kernel_traffic.{md,json} to --output_dir.
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
 from transformers import HfArgumentParser
 
 from benchmarks.common import KERNEL_DECAYS as DECAYS
 from benchmarks.common import KERNEL_SHAPES as SHAPES
 from benchmarks.common import write_report
-from training.command_line import exit_on_bad_input, parse_dataclasses
 
 FLA_OPS = {"none": "chunk_simple_gla", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}
 

@@ -6,6 +6,8 @@ load with the Auto classes without `trust_remote_code`. Saved checkpoints also c
 (`auto_map`) so they load with `trust_remote_code=True` where this package is not installed.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_linear_attention import LinearAttentionCache
@@ -19,7 +21,10 @@ from .modeling_linear_attention import (
 from .ops import delta_rule_attention, linear_attention, window_attention, window_softmax
 from .ops_sparse_memory import sparse_window_attention
 
-__version__ = "0.1.0"
+try:  # the one version source is pyproject.toml, read back from the installed distribution's metadata
+    __version__ = version("hf-linear-attn")
+except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
 AutoConfig.register(LinearAttentionConfig.model_type, LinearAttentionConfig, exist_ok=True)
 AutoModel.register(LinearAttentionConfig, LinearAttentionModel, exist_ok=True)

@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import torch
-
-from training import finetune, stages
-from training.data import DataArguments
-from training.loop import TrainArguments
-from training.recipes import parse_recipe_args
+from hf_linear_attn.training import finetune, stages
+from hf_linear_attn.training.data import DataArguments
+from hf_linear_attn.training.loop import TrainArguments
+from hf_linear_attn.training.recipes import parse_recipe_args
 
 stage, argv = sys.argv[1], sys.argv[2:]
 if stage == "distill":

@@ -356,7 +356,7 @@ def assert_runs_without_triton(code: str, triton_call: str) -> None:
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run `benchmarks/SCRIPT` with `args` from the repository root; output captured as text."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536")  # as the scripts re-exec with
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{Path(script).stem}", *args], capture_output=True,
                           text=True, env=env, timeout=300, cwd=ROOT)
 
 
@@ -441,13 +441,13 @@ def wait_until_healthy(server: subprocess.Popen, url: str, name: str, timeout: f
 # Checkpoints as a Hub user without hf-linear-attn meets them
 # ---------------------------------------------------------------------------------------------------------------
 
-# In a fresh Python where neither `hf_linear_attn` nor `training` imports, with torch's FSDP imported (as in the
+# In a fresh Python where `hf_linear_attn` does not import, with torch's FSDP imported (as in the
 # process that trained: an engine's sources copied as "remote code" then fail to register their operators again):
 # loads each folder with trust_remote_code=True, checks that the class is the folder's copy, and saves the logits.
 STRANGER = textwrap.dedent(
     """
     import sys
-    sys.modules["hf_linear_attn"] = sys.modules["training"] = None  # `import` of either fails, as where not installed
+    sys.modules["hf_linear_attn"] = None  # `import hf_linear_attn` (and its `training`) fails, as where not installed
     import torch
     import torch.distributed.fsdp  # noqa: F401
     from transformers import AutoModelForCausalLM

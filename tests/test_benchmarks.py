@@ -169,11 +169,11 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
     from one forward of the longest), the last quarter and the within-N reference are the losses of the tokens they
     name, and the cap variants are the converted model with the cap as saved and removed."""
     from helpers import WORDS
+    from hf_linear_attn.training.data import byte_level_tokenizer
+    from hf_linear_attn.training.long_context_data import load_texts, long_documents
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_linear_attn import convert_to_linear_attention
-    from training.data import byte_level_tokenizer
-    from training.long_context_data import load_texts, long_documents
 
     tokenizer = byte_level_tokenizer()
     torch.manual_seed(0)

@@ -92,7 +92,7 @@ def test_bad_conversions_raise():
 
 
 def run_convert(*argv):
-    from training import convert
+    from hf_linear_attn.training import convert
 
     return convert.main(list(argv))
 
@@ -229,7 +229,7 @@ def test_convert_cli_selects_softmax_layers_on_a_stage1_model(tmp_path, capsys, 
     softmax, the ranking beside it; bad selections stop with one error line before anything is written."""
     import json
 
-    from training import distill
+    from hf_linear_attn.training import distill
 
     save_with_tokenizer(teacher("llama"), tmp_path / "src")
     common = ["--model_name_or_path", str(tmp_path / "src"), "--feature_dim", "8", "--window_size", "4",
@@ -329,9 +329,9 @@ def test_attention_transfer_of_a_delta_conversion_lowers_its_loss(options, new):
     """A few distillation steps (the parameters `training/distill.py` trains by default) on a converted tiny Llama
     with Gated DeltaNet layers (with the window: λ too, from 0): the transfer loss falls, and only the new attention
     parameters move."""
-    from training.attention_transfer import AttentionTransfer, attention_transfer_loss
-    from training.loop import select_trainable
-    from training.stages import DistillArguments
+    from hf_linear_attn.training.attention_transfer import AttentionTransfer, attention_transfer_loss
+    from hf_linear_attn.training.loop import select_trainable
+    from hf_linear_attn.training.stages import DistillArguments
 
     torch.manual_seed(0)
     student = convert_to_linear_attention(teacher("llama"), **options).train()
@@ -399,10 +399,11 @@ def test_convert_cli_restores_the_heads_a_trained_checkpoint_gains_most_from(tmp
     it); bad requests stop with one error line before anything is written."""
     import json
 
+    from hf_linear_attn.training import distill
+    from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
+    from hf_linear_attn.training.data import DataArguments
+
     from hf_linear_attn.layer_selection import restoration_gains
-    from training import distill
-    from training.checkpoint_conversion import head_ranking_prompts
-    from training.data import DataArguments
 
     save_with_tokenizer(teacher("llama"), tmp_path / "src")
     common = ["--model_name_or_path", str(tmp_path / "src"), "--feature_dim", "8", "--window_size", "4",

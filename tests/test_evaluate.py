@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import WORDS, document_pieces
+from hf_linear_attn.training import evaluate
+from hf_linear_attn.training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
+from hf_linear_attn.training.long_context_data import SOURCES, VARIANTS, load_texts, long_documents, passkey_trials
+from hf_linear_attn.training.long_context_metrics import passkey_scores, perplexity_windows
+from hf_linear_attn.training.model_card import EVALUATION_FILE, passkey_cell
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
-from training import evaluate
-from training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
-from training.long_context_data import SOURCES, VARIANTS, load_texts, long_documents, passkey_trials
-from training.long_context_metrics import passkey_scores, perplexity_windows
-from training.model_card import EVALUATION_FILE, passkey_cell
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK = 64
@@ -252,10 +252,11 @@ def test_head_variants_restore_the_teachers_best_retrieving_heads_and_the_fronti
     """`--softmax_head_counts 1`: "narrow + 1 heads" is narrow with the teacher's best retrieving KV head (ranked on
     the data pipeline's passkey prompts) restored; with a memory size too, every combination; the frontier table
     puts each model's perplexity and passkey at the longest context beside its cache share."""
+    from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
+    from hf_linear_attn.training.data import byte_level_tokenizer
+
     from hf_linear_attn.head_selection import retrieval_scores, top_heads
     from hf_linear_attn.layer_selection import restore_softmax_heads
-    from training.checkpoint_conversion import head_ranking_prompts
-    from training.data import byte_level_tokenizer
 
     root, teacher, _, documents = evaluated
     argv = ["--teacher", str(root / "teacher"), "--models", f"narrow={root / 'narrow'}", "--softmax_head_counts", "1",
@@ -303,10 +304,11 @@ def test_head_variants_ranked_by_restoration_restore_the_models_own_best_heads(e
     own log-probability of the key most on the ranking prompts, no teacher needed: measured exactly on every one of
     its 4 recurrent KV heads with `--head_ranking_shortlist 4` (`restoration_gains`), by the first-order estimate
     alone with 0 (`estimated_restoration_gains`)."""
+    from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
+    from hf_linear_attn.training.data import byte_level_tokenizer
+
     from hf_linear_attn.head_selection import top_heads
     from hf_linear_attn.layer_selection import estimated_restoration_gains, restoration_gains, restore_softmax_heads
-    from training.checkpoint_conversion import head_ranking_prompts
-    from training.data import byte_level_tokenizer
 
     root, _, _, documents = evaluated
     argv = ["--models", f"narrow={root / 'narrow'}", "--softmax_head_counts", "1", "--head_ranking", "restoration",
@@ -389,7 +391,7 @@ def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command
         evaluate.main(argv)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert error.startswith("error: long_context_data:") and "python -m training.long_context prepare" in error
+    assert error.startswith("error: long_context_data:") and "hf-linear-attn-long-context prepare" in error
 
 
 def test_perplexity_by_position_is_reported_for_every_model_against_the_teachers(evaluated):

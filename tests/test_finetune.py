@@ -30,12 +30,8 @@ from helpers import (
     tiny_model,
     write_documents,
 )
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-from hf_linear_attn import LinearAttentionForCausalLM
-from training import checkpoints, finetune, loop, stages
-from training.data import (
+from hf_linear_attn.training import checkpoints, finetune, loop, stages
+from hf_linear_attn.training.data import (
     DataArguments,
     build_datasets,
     byte_level_tokenizer,
@@ -45,8 +41,12 @@ from training.data import (
     offset_positions,
     pack_documents,
 )
-from training.loop import GlobalBatchSampler, TrainArguments, make_accelerator, train
-from training.losses import causal_lm_loss, flat_positions, logit_distillation_loss, packed_forward
+from hf_linear_attn.training.loop import GlobalBatchSampler, TrainArguments, make_accelerator, train
+from hf_linear_attn.training.losses import causal_lm_loss, flat_positions, logit_distillation_loss, packed_forward
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from hf_linear_attn import LinearAttentionForCausalLM
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 PROBE = """
 import sys
-from training.host_memory import keep_freed_memory
+from hf_linear_attn.training.host_memory import keep_freed_memory
 
 def heap_bytes():
     for line in open("/proc/self/maps"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import tiny_model
+from hf_linear_attn.training.attention_transfer import AttentionTransfer
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionCache, convert_to_linear_attention
@@ -26,7 +27,6 @@ from hf_linear_attn.layer_selection import (
     write_ranking,
 )
 from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention
-from training.attention_transfer import AttentionTransfer
 
 LAYERS = 4
 OPTIONS = dict(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1)
@@ -322,8 +322,8 @@ def test_the_demo_restores_the_best_ranked_layers_of_stage1_and_writes_the_ranki
                                                                                               dataset_cache):
     """`training/demo.py` and `training/convert.py` share `restore_ranked_layers`: stage 1 with the best-ranked
     layer restored, the ranking of the held-out rows of the data pipeline in softmax_layer_ranking.json."""
-    from training import demo
-    from training.data import DataArguments, build_datasets, byte_level_tokenizer
+    from hf_linear_attn.training import demo
+    from hf_linear_attn.training.data import DataArguments, build_datasets, byte_level_tokenizer
 
     teacher = llama_teacher(vocab_size=259)  # byte-level ids
     converted(teacher).save_pretrained(tmp_path / "stage1")
@@ -453,7 +453,7 @@ def test_a_shortlist_measures_exactly_the_heads_the_estimate_ranks_best():
     """restoration_gains with shortlist M: the M heads ranked best by estimated_restoration_gains hold their exact
     gains, every other head -inf; a shortlist out of range is refused before any forward. `rank_restoration_heads`'
     default shortlist, 3 × N, stops at every recurrent head (counted from the model or its config alike)."""
-    from training.checkpoint_conversion import rank_restoration_heads
+    from hf_linear_attn.training.checkpoint_conversion import rank_restoration_heads
 
     model = tiny_model(num_hidden_layers=3, feature_map="hedgehog", feature_dim=8, window_size=5, num_sink_tokens=2,
                        softmax_heads={0: [1]}).eval()
@@ -483,9 +483,9 @@ def test_the_demo_restores_the_heads_stage1_gains_most_from_and_writes_the_ranki
     """`training/demo.py` and `training/convert.py --head_ranking restoration` share `rank_restoration_heads`: stage 1
     with the KV head whose restoration alone raises its log-probability of a pass key most restored, the measured
     heads in softmax_head_ranking.json."""
-    from training import demo
-    from training.checkpoint_conversion import head_ranking_prompts
-    from training.data import DataArguments, byte_level_tokenizer
+    from hf_linear_attn.training import demo
+    from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
+    from hf_linear_attn.training.data import DataArguments, byte_level_tokenizer
 
     teacher = llama_teacher(vocab_size=259, max_position_embeddings=512)  # byte-level ids, passkey prompts of 400
     converted(teacher).save_pretrained(tmp_path / "stage1")

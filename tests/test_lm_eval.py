@@ -9,10 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import ROOT, tiny_config
-
-import hf_linear_attn
-from training.data import byte_level_tokenizer
-from training.long_context_data import (
+from hf_linear_attn.training.data import byte_level_tokenizer
+from hf_linear_attn.training.long_context_data import (
     DEFAULT_NEEDLES_DIR,
     LongDocument,
     PasskeyTrial,
@@ -20,7 +18,9 @@ from training.long_context_data import (
     passkey_trials,
     write_needles,
 )
-from training.long_context_metrics import answer_matches, greedy_generate
+from hf_linear_attn.training.long_context_metrics import answer_matches, greedy_generate
+
+import hf_linear_attn
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra: pip install -e '.[dev]'")
 TASKS = ROOT / "configs" / "lm_eval"
@@ -106,7 +106,7 @@ def test_cloze_accuracy_is_the_argmax_of_the_choices_loglikelihood(checkpoint, r
 
 
 def test_the_tasks_are_built_from_held_out_documents_only():
-    from training.data import DataArguments, load_documents
+    from hf_linear_attn.training.data import DataArguments, load_documents
 
     splits = load_documents(DataArguments())
     train_texts = set(splits["train"]["text"])

@@ -13,11 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import WORDS, tiny_model
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-
-from training import long_context, measure
-from training.data import byte_level_tokenizer
-from training.long_context_data import (
+from hf_linear_attn.training import long_context, measure
+from hf_linear_attn.training.data import byte_level_tokenizer
+from hf_linear_attn.training.long_context_data import (
     PREAMBLE,
     VARIANTS,
     austen_novels,
@@ -28,7 +26,7 @@ from training.long_context_data import (
     read_r_strings,
     write_needles,
 )
-from training.long_context_metrics import (
+from hf_linear_attn.training.long_context_metrics import (
     WindowBaseline,
     answer_matches,
     cache_bytes_at,
@@ -40,7 +38,7 @@ from training.long_context_metrics import (
     perplexity_spans,
     perplexity_windows,
 )
-from training.measure import (
+from hf_linear_attn.training.measure import (
     cache_bytes,
     cache_bytes_by_context,
     cache_memory,
@@ -51,6 +49,7 @@ from training.measure import (
     new_cache,
     prefill,
 )
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 259  # the byte-level tokenizer's
@@ -131,7 +130,7 @@ def test_austen_novels_are_read_block_by_block_with_paragraphs_rejoined(tmp_path
 
 
 def test_missing_data_is_a_clear_error_naming_the_prepare_command(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match=r"python -m training.long_context prepare --data_dir"):
+    with pytest.raises(FileNotFoundError, match=r"hf-linear-attn-long-context prepare --data_dir"):
         load_texts(tmp_path / "nowhere")
     (tmp_path / "kjv.jsonl").write_text('{"title": "Ge", "text": "In the beginning"}\n')
     with pytest.raises(FileNotFoundError, match=r"\['austen'\]"):

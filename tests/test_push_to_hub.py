@@ -7,11 +7,10 @@ import sys
 import pytest
 import torch
 from helpers import ROOT, script_env, stranger_logits, tiny_args, tiny_model
+from hf_linear_attn.training.model_card import render_model_card
 from hub_server import HubServer, card_metadata_errors
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
-
-from training.model_card import render_model_card
 
 
 @pytest.fixture
@@ -21,7 +20,7 @@ def hub():
 
 
 def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, dataset_cache, monkeypatch, capsys):
-    from training.push_to_hub import main as push_to_hub_main
+    from hf_linear_attn.training.push_to_hub import main as push_to_hub_main
 
     env = script_env(**hub.env(tmp_path / "home"))
     out = tmp_path / "out"
@@ -109,9 +108,8 @@ def test_the_card_says_what_in_the_cache_grows_with_the_context(overrides, grows
 
 
 def test_a_failed_push_leaves_the_folder_and_the_hub_as_they_were(hub, tmp_path, monkeypatch):
+    from hf_linear_attn.training.hub import push_to_hub
     from huggingface_hub import HfApi, constants
-
-    from training.hub import push_to_hub
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -138,7 +136,7 @@ def test_a_failed_push_leaves_the_folder_and_the_hub_as_they_were(hub, tmp_path,
 def test_a_folder_that_would_not_load_from_the_hub_is_refused_before_the_hub_is_asked(hub, tmp_path, monkeypatch):
     """A LoRA adapter folder, and a checkpoint whose remote code is an engine's (as an older version saved FSDP2
     runs): a clear error naming the command that fixes it, and no request reaches the Hub."""
-    from training.hub import push_to_hub
+    from hf_linear_attn.training.hub import push_to_hub
 
     hub.use_in_this_process(monkeypatch, tmp_path / "home")
     broken = tmp_path / "broken"

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import save_with_tokenizer, teacher
+from hf_linear_attn.training.checkpoint_conversion import ConversionArguments
+from hf_linear_attn.training.data import DataArguments
+from hf_linear_attn.training.demo import DEFAULT_RECIPE as DEMO_RECIPE
+from hf_linear_attn.training.demo import DemoArguments
+from hf_linear_attn.training.loop import TrainArguments
+from hf_linear_attn.training.recipes import attention_arguments, attention_options, parse_recipe_args
+from hf_linear_attn.training.stages import FINETUNE_ARGUMENTS, DistillArguments
 from transformers import AutoTokenizer
 
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from hf_linear_attn.layer_selection import parse_softmax_layers
-from training.checkpoint_conversion import ConversionArguments
-from training.data import DataArguments
-from training.demo import DEFAULT_RECIPE as DEMO_RECIPE
-from training.demo import DemoArguments
-from training.loop import TrainArguments
-from training.recipes import attention_arguments, attention_options, parse_recipe_args
-from training.stages import FINETUNE_ARGUMENTS, DistillArguments
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SCRIPTS = {
@@ -93,7 +93,7 @@ def test_attention_arguments_refuse_bad_defaults_and_keep_lists_apart():
 
 
 def test_the_demo_refuses_a_recovery_window_weight_without_a_window(tmp_path, capsys):
-    from training import demo
+    from hf_linear_attn.training import demo
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("window_size: 0\nnum_sink_tokens: 0\nrecovery_window_weight: 0.9\n")
     with pytest.raises(SystemExit) as exit_info:
@@ -119,7 +119,7 @@ def test_the_demo_refuses_a_recovery_window_weight_without_a_window(tmp_path, ca
 ], ids=["attention option", "memory without window", "passkey variant", "perplexity rows", "shortlist",
         "negative heads", "recovery γ of 1", "window dropout of 1", "window dropout without window", "precision"])
 def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, capsys):
-    from training import demo
+    from hf_linear_attn.training import demo
     with pytest.raises(SystemExit) as exit_info:
         demo.main([*argv, "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -128,12 +128,12 @@ def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, c
 
 
 def test_the_demo_checks_the_long_texts_before_any_work(tmp_path, monkeypatch, capsys):
-    from training import demo
+    from hf_linear_attn.training import demo
     monkeypatch.setattr(demo, "DEFAULT_DATA_DIR", str(tmp_path / "no_texts"))
     with pytest.raises(SystemExit) as exit_info:
         demo.main(["--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
-    assert "long_context prepare" in capsys.readouterr().err
+    assert "hf-linear-attn-long-context prepare" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -145,7 +145,7 @@ def test_demo_recipes_parse_into_valid_attention_options(recipe):
 
 
 def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
-    from training import demo
+    from hf_linear_attn.training import demo
     args = parse_recipe_args(DemoArguments, ["--output_dir", str(tmp_path)], default_recipe=DEMO_RECIPE)
     models = demo.stage_models(args, tmp_path)
     assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 6 heads": tmp_path / "stage1-heads",
@@ -173,7 +173,7 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
 def test_the_demo_saves_its_teacher_as_a_checkpoint_with_the_same_logits(tmp_path):
     """Stage 2 and the evaluation load the teacher the demo writes (`save_dequantized`: its weights in a fresh model,
     since transformers refuses to save a GGUF-loaded one): the same weights, generation config and tokenizer."""
-    from training import demo
+    from hf_linear_attn.training import demo
     source = teacher("llama")
     source.generation_config.max_new_tokens = 7
     save_with_tokenizer(source, tmp_path / "source")
@@ -190,7 +190,7 @@ def test_the_demo_saves_its_teacher_as_a_checkpoint_with_the_same_logits(tmp_pat
 OFFLINE_PROBE = """
 import huggingface_hub.constants as hub
 from transformers.utils.hub import is_offline_mode
-from training.command_line import offline_by_default
+from hf_linear_attn.training.command_line import offline_by_default
 before = hub.is_offline_mode()
 offline_by_default()
 print(before, hub.is_offline_mode(), is_offline_mode())

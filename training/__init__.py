@@ -1,14 +1,16 @@
-"""The training package: scripts and the library modules they are thin command lines over.
+"""The training package, installed as `hf_linear_attn.training`: scripts and the library modules they are thin command
+lines over.
 
-Scripts (`python training/NAME.py`, `python -m training.NAME`, `accelerate launch training/NAME.py`, or the
-installed commands `hf-linear-attn-convert`, `-distill`, `-finetune`, `-evaluate`, `-export`, `-push`); each parses its
+Scripts (`python training/NAME.py`, `python -m hf_linear_attn.training.NAME`, `accelerate launch training/NAME.py`, or
+the installed commands `hf-linear-attn-convert`, `-distill`, `-finetune`, `-evaluate`, `-export`, `-push`,
+`-long-context`); each parses its
 arguments and calls library functions, none imports another, all exit alike (`command_line.py`):
 - `convert.py`       softmax checkpoint -> linear-attention checkpoint
 - `distill.py`       stage 1, attention transfer
 - `finetune.py`      the `accelerate launch` fine-tuning CLI (recipes in `configs/*.yaml`)
 - `evaluate.py`      perplexity (short rows and by context on long held-out texts), passkey retrieval and
                      decode cost against the softmax teacher and its sliding-window baseline
-- `long_context.py`  `python -m training.long_context prepare|needles`: the held-out long texts, the lm-eval
+- `long_context.py`  `hf-linear-attn-long-context prepare|needles`: the held-out long texts, the lm-eval
                      needle data
 - `push_to_hub.py`   upload a saved checkpoint with a generated model card
 - `export.py`        merge a LoRA adapter into its base, or repair a checkpoint's code files

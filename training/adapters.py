@@ -138,10 +138,9 @@ def resolve_base(name: str | None, adapter_dir: Path) -> Path:
                          "base checkpoint the adapter was trained on (--base_model_name_or_path).")
     if Path(name).is_dir():
         return Path(name)
+    from hf_linear_attn.training.model_card import is_hub_id
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
-
-    from training.model_card import is_hub_id
 
     if not is_hub_id(name):
         raise ValueError(f"base model {name}: no such folder (nor a Hub id); pass the base checkpoint the adapter "
@@ -376,7 +375,7 @@ def _record_cache_memory(folder: Path) -> None:
         return
     summary = json.loads(summary_file.read_text())
     if summary.get("cache_memory") is None:
-        from training.measure import cache_memory
+        from hf_linear_attn.training.measure import cache_memory
 
         summary["cache_memory"] = cache_memory(json.loads((folder / "config.json").read_text()))
         summary_file.write_text(json.dumps(summary, indent=2))
@@ -385,7 +384,7 @@ def _record_cache_memory(folder: Path) -> None:
 def _write_card(output: Path) -> None:
     """The model card, rendered in the folder's final place (the card names the folder it is in); a card that
     fails removes the folder again, so the merge still leaves a complete output or none."""
-    from training.model_card import write_model_card
+    from hf_linear_attn.training.model_card import write_model_card
 
     try:
         write_model_card(output)

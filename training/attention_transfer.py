@@ -38,6 +38,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from hf_linear_attn.training.losses import packed_forward
 from torch import nn
 from transformers.utils import ModelOutput
 
@@ -46,7 +47,6 @@ from hf_linear_attn.modeling_linear_attention import (
     LinearAttentionForCausalLM,
     causal_softmax_attention,
 )
-from training.losses import packed_forward
 
 _LAYER_SIGNATURE = inspect.signature(LinearAttention.forward)
 

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hf_linear_attn.training.data import DataArguments, build_datasets, check_data_arguments
+from hf_linear_attn.training.long_context_data import LongDocument, passkey_trials
+from hf_linear_attn.training.recipes import attention_arguments, attention_options
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from hf_linear_attn import LinearAttentionForCausalLM
@@ -42,9 +45,6 @@ from hf_linear_attn.layer_selection import (
     select_softmax_layers,
     write_ranking,
 )
-from training.data import DataArguments, build_datasets, check_data_arguments
-from training.long_context_data import LongDocument, passkey_trials
-from training.recipes import attention_arguments, attention_options
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANKING_FILE = "softmax_layer_ranking.json"

@@ -32,11 +32,11 @@ The conversion is `training.checkpoint_conversion.convert_checkpoint`; this scri
 
 from __future__ import annotations
 
-from training.checkpoint_conversion import ConversionArguments, convert_checkpoint
-from training.command_line import exit_on_bad_input
-from training.data import DataArguments
-from training.host_memory import keep_freed_memory
-from training.recipes import parse_recipe_args
+from hf_linear_attn.training.checkpoint_conversion import ConversionArguments, convert_checkpoint
+from hf_linear_attn.training.command_line import exit_on_bad_input
+from hf_linear_attn.training.data import DataArguments
+from hf_linear_attn.training.host_memory import keep_freed_memory
+from hf_linear_attn.training.recipes import parse_recipe_args
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ConversionArguments, DataArguments]:

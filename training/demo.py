@@ -34,37 +34,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-from hf_linear_attn import convert_to_linear_attention
-from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_has_window_weight, check_window_weight
-from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from hf_linear_attn.layer_selection import restore_softmax_heads
-from training.attention_transfer import check_window_dropout
-from training.checkpoint_conversion import (
+from hf_linear_attn.training.attention_transfer import check_window_dropout
+from hf_linear_attn.training.checkpoint_conversion import (
     head_ranking_prompts,
     rank_restoration_heads,
     rank_retrieval_heads,
     restore_ranked_layers,
 )
-from training.command_line import exit_on_bad_input, offline_by_default
-from training.data import DataArguments
-from training.evaluation import (
+from hf_linear_attn.training.command_line import exit_on_bad_input, offline_by_default
+from hf_linear_attn.training.data import DataArguments
+from hf_linear_attn.training.evaluation import (
     EvaluateArguments,
     check_arguments,
     evaluate_models,
     variant_label,
     write_evaluation,
 )
-from training.host_memory import keep_freed_memory
-from training.hub import HubArguments
-from training.long_context_data import DEFAULT_DATA_DIR, check_texts
-from training.loop import TrainArguments
-from training.models import ModelArguments
-from training.recipes import attention_arguments, attention_options, parse_recipe_args
-from training.stages import DistillArguments, distill, finetune
+from hf_linear_attn.training.host_memory import keep_freed_memory
+from hf_linear_attn.training.hub import HubArguments
+from hf_linear_attn.training.long_context_data import DEFAULT_DATA_DIR, check_texts
+from hf_linear_attn.training.loop import TrainArguments
+from hf_linear_attn.training.models import ModelArguments
+from hf_linear_attn.training.recipes import SHIPPED_RECIPES, attention_arguments, attention_options, parse_recipe_args
+from hf_linear_attn.training.stages import DistillArguments, distill, finetune
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+from hf_linear_attn import convert_to_linear_attention
+from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_has_window_weight, check_window_weight
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
+from hf_linear_attn.layer_selection import restore_softmax_heads
+
+DEFAULT_RECIPE = SHIPPED_RECIPES / "demo.yaml"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

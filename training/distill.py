@@ -23,11 +23,11 @@ The run is `training.stages.distill`; this script parses its arguments.
 
 from __future__ import annotations
 
-from training.command_line import exit_on_bad_input
-from training.data import DataArguments
-from training.loop import TrainArguments
-from training.recipes import parse_recipe_args
-from training.stages import DistillArguments, distill
+from hf_linear_attn.training.command_line import exit_on_bad_input
+from hf_linear_attn.training.data import DataArguments
+from hf_linear_attn.training.loop import TrainArguments
+from hf_linear_attn.training.recipes import parse_recipe_args
+from hf_linear_attn.training.stages import DistillArguments, distill
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Evaluate converted linear-attention models against their softmax teacher.
 
-    python -m training.long_context prepare               # once: the held-out long texts (make long-context-data)
+    hf-linear-attn-long-context prepare               # once: the held-out long texts (make long-context-data)
     python training/evaluate.py --teacher SRC --models converted=DIR stage1=DIR2 [--gguf_file F] \
         [--config RECIPE.yaml] [--block_size 512 --max_eval_rows 16 ...] \
         [--long_contexts 256 512 1024 2048 4096 --long_scored_tokens 8192 --long_min_rows 8] \
@@ -20,11 +20,11 @@ one teacher-forced forward per trial), decode cache bytes / latency. Writes
 
 from __future__ import annotations
 
-from training.command_line import exit_on_bad_input
-from training.data import DataArguments
-from training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
-from training.host_memory import keep_freed_memory
-from training.recipes import parse_recipe_args
+from hf_linear_attn.training.command_line import exit_on_bad_input
+from hf_linear_attn.training.data import DataArguments
+from hf_linear_attn.training.evaluation import EvaluateArguments, evaluate_models, write_evaluation
+from hf_linear_attn.training.host_memory import keep_freed_memory
+from hf_linear_attn.training.recipes import parse_recipe_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ a sliding window of `baseline_window` tokens + `baseline_sinks` sinks" (`long_co
 - long-context held-out perplexity at each of `long_contexts` tokens (at least `long_scored_tokens` tokens and
   `long_min_rows` rows each), on long public-domain documents that no
   training stage reads (`training.long_context`; prepared once into `long_context_data` by
-  `python -m training.long_context prepare`), and the bytes of the decoding cache after each of those contexts
+  `hf-linear-attn-long-context prepare`), and the bytes of the decoding cache after each of those contexts
   (softmax layers counted; computed from the attention layout, `training.measure.cache_bytes_by_context`);
 - with `position_bins`, held-out perplexity by position along one row of each of `position_rows` long documents
   (`long_context_metrics.perplexity_by_position`): where along a context a model falls behind the teacher;
@@ -54,15 +54,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-import hf_linear_attn
-from hf_linear_attn.conversion import load_teacher
-from hf_linear_attn.head_selection import retrieval_scores, top_heads
-from hf_linear_attn.layer_selection import recurrent_kv_heads, restore_softmax_heads
-from training.checkpoint_conversion import HEAD_RANKINGS, check_shortlist, head_ranking_prompts, restoration_scores
-from training.data import DataArguments, build_datasets, collate_rows
-from training.long_context_data import (
+from hf_linear_attn.training.checkpoint_conversion import (
+    HEAD_RANKINGS,
+    check_shortlist,
+    head_ranking_prompts,
+    restoration_scores,
+)
+from hf_linear_attn.training.data import DataArguments, build_datasets, collate_rows
+from hf_linear_attn.training.long_context_data import (
     DEFAULT_DATA_DIR,
     DOORS,
     HAYSTACKS,
@@ -73,7 +72,7 @@ from training.long_context_data import (
     long_documents,
     passkey_trials,
 )
-from training.long_context_metrics import (
+from hf_linear_attn.training.long_context_metrics import (
     WindowBaseline,
     cache_bytes_at,
     check_position_bins,
@@ -83,10 +82,16 @@ from training.long_context_metrics import (
     perplexity_by_position,
     perplexity_spans,
 )
-from training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
-from training.measure import cache_bytes_by_context, cache_memory, decode_profile
-from training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
-from training.report import format_cell, log_log_plot, machine, write_report
+from hf_linear_attn.training.losses import causal_lm_loss, predicted_tokens, token_cross_entropy, weighted_mean
+from hf_linear_attn.training.measure import cache_bytes_by_context, cache_memory, decode_profile
+from hf_linear_attn.training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
+from hf_linear_attn.training.report import format_cell, log_log_plot, machine, write_report
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+import hf_linear_attn
+from hf_linear_attn.conversion import load_teacher
+from hf_linear_attn.head_selection import retrieval_scores, top_heads
+from hf_linear_attn.layer_selection import recurrent_kv_heads, restore_softmax_heads
 
 
 @dataclass

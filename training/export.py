@@ -25,10 +25,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hf_linear_attn.training.adapters import (
+    check_output_dir,
+    copy_into,
+    is_adapter_folder,
+    merge_adapter,
+    staged_folder,
+)
+from hf_linear_attn.training.checkpoints import RUN_FILES
+from hf_linear_attn.training.command_line import exit_on_bad_input
+
 from hf_linear_attn.checkpoint_code import is_project_checkpoint, repair_checkpoint_code
-from training.adapters import check_output_dir, copy_into, is_adapter_folder, merge_adapter, staged_folder
-from training.checkpoints import RUN_FILES
-from training.command_line import exit_on_bad_input
 
 
 def export_checkpoint(source: Path, output_dir: str) -> list[str]:

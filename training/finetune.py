@@ -31,9 +31,9 @@ The run is `training.stages.finetune`; this script parses its arguments.
 
 from __future__ import annotations
 
-from training.command_line import exit_on_bad_input
-from training.recipes import parse_recipe_args
-from training.stages import FINETUNE_ARGUMENTS, FinetuneArguments, finetune
+from hf_linear_attn.training.command_line import exit_on_bad_input
+from hf_linear_attn.training.recipes import parse_recipe_args
+from hf_linear_attn.training.stages import FINETUNE_ARGUMENTS, FinetuneArguments, finetune
 
 
 def parse_args(argv: list[str] | None = None) -> FinetuneArguments:

@@ -13,18 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from huggingface_hub import HfApi
-
-from hf_linear_attn.checkpoint_code import checkpoint_code_problems
-from hf_linear_attn.configuration_linear_attention import REPAIR_COMMAND
-from training.checkpoints import (
+from hf_linear_attn.training.checkpoints import (
     CHECKPOINT_PREFIX,
     LOG_FILE,
     PREVIOUS_RUN_PREFIX,
     REPLACED_PREFIX,
     TEMPORARY_PREFIX,
 )
-from training.model_card import render_model_card
+from hf_linear_attn.training.model_card import render_model_card
+from huggingface_hub import HfApi
+
+from hf_linear_attn.checkpoint_code import checkpoint_code_problems
+from hf_linear_attn.configuration_linear_attention import REPAIR_COMMAND
 
 # Training leftovers in an output folder that do not belong in a model repository.
 IGNORE_PATTERNS = [f"{CHECKPOINT_PREFIX}*", f"{TEMPORARY_PREFIX}*", f"{REPLACED_PREFIX}*", f"{PREVIOUS_RUN_PREFIX}*",

@@ -2,8 +2,8 @@
 long texts, and writes the passkey prompts as the data of the lm-eval needle tasks (configs/lm_eval/needles). The
 measurements are `training.long_context_metrics`', run by `training/evaluate.py`.
 
-    python -m training.long_context prepare [--data_dir outputs/long_context_data]     # once; `make long-context-data`
-    python -m training.long_context needles --tokenizer_name MODEL [--output_dir outputs/lm_eval_needles]
+    hf-linear-attn-long-context prepare [--data_dir outputs/long_context_data]     # once; `make long-context-data`
+    hf-linear-attn-long-context needles --tokenizer_name MODEL [--output_dir outputs/lm_eval_needles]
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from transformers import AutoTokenizer, HfArgumentParser
-
-from training.command_line import exit_on_bad_input, parse_dataclasses
-from training.long_context_data import (
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
+from hf_linear_attn.training.long_context_data import (
     DEFAULT_DATA_DIR,
     DEFAULT_NEEDLES_DIR,
     NEEDLE_LENGTHS,
@@ -25,6 +23,7 @@ from training.long_context_data import (
     prepare,
     write_needles,
 )
+from transformers import AutoTokenizer, HfArgumentParser
 
 
 @dataclass

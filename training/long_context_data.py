@@ -1,7 +1,7 @@
 """The long held-out texts of the long-context evaluation and what is built from them: the texts prepared from
 Debian packages, long documents cut from them, passkey prompts, and the prompts written as the data of the lm-eval
 needle tasks (configs/lm_eval/needles). The measurements on them are `training.long_context_metrics`'; the command
-line that prepares the texts and writes the needle data is `python -m training.long_context`.
+line that prepares the texts and writes the needle data is `hf-linear-attn-long-context`.
 
 Held-out text: two long public-domain texts that no training stage of the project reads, from Debian
 packages (`prepare` fetches them with `apt-get download` + `dpkg-deb -x`, no root needed, into `data_dir`):
@@ -41,7 +41,7 @@ import torch
 from hf_linear_attn.head_selection import RetrievalPrompt
 
 DEFAULT_DATA_DIR = "outputs/long_context_data"
-PREPARE_COMMAND = "python -m training.long_context prepare"
+PREPARE_COMMAND = "hf-linear-attn-long-context prepare"
 SOURCES = ("kjv", "austen")
 
 

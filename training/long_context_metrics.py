@@ -36,10 +36,9 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+from hf_linear_attn.training.long_context_data import LongDocument, PasskeyTrial
+from hf_linear_attn.training.measure import cache_bytes_by_context
 from transformers import DynamicCache, PreTrainedModel
-
-from training.long_context_data import LongDocument, PasskeyTrial
-from training.measure import cache_bytes_by_context
 
 # --------------------------------------------------------------------------------------------- running models
 

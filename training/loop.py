@@ -73,21 +73,20 @@ from accelerate.utils import (
     parse_flag_from_env,
     send_to_device,
 )
-from torch import nn
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-from torch.utils.data import DataLoader, Dataset, Sampler
-from tqdm.auto import tqdm
-from transformers import get_scheduler
-
-from training.checkpoints import (
+from hf_linear_attn.training.checkpoints import (
     LOG_FILE,
     PreviousRun,
     check_output_dir,
     load_checkpoint,
     save_checkpoint,
 )
-from training.data import collate_rows
-from training.losses import LossFn, causal_lm_loss, weighted_mean
+from hf_linear_attn.training.data import collate_rows
+from hf_linear_attn.training.losses import LossFn, causal_lm_loss, weighted_mean
+from torch import nn
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
+from transformers import get_scheduler
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 logger = get_logger(__name__)

@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hf_linear_attn.training.data import dataset_names
+from hf_linear_attn.training.measure import cache_memory
+from hf_linear_attn.training.report import format_cell, markdown_table
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from safetensors import safe_open
 
 import hf_linear_attn
-from training.data import dataset_names
-from training.measure import cache_memory
-from training.report import format_cell, markdown_table
 
 TEMPLATE = Path(__file__).resolve().parent / "model_card.md"
 SUMMARY_FILE = "training_summary.json"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from hf_linear_attn.training.data import byte_level_tokenizer
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -20,7 +21,6 @@ from transformers import (
 
 import hf_linear_attn
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
-from training.data import byte_level_tokenizer
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")

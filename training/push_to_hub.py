@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from training.command_line import exit_on_bad_input
-from training.hub import push_to_hub
+from hf_linear_attn.training.command_line import exit_on_bad_input
+from hf_linear_attn.training.hub import push_to_hub
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,10 @@ The attention options of a script's command line are the fields of `hf_linear_at
 makes that dataclass for the script's arguments to subclass, and `attention_options(args)` reads them back
 as the keyword arguments of `convert_to_linear_attention`.
 
+`--config` takes a YAML file or the name of a recipe shipped with the package (`configs/` of the repository, installed
+as `hf_linear_attn.configs`: `--config lolcats/llama-3.2-1b-recover`), so an installed command runs one without a
+checkout.
+
 Errors: a recipe that does not parse exits as a bad flag does (argparse's `error: ...`, status 2); the scripts
 report the library's bad-input errors the same way (`training.command_line`).
 """
@@ -17,16 +21,34 @@ report the library's bad-input errors the same way (`training.command_line`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+from hf_linear_attn.training.command_line import parse_dataclasses
 from transformers import HfArgumentParser
 
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
-from training.command_line import parse_dataclasses
+
+SHIPPED_RECIPES = Path(str(importlib.resources.files("hf_linear_attn.configs")))
+NOT_RECIPES = ("accelerate", "lm_eval", "models")  # shipped configs of other tools, not recipes of a command
+
+
+def shipped_recipe_names() -> list[str]:
+    """The names `--config` accepts for the shipped recipes (paths under `configs/` without `.yaml`)."""
+    return sorted(str(path.relative_to(SHIPPED_RECIPES).with_suffix("")) for path in SHIPPED_RECIPES.rglob("*.yaml")
+                  if path.relative_to(SHIPPED_RECIPES).parts[0] not in NOT_RECIPES)
+
+
+def recipe_file(value: str) -> Path | None:
+    """`value` as a file, else as the name of a shipped recipe (with or without `.yaml`); None when it is neither."""
+    if Path(value).is_file():
+        return Path(value)
+    name = value.removesuffix(".yaml")
+    return SHIPPED_RECIPES / f"{name}.yaml" if name in shipped_recipe_names() else None
 
 
 def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] | None = None,
@@ -41,13 +63,14 @@ def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] 
         if arg == "--config" or arg.startswith("--config="):
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
             if value is None:
-                parser.error("--config needs a YAML file")
-            recipe_path = Path(value)
+                parser.error("--config needs a YAML file or a shipped recipe's name")
+            recipe_path = recipe_file(value)
+            if recipe_path is None:
+                parser.error(f"--config {value}: no such file, nor a shipped recipe; shipped: "
+                             f"{', '.join(shipped_recipe_names())}")
             del argv[i : i + (1 if "=" in arg else 2)]
             break
     if recipe_path is not None:
-        if not recipe_path.is_file():
-            parser.error(f"--config {recipe_path}: no such file")
         recipe = yaml.safe_load(recipe_path.read_text()) or {}
         known = {name for t in types for name in t.__dataclass_fields__}
         unknown = sorted(set(recipe) - known)

@@ -20,22 +20,16 @@ from dataclasses import dataclass, field
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from transformers import AutoTokenizer
-from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
-
-import hf_linear_attn
-from hf_linear_attn.configuration_linear_attention import check_has_window_weight, check_window_weight
-from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
-from training.attention_transfer import (
+from hf_linear_attn.training.attention_transfer import (
     AttentionTransfer,
     attention_transfer_loss,
     check_window_dropout,
     transfer_layers,
 )
-from training.checkpoints import export_model
-from training.data import DataArguments, build_datasets, check_data_arguments, check_positions
-from training.hub import HubArguments, push_to_hub
-from training.loop import (
+from hf_linear_attn.training.checkpoints import export_model
+from hf_linear_attn.training.data import DataArguments, build_datasets, check_data_arguments, check_positions
+from hf_linear_attn.training.hub import HubArguments, push_to_hub
+from hf_linear_attn.training.loop import (
     TrainArguments,
     TrainResult,
     check_train_arguments,
@@ -43,9 +37,9 @@ from training.loop import (
     select_trainable,
     train,
 )
-from training.losses import causal_lm_loss, logit_distillation_loss
-from training.model_card import write_model_card, write_training_summary
-from training.models import (
+from hf_linear_attn.training.losses import causal_lm_loss, logit_distillation_loss
+from hf_linear_attn.training.model_card import write_model_card, write_training_summary
+from hf_linear_attn.training.models import (
     WEIGHT_DTYPES,
     ModelArguments,
     apply_lora,
@@ -56,7 +50,13 @@ from training.models import (
     load_tokenizer,
     trainable_patterns,
 )
-from training.recipes import recipe_dict
+from hf_linear_attn.training.recipes import recipe_dict
+from transformers import AutoTokenizer
+from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+import hf_linear_attn
+from hf_linear_attn.configuration_linear_attention import check_has_window_weight, check_window_weight
+from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 
 # ---------------------------------------------------------------------------------------------- stage 1
 

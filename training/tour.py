@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from hf_linear_attn.training.command_line import exit_on_bad_input, offline_by_default
+from hf_linear_attn.training.recipes import SHIPPED_RECIPES, parse_recipe_args
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
-from training.command_line import exit_on_bad_input, offline_by_default
-from training.recipes import parse_recipe_args
 
 # Attention variants by name: the config fields that select them.
 VARIANTS = {
@@ -28,7 +28,7 @@ VARIANTS = {
     "hybrid": {"feature_map": "elu", "softmax_layers": [0]},
     "heads": {"feature_map": "hedgehog", "window_size": 64, "num_sink_tokens": 4, "softmax_heads": {1: [0]}},
 }
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tour.yaml"
+DEFAULT_CONFIG = SHIPPED_RECIPES / "tour.yaml"
 
 
 @dataclass

@@ -20,8 +20,7 @@ import re
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
-
-from training.data import DataArguments, load_documents
+from hf_linear_attn.training.data import DataArguments, load_documents
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@ offline. Their data is the passkey prompts of `training.long_context_data` (`pas
 spread evenly over the trials, natural or filler haystack, one key or several keyed doors of which one is
 asked for) as text, written for the tokenizer of the model to evaluate:
 
-    python -m training.long_context needles --tokenizer_name DIR     # outputs/lm_eval_needles/*.jsonl
+    hf-linear-attn-long-context needles --tokenizer_name DIR     # outputs/lm_eval_needles/*.jsonl
     lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,add_bos_token=False \
         --tasks needle --include_path configs/lm_eval --batch_size 1                # from the repository root
 
@@ -15,7 +15,7 @@ the first run of digits of the greedy continuation (8 tokens: the 5 digits + 3) 
 
 from __future__ import annotations
 
-from training.long_context_metrics import answer_matches
+from hf_linear_attn.training.long_context_metrics import answer_matches
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
