@@ -9,11 +9,12 @@ TORCH_SPEC ?= torch==2.13.0
 export TOKENIZERS_PARALLELISM := false
 # Offline where a target must not reach the network (the demo, the tour, the tests, the benchmarks on local models);
 # `make lm-eval MODEL=org/name` and `make serve MODEL=org/name` may download from the Hub.
-OFFLINE_TARGETS := demo tour test test-full test-oldest test-vllm bench bench-vllm kernel-report long-context-data
+OFFLINE_TARGETS := demo tour test test-full test-oldest test-vllm test-wheel bench bench-vllm kernel-report \
+	long-context-data
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE := 1
 
 .PHONY: install transformers-tests long-context-data demo tour lm-eval lm-eval-needles test test-full test-oldest bench \
-	fla-wheels kernel-report gpu-check lint clean vllm-env serve test-vllm bench-vllm
+	fla-wheels kernel-report gpu-check lint clean vllm-env serve test-vllm bench-vllm test-wheel docs
 
 install: $(VENV)/.installed
 
@@ -196,6 +197,26 @@ bench-vllm: install vllm-env
 		print('--teacher', smollm2_folder(), '--gguf_file', GGUF_FILE)")
 	OMP_NUM_THREADS=$(VLLM_THREADS) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \
 		$(VLLM_PY) -m benchmarks.bench_vllm run $(BENCH_VLLM_ARGS)
+
+# The wheel as a user installs it: built from this checkout, installed with its `train` extra into a clean venv under
+# WHEEL_CHECK_DIR (outside the checkout), and tests/wheel_check.py run there: only `hf_linear_attn` in the wheel,
+# every console command's --help, a tiny convert -> distill -> evaluate and a shipped recipe by name. Removed after.
+WHEEL_CHECK_DIR ?= /tmp/hf-linear-attn-wheel-check
+test-wheel:
+	rm -rf $(WHEEL_CHECK_DIR) && mkdir -p $(WHEEL_CHECK_DIR)
+	$(PYTHON) -m pip wheel --quiet --no-deps -w $(WHEEL_CHECK_DIR)/dist .
+	$(PYTHON) -m venv $(WHEEL_CHECK_DIR)/venv
+	$(WHEEL_CHECK_DIR)/venv/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	wheel=$$(ls $(WHEEL_CHECK_DIR)/dist/hf_linear_attn-*.whl) && \
+		$(WHEEL_CHECK_DIR)/venv/bin/python -m pip install --quiet "$$wheel[train]" && \
+		cp tests/wheel_check.py $(WHEEL_CHECK_DIR)/ && cd $(WHEEL_CHECK_DIR) && \
+		venv/bin/python wheel_check.py --wheel $$wheel
+	rm -rf $(WHEEL_CHECK_DIR)
+
+# docs/reference.md, rendered from the code (every command's parser, LinearAttentionConfig's fields and docstring):
+# tests/test_docs.py fails when the file differs from what the code renders now.
+docs: install
+	$(PY) -m hf_linear_attn.training.command_reference --output docs/reference.md
 
 lint: install
 	$(VENV)/bin/ruff check .

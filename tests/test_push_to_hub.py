@@ -7,10 +7,11 @@ import sys
 import pytest
 import torch
 from helpers import ROOT, script_env, stranger_logits, tiny_args, tiny_model
-from hf_linear_attn.training.model_card import render_model_card
 from hub_server import HubServer, card_metadata_errors
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
+
+from hf_linear_attn.training.model_card import render_model_card
 
 
 @pytest.fixture
@@ -32,11 +33,13 @@ def test_finetune_pushes_and_the_hub_copy_gives_identical_logits(hub, tmp_path, 
     # training/push_to_hub.py's main runs in this process, as `env` would set the Hub up for it: a subprocess spends
     # ~9 s importing on the suite's slow machine. The training run and the download (no hf_linear_attn) stay apart.
     hub.use_in_this_process(monkeypatch, tmp_path / "home")
-    assert push_to_hub_main([str(out), "someone/tiny-linear-mit", "--license", "mit"]) == 0
+    assert push_to_hub_main(["--model_name_or_path", str(out), "--hub_model_id", "someone/tiny-linear-mit",
+                             "--license", "mit"]) == 0
     assert "someone/tiny-linear-mit" in capsys.readouterr().out
     assert hub.validations and all(errors == [] for errors in hub.validations)  # the Hub check of each card ran
     with pytest.raises(SystemExit) as rejected:
-        push_to_hub_main([str(out), "someone/rejected", "--license", "my-own-licence"])
+        push_to_hub_main(["--model_name_or_path", str(out), "--hub_model_id", "someone/rejected",
+                          "--license", "my-own-licence"])
     assert rejected.value.code != 0 and "my-own-licence" in capsys.readouterr().err
     assert "someone/rejected" not in hub.repos  # the card is validated before the repository is created
 
@@ -86,30 +89,15 @@ def test_card_of_a_converted_checkpoint_inherits_the_source_licence(tmp_path):
     assert card.data.license == "llama3.2" and "inherited from the base model" in card.text
     assert f"converted from the softmax model **{source}**" in card.text
     assert card.data.base_model is None  # a local path is no Hub id
-    assert "full-softmax layers | 1 |" in card.text and "only the full-softmax layers (1)" in card.text
+    assert "full-softmax layers | 1 |" in card.text
+    assert "the 1 full-softmax layer (layer 1), 2 KV heads each" in card.text
     assert render_model_card(tmp_path / "converted", license="mit").data.license == "mit"
 
 
-@pytest.mark.parametrize("overrides, grows", [
-    ({}, None),
-    ({"softmax_heads": {0: [1]}}, "only the 1 softmax KV head in 1 layer (`softmax_heads`) keep"),
-    ({"softmax_heads": {0: [0, 1]}, "softmax_layers": [1]},
-     "only the full-softmax layers (1) and the 2 softmax KV heads in 1 layer (`softmax_heads`) keep"),
-])
-def test_the_card_says_what_in_the_cache_grows_with_the_context(overrides, grows, tmp_path):
-    """Softmax heads keep a growing key/value cache as softmax layers do: a card may say that nothing grows only
-    when neither is there."""
-    tiny_model(feature_map="hedgehog", feature_dim=8, window_size=4, rope_position_cap=256,
-               **overrides).save_pretrained(tmp_path / "model")
-    text = render_model_card(tmp_path / "model").text
-    assert ("nothing grows with the context" in text) == (grows is None)
-    assert grows is None or grows in text
-    assert "held at position 255 (`rope_position_cap`)" in text
-
-
 def test_a_failed_push_leaves_the_folder_and_the_hub_as_they_were(hub, tmp_path, monkeypatch):
-    from hf_linear_attn.training.hub import push_to_hub
     from huggingface_hub import HfApi, constants
+
+    from hf_linear_attn.training.hub import push_to_hub
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -34,7 +34,7 @@ Library modules:
                      baseline
 - `measure.py`       cache bytes and decode latency after a context; cache memory of a layout
 - `report.py`        tables (one cell format) written as Markdown, JSON and plots
-- `model_card.py`    model cards rendered from `model_card.md` and the runs' records
+- `model_card.py`    model cards rendered from `model_cards/model_card.md`, the runs' records and the config
 - `hub.py`           `push_to_hub`: card, repository, one upload
 - `adapters.py`      merging a LoRA adapter into its base, shard by shard
 """

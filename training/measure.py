@@ -163,30 +163,43 @@ def softmax_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
                             else tokens) for layer in DynamicCache(config=config).layers)
 
 
-def linear_cache_bytes(config: dict[str, Any], contexts: Iterable[int], dtype: torch.dtype) -> list[int]:
-    """Per context length, the bytes of a `LinearAttentionCache` of one sequence for the attention layout of
-    `config` (a linear-attention config as a dict) with values of `dtype`.
-
-    The layout (heads, head and feature dimensions, window, sinks, decay, convolution, softmax layers) runs with
-    tiny embeddings and MLPs, which the cache does not depend on. A linear layer's cache has one size once its
-    window ring, sinks and convolution inputs are allocated, and a softmax layer's grows by one key and value a
-    token, so the bytes are affine in the context beyond a short one: the layout runs at `p` and `2p` tokens
-    (p covers the window, sinks and convolution) and longer contexts are extended from those two, so the cost
-    does not grow with the context."""
+def layout_model(config: dict[str, Any], dtype: torch.dtype) -> hf_linear_attn.LinearAttentionForCausalLM:
+    """A model with the attention layout of `config` (a linear-attention config as a dict: heads, head and feature
+    dimensions, window, sinks, decay, convolution, softmax layers and heads) and tiny embeddings and MLPs, which the
+    cache does not depend on, in `dtype`: its cache holds what the checkpoint's would, at a fraction of the cost."""
     layout = hf_linear_attn.LinearAttentionConfig.from_dict(
         {**config, "vocab_size": 16, "hidden_size": 16, "intermediate_size": 16, "tie_word_embeddings": False}
     )
-    model = hf_linear_attn.LinearAttentionForCausalLM(layout).to(dtype).eval()
+    return hf_linear_attn.LinearAttentionForCausalLM(layout).to(dtype).eval()
 
-    def measured(tokens: int) -> int:
-        cache = hf_linear_attn.LinearAttentionCache(layout)
-        prefill(model, cache, tokens, chunk=tokens)
-        return cache.nbytes()
 
-    probe = layout.window_size + layout.num_sink_tokens + layout.conv_size + 1
-    base = measured(probe)
-    per_token = (measured(2 * probe) - base) // probe
-    return [measured(tokens) if tokens < probe else base + (tokens - probe) * per_token for tokens in contexts]
+def layout_cache(model: hf_linear_attn.LinearAttentionForCausalLM, tokens: int) -> hf_linear_attn.LinearAttentionCache:
+    """The cache of one sequence after `tokens` tokens through `model` (a `layout_model`)."""
+    cache = hf_linear_attn.LinearAttentionCache(model.config)
+    prefill(model, cache, tokens, chunk=tokens)
+    return cache
+
+
+def layout_probe(config: hf_linear_attn.LinearAttentionConfig) -> int:
+    """A context past which every part of a cache with `config`'s layout is constant or grows by the same bytes a
+    token: it covers the window, the sinks and the convolution inputs."""
+    return config.window_size + config.num_sink_tokens + config.conv_size + 1
+
+
+def linear_cache_bytes(config: dict[str, Any], contexts: Iterable[int], dtype: torch.dtype) -> list[int]:
+    """Per context length, the bytes of a `LinearAttentionCache` of one sequence for the attention layout of
+    `config` (a linear-attention config as a dict) with values of `dtype`, from its `layout_model`.
+
+    A linear layer's cache has one size once its window ring, sinks and convolution inputs are allocated, and a
+    softmax layer's grows by one key and value a token, so the bytes are affine in the context beyond a short one:
+    the layout runs at `p` and `2p` tokens (`layout_probe`) and longer contexts are extended from those two, so the
+    cost does not grow with the context."""
+    model = layout_model(config, dtype)
+    probe = layout_probe(model.config)
+    base = layout_cache(model, probe).nbytes()
+    per_token = (layout_cache(model, 2 * probe).nbytes() - base) // probe
+    return [layout_cache(model, tokens).nbytes() if tokens < probe else base + (tokens - probe) * per_token
+            for tokens in contexts]
 
 
 def cache_bytes_by_context(model: PreTrainedModel, contexts: Iterable[int]) -> list[int]:
@@ -198,11 +211,20 @@ def cache_bytes_by_context(model: PreTrainedModel, contexts: Iterable[int]) -> l
     return [softmax_cache_bytes(model.config, tokens, model.dtype) for tokens in contexts]
 
 
+def checkpoint_dtype(config: dict[str, Any]) -> torch.dtype:
+    """The dtype of a checkpoint's weights, from its config (a dict; float32 when it names none)."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"the config's dtype {name!r} is not a torch dtype (e.g. float32, bfloat16, float16)")
+    return dtype
+
+
 def cache_memory(config: dict[str, Any], contexts: tuple[int, ...] = CACHE_CONTEXTS) -> list[dict[str, int]]:
     """Per context length: `linear_bytes`, the cache bytes of one sequence with the attention layout of `config`
     (a linear-attention config as a dict, in its own dtype; `linear_cache_bytes`), and `softmax_bytes`, those of
     the key/value cache of a softmax model of the same shape (2 x layers x KV heads x head_dim x tokens)."""
-    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
+    dtype = checkpoint_dtype(config)
     shape = hf_linear_attn.LinearAttentionConfig.from_dict(config)
     return [{"tokens": tokens, "linear_bytes": linear, "softmax_bytes": softmax_cache_bytes(shape, tokens, dtype)}
             for tokens, linear in zip(contexts, linear_cache_bytes(config, contexts, dtype), strict=True)]

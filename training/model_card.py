@@ -1,6 +1,6 @@
-"""Model cards for saved linear-attention checkpoints, rendered from `training/model_card.md`.
+"""Model cards for saved linear-attention checkpoints, rendered from the template `model_cards/model_card.md`.
 
-`write_model_card(folder)` fills the Jinja template `training/model_card.md` through
+`write_model_card(folder)` fills the Jinja template `model_cards/model_card.md` through
 `huggingface_hub.ModelCard.from_template` and writes `folder/README.md`. Its inputs are the folder's
 `config.json`, its safetensors headers (parameter count) and `training_summary.json`, which
 `write_training_summary` writes at the end of a `training/finetune.py` or `training/distill.py` run:
@@ -14,11 +14,13 @@ metadata (`ModelCardData`) carries licence, base model (the first of these two t
 and the evaluation as model-index results. The licence is, in order: the one given, the one the run recorded, or
 the one in the card of the fine-tuned or the source model (read locally or from the Hub).
 
-Writing a card runs no model: it renders what the runs recorded. The memory table is measured, not
-estimated, by `training.measure.cache_memory` (a model with this checkpoint's attention layout and tiny
-embeddings and MLPs runs at two short contexts; every cache part is constant or linear in the tokens, so
-longer contexts follow from those two, as its tests check against real prefills) when
-`write_training_summary` or the evaluation records a run; a checkpoint with neither record gets no table.
+The memory section is the one part computed when the card is written, from the config alone
+(`cache_memory_statement`): what the decoding cache holds, part by part, as the cache counts its own bytes after a
+model with this checkpoint's attention layout and tiny embeddings and MLPs has read two short contexts — what grows
+with the context (full-softmax layers, softmax heads) and by how many bytes a token, what is constant (recurrent
+state, convolution inputs, window, sparse memory) — and the totals at `CARD_CONTEXTS` tokens in the checkpoint's dtype
+(tests/test_model_card_memory.py checks every statement against the cache of a real model). Every other section
+renders what the runs recorded.
 """
 
 from __future__ import annotations
@@ -26,19 +28,30 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from hf_linear_attn.training.data import dataset_names
-from hf_linear_attn.training.measure import cache_memory
-from hf_linear_attn.training.report import format_cell, markdown_table
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from safetensors import safe_open
 
 import hf_linear_attn
+from hf_linear_attn.cache_linear_attention import MEMORY_FIELDS, LinearStateLayer
+from hf_linear_attn.training.data import dataset_names
+from hf_linear_attn.training.measure import (
+    cache_memory,
+    checkpoint_dtype,
+    layout_cache,
+    layout_model,
+    layout_probe,
+    softmax_cache_bytes,
+)
+from hf_linear_attn.training.report import format_cell, markdown_table
 
-TEMPLATE = Path(__file__).resolve().parent / "model_card.md"
+# The top-level `model_cards/` folder of a checkout, beside `training/`; the wheel installs it as
+# `hf_linear_attn/model_cards/`, beside `hf_linear_attn/training/`, so the same relative path finds it in both.
+TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md"
 SUMMARY_FILE = "training_summary.json"
 EVALUATION_FILE = "evaluation.json"
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -49,7 +62,8 @@ def write_training_summary(output_dir: str | Path, *, script: str, base_model: s
     """`OUTPUT_DIR/training_summary.json` for the model card: `script` that trained, the checkpoint it started
     from, the data (`training.data.DataArguments`), steps / tokens / held-out metrics (`training.loop.TrainResult`),
     the recipe as run, the licence given (None: the card inherits the base model's) and, when the folder
-    holds a model config (not a PEFT adapter), its measured cache memory (`training.measure.cache_memory`)."""
+    holds a model config (not a PEFT adapter), its cache bytes at two contexts (`training.measure.cache_memory`;
+    the card computes its own memory statement, `cache_memory_statement`)."""
     config_file = Path(output_dir) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else None
     summary = {
@@ -84,11 +98,17 @@ def inherited_license(base_model: str | None) -> str | None:
     return card.data.license
 
 
-def _human_bytes(count: int) -> str:
+def human_bytes(count: int) -> str:
+    """`count` bytes for a reader: "512 B", "1.5 KiB", "44.7 MiB", "1.4 GiB"."""
     if count < 1024:
         return f"{count} B"
     exponent = min(int(math.log(count, 1024)), 3)
     return f"{count / 1024**exponent:,.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
+
+
+def exact_bytes(count: int) -> str:
+    """`count` bytes exactly, and for a reader past 1 KiB: "512 B", "9,216 B (9.0 KiB)"."""
+    return f"{count:,} B" + (f" ({human_bytes(count)})" if count >= 1024 else "")
 
 
 def long_context_tables(evaluation: dict[str, Any], label: str | None = None) -> dict[str, str]:
@@ -119,7 +139,7 @@ def long_context_tables(evaluation: dict[str, Any], label: str | None = None) ->
             tables["Perplexity over the last quarter of each window, where the far context is read"] = by_model(
                 lambda r, t: format_cell(r["last_quarter_perplexity"]))
         tables["Decoding cache by context (share of the teacher's)"] = by_model(
-            lambda r, t: _human_bytes(r["cache_bytes"]) + (f" ({r['cache_bytes'] / t['cache_bytes']:.0%})" if t else "")
+            lambda r, t: human_bytes(r["cache_bytes"]) + (f" ({r['cache_bytes'] / t['cache_bytes']:.0%})" if t else "")
         )
     if passkey:
         models = list(dict.fromkeys(r["model"] for r in passkey))
@@ -175,9 +195,144 @@ def _num_parameters(folder: Path) -> int:
     return total
 
 
-def render_model_card(folder: str | Path, repo_id: str | None = None, license: str | None = None) -> ModelCard:
+# Context lengths at which a card states the cache's total bytes.
+CARD_CONTEXTS = (4096, 32768)
+
+# The part of a card's memory statement each tensor of a `LinearAttentionCache` layer belongs to: a full-softmax
+# layer's keys and values, and the `TENSORS` of the linear-attention layers' kinds.
+CACHE_PARTS = {
+    "keys": "softmax layers", "values": "softmax layers",
+    "head_keys": "softmax heads", "head_values": "softmax heads",
+    "state": "recurrent state",
+    "conv_inputs": "convolution inputs",
+    **dict.fromkeys(("window_keys", "window_values", "window_mask", "window_beta", "window_log_decay"), "window"),
+    **dict.fromkeys(MEMORY_FIELDS.values(), "sparse memory"),
+}
+
+
+@dataclass(frozen=True)
+class CachePart:
+    """One part of a decoding cache: what it holds, in words, and its bytes after T tokens of one sequence,
+    `constant_bytes + T * bytes_per_token`."""
+
+    what: str
+    constant_bytes: int
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class CacheMemory:
+    """The decoding cache of one sequence, part by part (`cache_memory_statement`): its total bytes at `contexts` and
+    those of the key/value cache of a softmax model of the same shape (`softmax_bytes`), weights in `dtype`."""
+
+    dtype: str
+    parts: tuple[CachePart, ...]
+    contexts: tuple[int, ...]
+    softmax_bytes: tuple[int, ...]
+
+    @property
+    def growing(self) -> list[CachePart]:
+        """The parts that grow with the context (none: the cache has one size at every context)."""
+        return [part for part in self.parts if part.bytes_per_token]
+
+    @property
+    def constant(self) -> list[CachePart]:
+        """The parts with bytes that do not depend on the context."""
+        return [part for part in self.parts if part.constant_bytes]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(part.bytes_per_token for part in self.parts)
+
+    @property
+    def constant_bytes(self) -> int:
+        return sum(part.constant_bytes for part in self.parts)
+
+    def total(self, tokens: int) -> int:
+        """Bytes of the cache after `tokens` tokens."""
+        return self.constant_bytes + tokens * self.bytes_per_token
+
+    @property
+    def rows(self) -> list[dict[str, int]]:
+        """Per context: its `tokens`, this cache's `bytes` and the softmax model's `softmax_bytes`."""
+        return [{"tokens": tokens, "bytes": self.total(tokens), "softmax_bytes": softmax}
+                for tokens, softmax in zip(self.contexts, self.softmax_bytes, strict=True)]
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' * (number != 1)}"
+
+
+def _cache_parts(cache: hf_linear_attn.LinearAttentionCache) -> dict[str, tuple[int, list[Any]]]:
+    """Per part of `cache` (`CACHE_PARTS`): its bytes, tensor by tensor as the cache counts them (`nbytes`), and the
+    cache layers holding it."""
+    parts: dict[str, tuple[int, list[Any]]] = {}
+    for layer in cache.layers:
+        is_state = isinstance(layer, LinearStateLayer)
+        tensors = layer.tensors() if is_state else {"keys": layer.keys, "values": layer.values}
+        held: dict[str, int] = {}
+        for name, tensor in tensors.items():
+            if name not in CACHE_PARTS:
+                raise KeyError(f"the cache tensor {name!r} belongs to no part of the memory statement: add it to "
+                               "training.model_card.CACHE_PARTS")
+            held[CACHE_PARTS[name]] = held.get(CACHE_PARTS[name], 0) + tensor.numel() * tensor.element_size()
+        for part, size in held.items():
+            total, layers = parts.get(part, (0, []))
+            parts[part] = (total + size, [*layers, layer])
+    return parts
+
+
+def _part_description(part: str, layers: list[Any], config: hf_linear_attn.LinearAttentionConfig) -> str:
+    """What `part` of the cache of a model with `config` holds, in words, held by the cache layers `layers`."""
+    held_in = f"in {_count(len(layers), 'layer')}"
+    if part == "softmax layers":
+        indices = ", ".join(map(str, config.softmax_layers))
+        return (f"the keys and values of the {_count(len(layers), 'full-softmax layer')} "
+                f"({'layer' if len(layers) == 1 else 'layers'} {indices}), {config.num_key_value_heads} KV heads each")
+    if part == "softmax heads":
+        heads = sum(len(kv_heads) for kv_heads in config.softmax_heads.values())
+        return f"the keys and values of the {_count(heads, 'softmax KV head')} {held_in} (`softmax_heads`)"
+    if part == "recurrent state":
+        return f"the recurrent state {held_in}"
+    if part == "convolution inputs":
+        return f"the short convolution's last {config.conv_size - 1} inputs {held_in}"
+    if part == "window":
+        return (f"the keys and values of the last {layers[0].ring_size} positions and "
+                f"{_count(config.num_sink_tokens, 'sink token')} {held_in}")
+    return f"the sparse exact memory's {config.sparse_cache_size} slots per KV head {held_in} (`sparse_cache_size`)"
+
+
+def cache_memory_statement(config: dict[str, Any], contexts: tuple[int, ...] = CARD_CONTEXTS) -> CacheMemory:
+    """What the decoding cache of one sequence of a model with `config` (a linear-attention config as a dict) holds in
+    the checkpoint's dtype, part by part: what grows with the context (the full-softmax layers' and the softmax
+    heads' keys and values), by how many bytes a token, and what does not (the recurrent state, the convolution
+    inputs, the window, the sparse memory's slots), with the totals at `contexts`.
+
+    The bytes are the cache's own (`LinearAttentionCache.nbytes`, tensor by tensor) after a model with this
+    attention layout and tiny embeddings (`training.measure.layout_model`) has read `p` and `2p` tokens
+    (`layout_probe`): past `p`, each part is constant or grows by the same bytes a token, so the two give its
+    constant and its bytes a token."""
+    if not contexts or not all(isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
+                               for tokens in contexts):
+        raise ValueError(f"contexts must be positive numbers of tokens, got {contexts!r}")
+    dtype = checkpoint_dtype(config)
+    model = layout_model(config, dtype)
+    probe = layout_probe(model.config)
+    short, long = (_cache_parts(layout_cache(model, tokens)) for tokens in (probe, 2 * probe))
+    parts = []
+    for part, (size, layers) in short.items():
+        per_token = (long[part][0] - size) // probe
+        parts.append(CachePart(_part_description(part, layers, model.config), size - probe * per_token, per_token))
+    shape = hf_linear_attn.LinearAttentionConfig.from_dict(config)
+    return CacheMemory(dtype=str(dtype).removeprefix("torch."), parts=tuple(parts), contexts=tuple(contexts),
+                       softmax_bytes=tuple(softmax_cache_bytes(shape, tokens, dtype) for tokens in contexts))
+
+
+def render_model_card(folder: str | Path, repo_id: str | None = None, license: str | None = None,
+                      memory_contexts: tuple[int, ...] = CARD_CONTEXTS) -> ModelCard:
     """The model card of the checkpoint in `folder` (see the module docstring); `repo_id` names the
-    repository in the loading snippets (default: the folder)."""
+    repository in the loading snippets (default: the folder); the memory section states the cache's totals at
+    `memory_contexts` tokens (`cache_memory_statement`)."""
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -205,7 +360,6 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
     evaluation_file = folder / EVALUATION_FILE
     evaluation = json.loads(evaluation_file.read_text()) if evaluation_file.is_file() else {}
     comparison = comparison_tables(evaluation) if evaluation else None
-    measured = summary.get("cache_memory") or evaluation.get("cache_memory") or []
     card_data = ModelCardData(
         license=final_license,
         library_name="transformers",
@@ -225,10 +379,10 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         base_model=base_model,
         converted_from=converted_from,
         config=config,
-        growing=growing_cache(config),
+        memory=cache_memory_statement(config, memory_contexts),
+        human_bytes=human_bytes,
+        exact_bytes=exact_bytes,
         num_parameters=_num_parameters(folder),
-        cache_rows=[{"tokens": r["tokens"], "linear": _human_bytes(r["linear_bytes"]),
-                     "softmax": _human_bytes(r["softmax_bytes"])} for r in measured],
         datasets=summary.get("datasets"),
         steps=summary.get("steps"),
         tokens_seen=summary.get("tokens_seen"),
@@ -239,21 +393,6 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
         license=final_license,
         license_inherited=final_license is not None and recorded_license is None,
     )
-
-
-def growing_cache(config: dict[str, Any]) -> str | None:
-    """What in a model's decoding cache grows with the context, in words (None: nothing does): the full-softmax
-    layers' key/value cache and the softmax heads' (`softmax_heads`). The states, windows, convolution inputs and
-    the sparse memory are of a fixed size."""
-    parts = []
-    if layers := config.get("softmax_layers"):
-        parts.append(f"the full-softmax layers ({', '.join(map(str, layers))})")
-    if heads := {layer: kv for layer, kv in (config.get("softmax_heads") or {}).items() if kv}:
-        count = sum(len(kv) for kv in heads.values())
-        parts.append(f"the {count} softmax KV head{'s' * (count != 1)} in {len(heads)} "
-                     f"layer{'s' * (len(heads) != 1)} (`softmax_heads`)")
-    return " and ".join(parts) or None
-
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, license: str | None = None) -> ModelCard:
     """Render the card (see `render_model_card`) and save it as `folder/README.md`."""
