@@ -48,9 +48,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
-from hf_linear_attn.training.measure import cache_bytes, decode_times, new_cache, prefill
-from hf_linear_attn.training.report import log_log_plot, machine, write_report
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
@@ -58,7 +55,11 @@ from transformers.generation.streamers import BaseStreamer
 import hf_linear_attn
 from benchmarks.common import added_peak_mib, reset_peak_rss
 from hf_linear_attn.cache_linear_attention import LinearStateLayer
+from hf_linear_attn.configuration_linear_attention import InputError
 from hf_linear_attn.conversion import GATED_DELTANET_WINDOW_OPTIONS
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
+from hf_linear_attn.training.measure import cache_bytes, decode_times, new_cache, prefill
+from hf_linear_attn.training.report import log_log_plot, machine, write_report
 
 
 @dataclass
@@ -125,25 +126,25 @@ LOOP_PREFILL = 64
 def check_args(args: DecodeBenchmarkArguments) -> None:
     """Apply `--layout` and refuse bad values before anything runs."""
     if args.layout and args.layout not in LAYOUTS:
-        raise ValueError(f"--layout must be one of {sorted(LAYOUTS)} or empty; got {args.layout!r}")
+        raise InputError(f"--layout must be one of {sorted(LAYOUTS)} or empty; got {args.layout!r}")
     for name, value in LAYOUTS.get(args.layout, {}).items():
         setattr(args, name, value)
     if args.attention and args.attention not in ATTENTIONS:
-        raise ValueError(f"--attention must be one of {sorted(ATTENTIONS)} or empty; got {args.attention!r}")
+        raise InputError(f"--attention must be one of {sorted(ATTENTIONS)} or empty; got {args.attention!r}")
     if not args.models or set(args.models) - set(GENERATE_VARIANTS):
-        raise ValueError(f"--models must be some of {sorted(GENERATE_VARIANTS)}; got {args.models}")
+        raise InputError(f"--models must be some of {sorted(GENERATE_VARIANTS)}; got {args.models}")
     if not args.contexts or min(args.contexts) < 1:
-        raise ValueError(f"--contexts must be positive token counts; got {args.contexts}")
+        raise InputError(f"--contexts must be positive token counts; got {args.contexts}")
     if args.new_tokens < 1 or args.warmup_tokens < 1:
-        raise ValueError(f"--new_tokens and --warmup_tokens must be at least 1; got {args.new_tokens}, "
+        raise InputError(f"--new_tokens and --warmup_tokens must be at least 1; got {args.new_tokens}, "
                          f"{args.warmup_tokens}")
     if args.batch_size and min(args.batch_size) < 1:
-        raise ValueError(f"--batch_size must be positive; got {args.batch_size}")
+        raise InputError(f"--batch_size must be positive; got {args.batch_size}")
     if args.compile and args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ValueError(f"--compile_backend must be one of {torch._dynamo.list_backends(exclude_tags=())}; "
+        raise InputError(f"--compile_backend must be one of {torch._dynamo.list_backends(exclude_tags=())}; "
                          f"got {args.compile_backend!r}")
     if not args.timings or set(args.timings) - set(TIMINGS):
-        raise ValueError(f"--timings must be some of {TIMINGS}; got {args.timings}")
+        raise InputError(f"--timings must be some of {TIMINGS}; got {args.timings}")
     if args.compile and not args.batch_size:
         args.batch_size = [1]
 

@@ -18,10 +18,10 @@ import sys
 if "--dry-run" in sys.argv:  # the Triton interpreter must be chosen before the kernels are defined (on import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_linear_attn.training.command_line import parse_dataclasses  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
 from benchmarks.kernel_timing import KernelBenchmarkArguments, benchmark, report  # noqa: E402
+from hf_linear_attn.training.command_line import parse_dataclasses  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from hf_linear_attn.training.command_line import parse_dataclasses
 from transformers import HfArgumentParser
 
 from benchmarks.common import machine, measure, return_freed_memory_to_the_os, write_report
 from hf_linear_attn import linear_attention
+from hf_linear_attn.training.command_line import parse_dataclasses
 
 
 @dataclass

@@ -23,14 +23,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
-from hf_linear_attn.training.long_context_data import DEFAULT_DATA_DIR, load_texts, long_documents
-from hf_linear_attn.training.report import log_log_plot
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 import hf_linear_attn  # noqa: F401  (registers the linear-attention classes with the Auto classes)
 from benchmarks.common import machine, write_report
-from hf_linear_attn.configuration_linear_attention import LENGTH_DEPENDENT_ROPE_TYPES, LinearAttentionConfig
+from hf_linear_attn.configuration_linear_attention import LENGTH_DEPENDENT_ROPE_TYPES, InputError, LinearAttentionConfig
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
+from hf_linear_attn.training.long_context_data import DEFAULT_DATA_DIR, load_texts, long_documents
+from hf_linear_attn.training.report import log_log_plot
 
 
 @dataclass
@@ -53,18 +53,18 @@ def check_arguments(args: ReachArguments) -> dict[str, str]:
     """The models as {label: path}; ValueError on anything the run could not use, before any model is loaded."""
     models = dict(item.split("=", 1) for item in args.models if "=" in item)
     if not args.models or len(models) != len(args.models):
-        raise ValueError(f"--models takes label=path items, got {args.models}")
+        raise InputError(f"--models takes label=path items, got {args.models}")
     if not args.lengths or min(args.lengths) < 8 or len(set(args.lengths)) != len(args.lengths):
-        raise ValueError(f"--lengths must be distinct lengths ≥ 8 tokens, got {args.lengths}")
+        raise InputError(f"--lengths must be distinct lengths ≥ 8 tokens, got {args.lengths}")
     for cap in args.position_caps:
         if cap != "none" and not (cap.isdigit() and int(cap) >= 2):
-            raise ValueError(f"--position_caps takes numbers ≥ 2 or 'none', got {cap!r}")
+            raise InputError(f"--position_caps takes numbers ≥ 2 or 'none', got {cap!r}")
     if args.within and (args.within < 2 or args.within % 2 or any(length // 4 % (args.within // 2)
                                                                    for length in args.lengths)):
-        raise ValueError(f"--within {args.within}: an even number whose half divides every length's last quarter "
+        raise InputError(f"--within {args.within}: an even number whose half divides every length's last quarter "
                          f"({[length // 4 for length in args.lengths]})")
     if args.slice_tokens < 1:
-        raise ValueError(f"--slice_tokens must be ≥ 1, got {args.slice_tokens}")
+        raise InputError(f"--slice_tokens must be ≥ 1, got {args.slice_tokens}")
     return models
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
-from hf_linear_attn.training.command_line import parse_dataclasses
-from hf_linear_attn.training.report import log_log_plot, machine, write_report
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_linear_attn
 from benchmarks.common import measure, return_freed_memory_to_the_os
+from hf_linear_attn.training.command_line import parse_dataclasses
+from hf_linear_attn.training.report import log_log_plot, machine, write_report
 
 
 @dataclass

@@ -41,15 +41,16 @@ PROBE_KV_BYTES = 1 << 30  # the first engine's KV cache, from which `timed_engin
 def prepare(args: argparse.Namespace) -> None:
     """The teacher (fp32, with --max_positions positions if given) and its conversion with the attention options of
     --recipe and as many softmax layers as its softmax_layers_k (the demo restores the most useful ones; which ones
-    does not matter for speed), saved; and that conversion with as many softmax heads as its softmax_heads_n +
-    restored_heads_n (the demo ranks them; here one per recurrent layer from the first on, the next KV head once every
-    layer has one)."""
+    does not matter for speed), saved; and that conversion with as many softmax heads as its softmax_heads (auto:N,
+    or the heads listed) and restored_heads_n (the demo ranks them; here one per recurrent layer from the first on, the
+    next KV head once every layer has one)."""
     import yaml
     from transformers import AutoTokenizer
 
     from hf_linear_attn import convert_to_linear_attention
     from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
     from hf_linear_attn.conversion import load_teacher
+    from hf_linear_attn.head_selection import parse_softmax_heads
 
     recipe = yaml.safe_load(args.recipe.read_text())
     options = {name: value for name, value in recipe.items() if name in ATTENTION_OPTIONS}
@@ -68,7 +69,9 @@ def prepare(args: argparse.Namespace) -> None:
     output_dir = args.output_dir
     recurrent = [i for i in range(teacher.config.num_hidden_layers) if i not in options["softmax_layers"]]
     softmax_heads = {}
-    for i in range(recipe.get("softmax_heads_n", 0) + recipe.get("restored_heads_n", 0)):
+    heads = parse_softmax_heads(recipe.get("softmax_heads"))
+    counted = heads.auto_n or sum(map(len, heads.heads.values()))
+    for i in range(counted + recipe.get("restored_heads_n", 0)):
         softmax_heads.setdefault(recurrent[i % len(recurrent)], []).append(i // len(recurrent))
     for name, model in (("teacher", teacher), ("converted", convert_to_linear_attention(teacher, **options)),
                         ("converted_heads", convert_to_linear_attention(teacher, softmax_heads=softmax_heads,
@@ -182,8 +185,9 @@ def request_length(args: argparse.Namespace, context: int) -> int:
 
 def run(args: argparse.Namespace) -> None:
     import torch
-    from hf_linear_attn.training.report import log_log_plot, write_report
     from vllm import LLM, SamplingParams
+
+    from hf_linear_attn.training.report import log_log_plot, write_report
 
     configs = model_configs(args)
     longest = max(args.contexts)

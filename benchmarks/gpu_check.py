@@ -42,8 +42,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
 from transformers import HfArgumentParser
+
+from hf_linear_attn.configuration_linear_attention import InputError
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_TESTS = ["tests/test_triton_ops.py", "tests/test_window_ops.py", "tests/test_delta_rule_triton.py"]
@@ -328,8 +330,6 @@ def stage_triton_tests(dry: bool) -> dict:
 
 def stage_kernels(dry: bool, out: Path, save: Callable[[dict], None]) -> dict:
     """The kernel benchmark, its kernels.{md,json,png} in `out`; `save` keeps the rows measured so far."""
-    if dry:  # the interpreter, chosen before the kernels are defined (kernel_timing imports them)
-        os.environ["TRITON_INTERPRET"] = "1"
     from benchmarks.kernel_timing import KernelBenchmarkArguments, benchmark, report
 
     args = KernelBenchmarkArguments(dry_run=dry, output_dir=str(out))
@@ -370,8 +370,11 @@ def run_stage(name: str, dry: bool, out: Path, time_box: float, logs: Path) -> t
     start = time.perf_counter()
     with open(log_path, "ab") as log:
         # Unbuffered, as a terminal would show it: a stage stopped at its time box keeps its output to that point.
+        # A dry kernels stage runs the kernels in Triton's interpreter, which hf_linear_attn chooses when it is
+        # imported (this module imports it first thing): set in the process's environment from its start.
+        interpret = {"TRITON_INTERPRET": "1"} if dry and name == "kernels" else {}
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **interpret))
     record = {"time_box_s": time_box}
     try:
         process.wait(time_box)
@@ -421,13 +424,13 @@ def check_arguments(args: GpuCheckArguments) -> None:
     """Raise ValueError naming the argument for a check that cannot run, before anything is written."""
     unknown = sorted(set(args.stages) - set(STAGES))
     if unknown:
-        raise ValueError(f"unknown stages {unknown}; the stages are {list(STAGES)}")
+        raise InputError(f"unknown stages {unknown}; the stages are {list(STAGES)}")
     if args.wheels and not list(Path(args.wheels).glob("*.whl")):
-        raise ValueError(f"--wheels {args.wheels}: no .whl files there (make fla-wheels writes build/wheels)")
+        raise InputError(f"--wheels {args.wheels}: no .whl files there (make fla-wheels writes build/wheels)")
     if not args.dry and not torch.cuda.is_available():
-        raise ValueError("gpu_check.py needs a CUDA GPU (or --dry on CPU)")
+        raise InputError("gpu_check.py needs a CUDA GPU (or --dry on CPU)")
     if args.stage_result and len(args.stages) != 1:
-        raise ValueError(f"--stage_result runs one stage, not {args.stages}")
+        raise InputError(f"--stage_result runs one stage, not {args.stages}")
 
 
 def main(argv: list[str] | None = None) -> int:

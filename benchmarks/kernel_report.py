@@ -38,12 +38,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
 from transformers import HfArgumentParser
 
 from benchmarks.common import KERNEL_DECAYS as DECAYS
 from benchmarks.common import KERNEL_SHAPES as SHAPES
 from benchmarks.common import write_report
+from hf_linear_attn.configuration_linear_attention import InputError
+from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
 
 FLA_OPS = {"none": "chunk_simple_gla", "scalar": "chunk_simple_gla", "vector": "chunk_gla"}
 
@@ -187,8 +188,18 @@ def count_in_child(args: KernelReportArguments) -> dict:
             for wheel in wheels:
                 zipfile.ZipFile(wheel).extractall(unpacked)
             fla_path = unpacked if wheels else args.fla_dir
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(count_in_this_process, args, fla_path).result()
+        # The child imports this module, and with it hf_linear_attn (whose kernels take the interpreter or not at
+        # import), before count_in_this_process runs: TRITON_INTERPRET is in its environment from its start.
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                return pool.submit(count_in_this_process, args, fla_path).result()
+        finally:
+            if previous is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
 
 
 def fit(runs: list[dict], phase: str) -> tuple[float, float, float]:
@@ -273,12 +284,12 @@ def compile_report(args: KernelReportArguments) -> None:
 def check_arguments(args: KernelReportArguments) -> None:
     """Raise ValueError naming the argument for a report that cannot run, before any work."""
     if len(args.fit_lengths) != 3 or any(t % 64 for t in args.fit_lengths):
-        raise ValueError(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
+        raise InputError(f"--fit_lengths needs three multiples of 64, got {args.fit_lengths}")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise ValueError("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
+        raise InputError("unset TRITON_INTERPRET: the compile part builds real kernels (the traffic part sets it)")
     unknown = sorted(set(args.parts) - {"traffic", "compile"})
     if unknown:
-        raise ValueError(f"unknown --parts {unknown}: choose from traffic, compile")
+        raise InputError(f"unknown --parts {unknown}: choose from traffic, compile")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,9 @@ from importlib.metadata import PackageNotFoundError, version
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_linear_attention import LinearAttentionCache
-from .configuration_linear_attention import LinearAttentionConfig
+from .configuration_linear_attention import InputError, InputNotFoundError, InputTypeError, LinearAttentionConfig
 from .conversion import convert_to_linear_attention
+from .feature_maps import FeatureMap, register_feature_map
 from .modeling_linear_attention import (
     LinearAttentionForCausalLM,
     LinearAttentionModel,
@@ -35,6 +36,10 @@ LinearAttentionModel.register_for_auto_class("AutoModel")
 LinearAttentionForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
+    "FeatureMap",
+    "InputError",
+    "InputNotFoundError",
+    "InputTypeError",
     "LinearAttentionCache",
     "LinearAttentionConfig",
     "LinearAttentionForCausalLM",
@@ -43,6 +48,7 @@ __all__ = [
     "convert_to_linear_attention",
     "delta_rule_attention",
     "linear_attention",
+    "register_feature_map",
     "sparse_window_attention",
     "window_attention",
     "window_softmax",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,7 +22,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
 
 from .backends import BACKENDS, OP_BACKENDS, accepted_by
-from .feature_maps import FEATURE_MAP_CLASSES, LEARNED_FEATURE_MAPS, feature_output_dim
+from .feature_maps import DELTA_FEATURE_MAPS, FEATURE_DIM_MAPS, FEATURE_MAPS, feature_output_dim
 
 logger = logging.get_logger(__name__)
 
@@ -43,7 +43,6 @@ def foreign_auto_map(auto_map: dict[str, Any] | None) -> dict[str, Any]:
     return {key: value for key, value in (auto_map or {}).items() if AUTO_MAP.get(key, value) != value}
 
 
-FEATURE_MAPS = tuple(FEATURE_MAP_CLASSES)
 DECAYS = ("none", "fixed", "scalar", "vector")
 UPDATE_RULES = ("additive", "delta")
 # What a decoder layer's attention is (`LinearAttentionConfig.layer_kind`): the model builds one attention class per
@@ -59,10 +58,8 @@ KIND_OPS = {
     "delta_window": ("window_attention", "delta_rule_attention"),
 }
 # What the delta rule accepts. Its keys are L2-normalised after φ: the maps whose output is a direction worth
-# normalising qualify; taylor does not (its 1 + D + D² features approximate exp(q·k), which normalising breaks,
-# and its state would be (1 + D + D²) × D). Its decay is a per-head scalar (the op takes log a [B, T, H]).
-# Its backends are those of the ops its layers call (`KIND_OPS`).
-DELTA_FEATURE_MAPS = ("identity", "elu", "relu", "t2r", "hedgehog")
+# normalising qualify, those registered with delta_rule=True (`DELTA_FEATURE_MAPS`, feature_maps.py). Its decay is
+# a per-head scalar (the op takes log a [B, T, H]). Its backends are those of the ops its layers call (`KIND_OPS`).
 DELTA_DECAYS = ("none", "fixed", "scalar")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
@@ -70,7 +67,21 @@ ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
-def _fail(name: str, value: Any, allowed: str, error: type[Exception] = ValueError) -> None:
+class InputError(ValueError):
+    """Bad input to this package or its commands (a config field, an argument, a checkpoint that does not fit), with a
+    message naming what was wrong and what is allowed. A ValueError, so that code catching that keeps working; the
+    commands report it as one `error: ...` line, and let every other exception through with its traceback."""
+
+
+class InputTypeError(InputError, TypeError):
+    """Bad input of the wrong type (e.g. a config field given a string where it takes an integer); a TypeError too."""
+
+
+class InputNotFoundError(InputError, FileNotFoundError):
+    """Bad input naming a file or folder that does not exist (or lacks what it must hold); a FileNotFoundError too."""
+
+
+def _fail(name: str, value: Any, allowed: str, error: type[InputError] = InputError) -> None:
     raise error(f"invalid `{name}`={value!r} ({type(value).__name__}): {allowed}.")
 
 
@@ -80,7 +91,7 @@ def _is_int(value: Any) -> bool:
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        _fail(name, value, "must be True or False", TypeError)
+        _fail(name, value, "must be True or False", InputTypeError)
 
 
 def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
@@ -88,7 +99,7 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
         return
     allowed = f"must be an integer >= {minimum}" + (" (or None)" if optional else "")
     if not _is_int(value):
-        _fail(name, value, allowed, TypeError)
+        _fail(name, value, allowed, InputTypeError)
     if value < minimum:
         _fail(name, value, allowed)
 
@@ -96,7 +107,7 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
 def _check_number(name: str, value: Any, allowed: str, ok: Callable[[float], bool]) -> None:
     """A finite int or float (not a bool) for which `ok(value)` holds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(name, value, allowed, TypeError)
+        _fail(name, value, allowed, InputTypeError)
     if not (math.isfinite(value) and ok(value)):
         _fail(name, value, allowed)
 
@@ -107,21 +118,22 @@ def check_window_weight(weight: Any, name: str = "window_weight") -> None:
     _check_number(name, weight, "must be a number strictly between 0 and 1", lambda value: 0 < value < 1)
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def _check_choice(name: str, value: Any, choices: Sequence[str], note: str = "") -> None:
     if not isinstance(value, str) or value not in choices:
-        _fail(name, value, f"allowed: {', '.join(choices)}", ValueError if isinstance(value, str) else TypeError)
+        _fail(name, value, f"allowed: {', '.join(choices)}{note}", InputError if isinstance(value, str)
+              else InputTypeError)
 
 
 def _check_optional_str(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, str):
-        _fail(name, value, "must be a string or None", TypeError)
+        _fail(name, value, "must be a string or None", InputTypeError)
 
 
 def _check_token_ids(name: str, value: Any, allow_list: bool) -> None:
     ids = value if allow_list and isinstance(value, list) else [value]
     if value is not None and not all(_is_int(i) for i in ids):
         _fail(name, value, "must be an integer token id" + (", a list of them" if allow_list else "") + " or None",
-              TypeError)
+              InputTypeError)
 
 
 def _option(default: Any, help: str, **metadata: Any) -> Any:
@@ -140,7 +152,8 @@ class AttentionOptions:
     feature_map: str = _option(
         "elu", "Kernel feature map φ, applied per head after RoPE: elu (elu+1), relu, identity, t2r (learned "
         "ReLU(xW+b)), hedgehog (learned [softmax(xW), softmax(-xW)], two halves), taylor (2nd-order Taylor "
-        "expansion of exp).", choices=FEATURE_MAPS)
+        "expansion of exp), or a map of your own registered with hf_linear_attn.register_feature_map.",
+        choices=FEATURE_MAPS)
     feature_dim: int | None = _option(
         None, "Feature dimension F of the learned maps (t2r outputs F features, hedgehog 2F); default head_dim. "
         "Leave it unset for the fixed maps.")
@@ -198,11 +211,12 @@ class AttentionOptions:
         "output_norm=True, o = RMSNorm(o) * silu(g_proj(x))); in the delta-rule window hybrid, its state part only.")
 
     def __post_init__(self) -> None:
-        _check_choice("feature_map", self.feature_map, FEATURE_MAPS)
+        _check_choice("feature_map", self.feature_map, FEATURE_MAPS, " (a map defined elsewhere is registered "
+                      "first, with hf_linear_attn.register_feature_map)")
         _check_int("feature_dim", self.feature_dim, 1, optional=True)
-        if self.feature_dim is not None and self.feature_map not in LEARNED_FEATURE_MAPS:
+        if self.feature_dim is not None and self.feature_map not in FEATURE_DIM_MAPS:
             _fail("feature_dim", self.feature_dim,
-                  f"only the learned maps {', '.join(LEARNED_FEATURE_MAPS)} have a feature dimension; "
+                  f"only the learned maps {', '.join(FEATURE_DIM_MAPS)} have a feature dimension; "
                   f"feature_map={self.feature_map!r} takes none (leave it None)")
         _check_bool("normalize", self.normalize)
         _check_bool("output_norm", self.output_norm)
@@ -231,7 +245,7 @@ class AttentionOptions:
         layers = [] if self.softmax_layers is None else self.softmax_layers
         allowed = "must be a list of layer indices (integers >= 0)"
         if not isinstance(layers, (list, tuple)) or not all(_is_int(i) for i in layers):
-            _fail("softmax_layers", self.softmax_layers, allowed, TypeError)
+            _fail("softmax_layers", self.softmax_layers, allowed, InputTypeError)
         if any(i < 0 for i in layers):
             _fail("softmax_layers", self.softmax_layers, allowed)
         self.softmax_layers = sorted(set(layers))
@@ -243,8 +257,8 @@ class AttentionOptions:
                   "and the state stores values, not sums): pass normalize=False")
         if self.feature_map not in DELTA_FEATURE_MAPS:
             _fail("feature_map", self.feature_map, f"update_rule='delta' L2-normalises φ(q), φ(k); allowed: "
-                  f"{', '.join(DELTA_FEATURE_MAPS)} (taylor's features approximate exp(q·k), which normalising "
-                  "breaks)")
+                  f"{', '.join(DELTA_FEATURE_MAPS)}, the maps registered with delta_rule=True (taylor's features "
+                  "approximate exp(q·k), which normalising breaks)")
         if self.decay not in DELTA_DECAYS:
             _fail("decay", self.decay, f"update_rule='delta' takes one decay per head and token; allowed: "
                   f"{', '.join(DELTA_DECAYS)}")
@@ -267,12 +281,12 @@ def _checked_softmax_heads(value: Any) -> dict[int, list[int]]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        _fail("softmax_heads", value, allowed, TypeError)
+        _fail("softmax_heads", value, allowed, InputTypeError)
     heads = {}
     for layer, kv_heads in value.items():
         index = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
         if not _is_int(index) or not isinstance(kv_heads, (list, tuple)) or not all(_is_int(h) for h in kv_heads):
-            _fail("softmax_heads", value, allowed, TypeError)
+            _fail("softmax_heads", value, allowed, InputTypeError)
         if index < 0 or any(h < 0 for h in kv_heads):
             _fail("softmax_heads", value, allowed)
         if index in heads:
@@ -508,7 +522,7 @@ class LinearAttentionConfig(PretrainedConfig):
         apply as transformers' Llama does (every `rope_type` of `ROPE_INIT_FUNCTIONS`, all of the head rotated)."""
         if rope_parameters is not None and not isinstance(rope_parameters, dict):
             _fail("rope_parameters", rope_parameters, "must be a dict such as {'rope_type': 'default', "
-                  "'rope_theta': 10000.0} (or None)", TypeError)
+                  "'rope_theta': 10000.0} (or None)", InputTypeError)
         _check_number("rope_theta", self.rope_theta, "must be a number > 0", lambda x: x > 0)
         rope = dict(rope_parameters or {})
         rope.setdefault("rope_type", rope.pop("type", "default"))
@@ -524,7 +538,7 @@ class LinearAttentionConfig(PretrainedConfig):
         try:
             self.validate_rope()  # transformers' checks of the keys each rope_type needs
         except KeyError as error:
-            raise ValueError(f"invalid `rope_parameters`={rope!r}: {error.args[0]}.") from None
+            raise InputError(f"invalid `rope_parameters`={rope!r}: {error.args[0]}.") from None
 
     def _check_rope_position_cap(self) -> None:
         """`rope_position_cap`: None, or an int ≥ 2 with a RoPE whose rotations do not depend on the input's length."""
@@ -550,4 +564,5 @@ class LinearAttentionConfig(PretrainedConfig):
         return feature_output_dim(self.feature_map, self.head_dim, self.feature_dim)
 
 
-__all__ = ["ATTENTION_OPTIONS", "AttentionOptions", "LAYER_KINDS", "LinearAttentionConfig", "check_sparse_cache_size"]
+__all__ = ["ATTENTION_OPTIONS", "AttentionOptions", "InputError", "InputNotFoundError", "InputTypeError", "LAYER_KINDS",
+           "LinearAttentionConfig", "check_sparse_cache_size"]

@@ -25,6 +25,14 @@ With `window_size` ≥ the sequence length the hybrid layer *is* softmax attenti
 rule's state is then empty), so a freshly converted model reproduces its teacher's logits exactly there: the
 conversion tests rely on it.
 
+A source with sliding-window attention (Mistral's `sliding_window`; Qwen2's and Qwen3's with `use_sliding_window`,
+in the layers its `layer_types` mark) is converted without that window, and the conversion logs a warning naming
+what changed (`sliding_window_change`). The model has no windowed kind of full softmax attention to keep it in, and
+the window would not serve: the converted layers hold exact softmax over their own `window_size` tokens and carry
+everything older in a recurrent state (a constant-size cache, the point of converting), and the softmax layers and
+heads are there to attend to the whole context. Leaving the window out changes nothing over inputs no longer than it
+(every key lies inside it); beyond it, the converted layers and heads see keys the source never attended to.
+
     from hf_linear_attn import convert_to_linear_attention
     student = convert_to_linear_attention("HuggingFaceTB/SmolLM2-135M", feature_map="hedgehog",
                                           feature_dim=64, window_size=64, num_sink_tokens=4)
@@ -37,15 +45,18 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import logging
 
 from .configuration_linear_attention import (
     ATTENTION_OPTIONS,
     LENGTH_DEPENDENT_ROPE_TYPES,
     AttentionOptions,
+    InputError,
     LinearAttentionConfig,
 )
-from .modeling_linear_attention import LinearAttentionForCausalLM
+from .modeling_linear_attention import LinearAttention, LinearAttentionForCausalLM
 
+logger = logging.get_logger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The LoLCATs recipe (Zhang et al. 2024): Hedgehog feature map, 64-token window, a few sinks; every other
@@ -74,14 +85,14 @@ def linear_attention_config(
     """
     model_type = getattr(source_config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
+        raise InputError(
             f"Cannot convert a {model_type!r} model: supported architectures are "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
             "Qwen3ForCausalLM)."
         )
     unknown = sorted(set(attention_options) - set(ATTENTION_OPTIONS))
     if unknown:
-        raise ValueError(f"Unknown attention option(s) {unknown}; allowed: {list(ATTENTION_OPTIONS)}.")
+        raise InputError(f"Unknown attention option(s) {unknown}; allowed: {list(ATTENTION_OPTIONS)}.")
     options = {**DEFAULT_ATTENTION_OPTIONS, **{k: v for k, v in attention_options.items() if v is not None}}
 
     c = source_config
@@ -122,6 +133,41 @@ def linear_attention_config(
     )
 
 
+def sliding_window_change(source_config, config: LinearAttentionConfig) -> str | None:
+    """What converting `source_config` into `config` changes of the source's sliding-window attention, in words; None
+    when no layer of the source attends through a window shorter than its `max_position_embeddings`. The layers
+    that slide are those `layer_types` marks "sliding_attention" (Qwen2, Qwen3), or every layer when the config has
+    no `layer_types` (Mistral)."""
+    window = getattr(source_config, "sliding_window", None)
+    if not window or window >= source_config.max_position_embeddings:
+        return None
+    types = getattr(source_config, "layer_types", None)
+    sliding = [i for i in range(config.num_hidden_layers) if types is None or types[i] == "sliding_attention"]
+    if not sliding:
+        return None
+    where = (f"all {len(sliding)} layers" if len(sliding) == config.num_hidden_layers else f"layers {sliding}")
+    softmax_layers = [i for i in sliding if config.layer_kind(i) == "softmax"]
+    recurrent = [i for i in sliding if i not in softmax_layers]
+    heads = {i: list(config.softmax_heads_of(i)) for i in recurrent if config.softmax_heads_of(i)}
+    changes = []
+    if recurrent:
+        reach = (f"exact softmax over their last {config.window_size} tokens (+ {config.num_sink_tokens} sinks) and a "
+                 "recurrent state over everything older" if config.window_size else
+                 "a recurrent state over the whole context")
+        changes.append(f"its {config.layer_kind(recurrent[0])} layers {recurrent} attend with {reach}, not cut at "
+                       f"{window} tokens")
+        if config.window_size > window:
+            changes.append(f"their window of {config.window_size} tokens reaches past the source's {window}")
+    if softmax_layers:
+        changes.append(f"its softmax layers {softmax_layers} attend to the whole context")
+    if heads:
+        changes.append(f"its softmax heads {heads} attend to the whole context")
+    return (f"The {source_config.model_type} source attends through a sliding window of {window} tokens in {where}; "
+            f"the converted model does not keep that window: {'; '.join(changes)}. Attention transfer's softmax "
+            f"targets are full causal attention, the source's own within {window} tokens only: train on rows "
+            f"(block_size) of at most {window} tokens.")
+
+
 def load_teacher(model_name_or_path: str, **from_pretrained_kwargs: Any) -> PreTrainedModel:
     """Load a causal-LM checkpoint (a conversion's source, a distillation teacher or a model to train) with
     `AutoModelForCausalLM`, refusing one whose weights do not match the model: transformers would silently
@@ -136,7 +182,7 @@ def load_teacher(model_name_or_path: str, **from_pretrained_kwargs: Any) -> PreT
         if names:
             problems.append(f"{what} {names[:8]}{' ...' if len(names) > 8 else ''}")
     if problems:
-        raise ValueError(f"{model_name_or_path} {'; '.join(problems)}: an incomplete or mismatched checkpoint is "
+        raise InputError(f"{model_name_or_path} {'; '.join(problems)}: an incomplete or mismatched checkpoint is "
                          "refused (its weights would be initialised at random or dropped).")
     return model
 
@@ -173,6 +219,8 @@ def convert_to_linear_attention(
     else:
         raise TypeError(f"model_or_path must be a PreTrainedModel or a path / Hub id, got {type(model_or_path)}")
     config = linear_attention_config(teacher.config, softmax_heads, **attention_options)
+    if change := sliding_window_change(teacher.config, config):
+        logger.warning(change)
     dtype = dtype or next(teacher.parameters()).dtype
 
     student = LinearAttentionForCausalLM(config).to(dtype)
@@ -180,17 +228,18 @@ def convert_to_linear_attention(
     target = student.state_dict()
     unexpected = sorted(k for k in source if k not in target and not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise ValueError(
+        raise InputError(
             f"The source has weights the converted model has no place for: {unexpected[:8]}; is it really a "
             f"{config.base_model_type} checkpoint?"
         )
     incompatible = student.load_state_dict({k: v for k, v in source.items() if k in target}, strict=False)
-    new_parameters = ("feature_map_", "window_gate", "decay_proj", "o_norm", "beta_proj", "qkv_conv", "g_proj")
-    not_copied = [k for k in incompatible.missing_keys if not any(p in k for p in new_parameters)]
+    added = {f"{prefix}.{name}" for prefix, layer in student.named_modules() if isinstance(layer, LinearAttention)
+             for name in layer.added_parameters()}  # what the layers declare new (`LinearAttention.TEACHER_PARTS`)
+    not_copied = [k for k in incompatible.missing_keys if k not in added]
     if config.tie_word_embeddings:
         not_copied = [k for k in not_copied if k != "lm_head.weight"]
     if not_copied:
-        raise ValueError(f"The source checkpoint lacks weights the converted model needs: {not_copied[:8]}")
+        raise InputError(f"The source checkpoint lacks weights the converted model needs: {not_copied[:8]}")
     if config.tie_word_embeddings:
         student.tie_weights()
     with torch.no_grad():
@@ -202,6 +251,7 @@ def convert_to_linear_attention(
 
 
 __all__ = [
-    "convert_to_linear_attention", "linear_attention_config", "load_teacher", "tokenizer_max_length",
+    "convert_to_linear_attention", "linear_attention_config", "load_teacher", "sliding_window_change",
+    "tokenizer_max_length",
     "DEFAULT_ATTENTION_OPTIONS", "GATED_DELTANET_OPTIONS", "GATED_DELTANET_WINDOW_OPTIONS",
 ]

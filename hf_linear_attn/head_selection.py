@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, PreTrainedModel
 
+from .configuration_linear_attention import InputError
+
 # The name under which the probing attention function is registered with transformers' AttentionInterface.
 PROBE_IMPLEMENTATION = "hf_linear_attn_retrieval_probe"
 
@@ -90,7 +92,7 @@ def _probing(model: PreTrainedModel) -> Iterator[list[torch.nn.Module]]:
     modules = sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")),
                      key=lambda m: m.layer_idx)
     if not modules or not model._can_set_attn_implementation():
-        raise ValueError(_not_probed(model))
+        raise InputError(_not_probed(model))
     previous = model.config._attn_implementation
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     try:
@@ -108,7 +110,7 @@ def retrieval_scores(model: PreTrainedModel, prompts: Sequence[RetrievalPrompt],
     (positions answer[0] - 1 … answer[1] - 2) put on the needle, averaged over the head's query group, those
     positions and `prompts`. Higher means the head reads the answer where it was written."""
     if not prompts:
-        raise ValueError("retrieval_scores needs at least one prompt")
+        raise InputError("retrieval_scores needs at least one prompt")
     device = next(model.parameters()).device
     total = None
     with _probing(model) as modules:
@@ -118,7 +120,7 @@ def retrieval_scores(model: PreTrainedModel, prompts: Sequence[RetrievalPrompt],
                 module._retrieval_probe = {"rows": rows, "needle": prompt.needle}
             model(input_ids=prompt.input_ids.to(device), use_cache=False, logits_to_keep=1)
             if not all("mass" in module._retrieval_probe for module in modules):  # an attention that bypassed it
-                raise ValueError(_not_probed(model))
+                raise InputError(_not_probed(model))
             masses = torch.stack([module._retrieval_probe["mass"].cpu() for module in modules])  # [L, H_kv]
             total = masses if total is None else total + masses
     return total / len(prompts)
@@ -137,23 +139,23 @@ HEAD_SPEC_FORMS = 'LAYER:HEAD[,HEAD...] items ("17:0,2 20:1"), a dict {layer: [k
 
 
 def parse_softmax_heads(spec: str | Sequence[str] | dict | None) -> SoftmaxHeadSpec:
-    """Parse a `softmax_heads` argument: None or empty (no head), a dict (as a config holds it), LAYER:HEAD,HEAD items
-    (a string, or the words of a command line: `--softmax_heads 17:0,2 20:1`), or "auto:N" alone with N ≥ 1. Only the
-    form is checked here; the indices are checked against the model by its config. Raises ValueError naming
-    `softmax_heads`."""
+    """Parse a `softmax_heads` argument: None or empty (no head; empty words are skipped, so `--softmax_heads ""`
+    unsets a recipe's heads), a dict (as a config holds it), LAYER:HEAD,HEAD items (a string, or the words of a command
+    line: `--softmax_heads 17:0,2 20:1`), or "auto:N" alone with N ≥ 1. Only the form is checked here; the indices are
+    checked against the model by its config. Raises InputError naming `softmax_heads`."""
     if spec is None or isinstance(spec, dict):
         return SoftmaxHeadSpec(heads=dict(spec or {}))
-    words = spec.split() if isinstance(spec, str) else list(spec)
+    words = [word for word in (spec.split() if isinstance(spec, str) else spec) if str(word).strip()]
     if len(words) == 1 and str(words[0]).lower().startswith("auto"):
         match = re.fullmatch(r"auto:(\d+)", str(words[0]).lower())
         if match is None or int(match.group(1)) < 1:
-            raise ValueError(f"softmax_heads={spec!r}: auto:N needs a number of KV heads N ≥ 1, e.g. auto:9")
+            raise InputError(f"softmax_heads={spec!r}: auto:N needs a number of KV heads N ≥ 1, e.g. auto:9")
         return SoftmaxHeadSpec(auto_n=int(match.group(1)))
     heads: dict[int, list[int]] = {}
     for word in words:
         match = re.fullmatch(r"(\d+):(\d+(?:,\d+)*)", str(word))
         if match is None:
-            raise ValueError(f"softmax_heads={spec!r}: {word!r} is not a LAYER:HEAD[,HEAD...] item; expected "
+            raise InputError(f"softmax_heads={spec!r}: {word!r} is not a LAYER:HEAD[,HEAD...] item; expected "
                              f"{HEAD_SPEC_FORMS}")
         heads.setdefault(int(match.group(1)), []).extend(int(h) for h in match.group(2).split(","))
     return SoftmaxHeadSpec(heads=heads)
@@ -169,7 +171,7 @@ def top_heads(scores: torch.Tensor, n: int, exclude_layers: Sequence[int] = (),
     allowed = [(layer, head) for layer in range(layers) if layer not in set(exclude_layers) for head in range(kv_heads)
                if (layer, head) not in skip]
     if not 0 <= n <= len(allowed):
-        raise ValueError(f"n must be in [0, {len(allowed)}] (the KV heads outside the excluded layers and the heads "
+        raise InputError(f"n must be in [0, {len(allowed)}] (the KV heads outside the excluded layers and the heads "
                          f"taken already), got {n}")
     ranked = sorted(allowed, key=lambda lh: (-float(scores[lh]), lh))[:n]
     chosen: dict[int, list[int]] = {}

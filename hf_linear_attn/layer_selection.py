@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .configuration_linear_attention import LinearAttentionConfig
+from .configuration_linear_attention import InputError, LinearAttentionConfig
 from .head_selection import RetrievalPrompt
 from .modeling_linear_attention import (
     LinearAttention,
@@ -81,14 +81,14 @@ def parse_softmax_layers(spec: str | Sequence[int | str] | None, num_layers: int
     [0, num_layers - 1] and are returned sorted without duplicates. Raises ValueError naming `softmax_layers`.
     """
     if not _is_int(num_layers) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive integer; got {num_layers!r}.")
+        raise InputError(f"num_layers must be a positive integer; got {num_layers!r}.")
     if spec is None:
         return SoftmaxLayerSpec()
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(item, str) for item in spec):
         spec = " ".join(spec)  # a command line's words: name them as typed
     items = [spec] if isinstance(spec, str) else spec
     if not isinstance(items, Sequence):
-        raise ValueError(f"softmax_layers={spec!r}: expected {SPEC_FORMS}.")
+        raise InputError(f"softmax_layers={spec!r}: expected {SPEC_FORMS}.")
     tokens: list[int | str] = []
     for item in items:
         if isinstance(item, str):
@@ -96,17 +96,17 @@ def parse_softmax_layers(spec: str | Sequence[int | str] | None, num_layers: int
         elif _is_int(item):
             tokens.append(item)
         else:
-            raise ValueError(f"softmax_layers={spec!r}: {item!r} is not a layer index; expected {SPEC_FORMS}.")
+            raise InputError(f"softmax_layers={spec!r}: {item!r} is not a layer index; expected {SPEC_FORMS}.")
     if any(isinstance(token, str) and token.lower().startswith("auto") for token in tokens):
         return SoftmaxLayerSpec(auto_k=_parse_auto(spec, tokens, num_layers))
     layers = []
     for token in tokens:
         if isinstance(token, str):
             if not re.fullmatch(r"[+-]?\d+", token):
-                raise ValueError(f"softmax_layers={spec!r}: {token!r} is not a layer index; expected {SPEC_FORMS}.")
+                raise InputError(f"softmax_layers={spec!r}: {token!r} is not a layer index; expected {SPEC_FORMS}.")
             token = int(token)
         if not 0 <= token < num_layers:
-            raise ValueError(f"softmax_layers={spec!r}: layer {token} does not exist; indices lie in "
+            raise InputError(f"softmax_layers={spec!r}: layer {token} does not exist; indices lie in "
                              f"[0, {num_layers - 1}] for a model with {num_layers} layers.")
         layers.append(token)
     return SoftmaxLayerSpec(layers=tuple(sorted(set(layers))))
@@ -115,17 +115,17 @@ def parse_softmax_layers(spec: str | Sequence[int | str] | None, num_layers: int
 def _parse_auto(spec: Any, tokens: list[int | str], num_layers: int) -> int:
     match = re.fullmatch(r"auto:([+-]?\d+)", str(tokens[0]).lower()) if len(tokens) == 1 else None
     if match is None:
-        raise ValueError(f"softmax_layers={spec!r}: the automatic form is exactly \"auto:K\" with an integer K, "
+        raise InputError(f"softmax_layers={spec!r}: the automatic form is exactly \"auto:K\" with an integer K, "
                          f"on its own; expected {SPEC_FORMS}.")
     k = int(match.group(1))
     if num_layers == 1:
-        raise ValueError(f"softmax_layers={spec!r}: a model with one layer has no layer to choose "
+        raise InputError(f"softmax_layers={spec!r}: a model with one layer has no layer to choose "
                          "(auto:K keeps at least one linear layer).")
     if k == num_layers:
-        raise ValueError(f"softmax_layers={spec!r}: K = {num_layers} would restore every layer, which is the "
+        raise InputError(f"softmax_layers={spec!r}: K = {num_layers} would restore every layer, which is the "
                          f"teacher itself; K lies in [1, {num_layers - 1}].")
     if not 1 <= k < num_layers:
-        raise ValueError(f"softmax_layers={spec!r}: K = {k} is out of range; K lies in [1, {num_layers - 1}] "
+        raise InputError(f"softmax_layers={spec!r}: K = {k} is out of range; K lies in [1, {num_layers - 1}] "
                          f"for a model with {num_layers} layers.")
     return k
 
@@ -136,14 +136,14 @@ def check_layer_selection(spec: SoftmaxLayerSpec, teacher: Any, ranking_model: A
     transfer); a `ranking_model` without `auto:K` would be ignored, so it is refused too."""
     if spec.auto_k is None:
         if ranking_model is not None:
-            raise ValueError(f"ranking_model={ranking_model!r} is only used with softmax_layers='auto:K'; drop it "
+            raise InputError(f"ranking_model={ranking_model!r} is only used with softmax_layers='auto:K'; drop it "
                              "or ask for automatic selection.")
         return
     if teacher is None:
-        raise ValueError(f"softmax_layers='auto:{spec.auto_k}' needs a teacher: the softmax model whose "
+        raise InputError(f"softmax_layers='auto:{spec.auto_k}' needs a teacher: the softmax model whose "
                          "next-token distributions the ranking compares against.")
     if ranking_model is None:
-        raise ValueError(f"softmax_layers='auto:{spec.auto_k}' needs a ranking_model: a linear-attention "
+        raise InputError(f"softmax_layers='auto:{spec.auto_k}' needs a ranking_model: a linear-attention "
                          "checkpoint of the same conversion after attention transfer (training/distill.py), "
                          "whose layers are measured one at a time.")
 
@@ -152,14 +152,14 @@ def check_same_conversion(ranking_config: PretrainedConfig, conversion_config: P
     """Refuse a ranking model that is not the given conversion (different architecture or attention options);
     only the fields of `SELECTION_FIELDS` (softmax layers, backend, provenance) may differ."""
     if getattr(ranking_config, "model_type", None) != conversion_config.model_type:
-        raise ValueError(f"ranking_model is a {getattr(ranking_config, 'model_type', None)!r} model, not a "
+        raise InputError(f"ranking_model is a {getattr(ranking_config, 'model_type', None)!r} model, not a "
                          f"linear-attention conversion ({conversion_config.model_type!r}).")
     mine, theirs = ranking_config.to_dict(), conversion_config.to_dict()
     differ = sorted(key for key in set(mine) | set(theirs)
                     if key not in SELECTION_FIELDS and mine.get(key) != theirs.get(key))
     if differ:
         details = ", ".join(f"{key}: {mine.get(key)!r} vs {theirs.get(key)!r}" for key in differ[:6])
-        raise ValueError(f"ranking_model is not this conversion; these fields differ (ranking model vs conversion): "
+        raise InputError(f"ranking_model is not this conversion; these fields differ (ranking model vs conversion): "
                          f"{details}{' ...' if len(differ) > 6 else ''}.")
 
 
@@ -182,7 +182,7 @@ def _checked_layers(model: Any, layers: Any) -> list[int]:
         raise TypeError(f"layers must be a list of layer indices; got {layers!r}.")
     bad = [index for index in layers if not _is_int(index) or not 0 <= index < num_layers]
     if bad:
-        raise ValueError(f"layers={list(layers)!r}: {bad} are not layer indices; indices are integers in "
+        raise InputError(f"layers={list(layers)!r}: {bad} are not layer indices; indices are integers in "
                          f"[0, {num_layers - 1}] for this {num_layers}-layer model.")
     return sorted(set(layers))
 
@@ -269,13 +269,13 @@ def _checked_rows(rows: Any, vocab_size: int) -> torch.Tensor:
         try:
             rows = torch.tensor(rows)
         except (TypeError, ValueError) as error:
-            raise ValueError(f"rows must be token ids [N, L] (a tensor or equal-length lists): {error}") from error
+            raise InputError(f"rows must be token ids [N, L] (a tensor or equal-length lists): {error}") from error
     if rows.dim() != 2 or rows.numel() == 0:
-        raise ValueError(f"rows must be token ids of shape [N, L] with N, L >= 1; got shape {list(rows.shape)}.")
+        raise InputError(f"rows must be token ids of shape [N, L] with N, L >= 1; got shape {list(rows.shape)}.")
     if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
-        raise ValueError(f"rows must hold integer token ids; got dtype {rows.dtype}.")
+        raise InputError(f"rows must hold integer token ids; got dtype {rows.dtype}.")
     if int(rows.min()) < 0 or int(rows.max()) >= vocab_size:
-        raise ValueError(f"rows hold token ids outside [0, {vocab_size - 1}] (min {int(rows.min())}, max "
+        raise InputError(f"rows hold token ids outside [0, {vocab_size - 1}] (min {int(rows.min())}, max "
                          f"{int(rows.max())}): they are not ids of this vocabulary.")
     return rows.long()
 
@@ -287,11 +287,11 @@ def _check_pair(student: Any, teacher: Any) -> list[int]:
     if not isinstance(teacher, PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel; got {type(teacher).__name__}.")
     if teacher.config.vocab_size != student.config.vocab_size:
-        raise ValueError(f"teacher and student have different vocabularies ({teacher.config.vocab_size} vs "
+        raise InputError(f"teacher and student have different vocabularies ({teacher.config.vocab_size} vs "
                          f"{student.config.vocab_size} tokens): the student was not converted from this teacher.")
     linear = [i for i, layer in enumerate(student.model.layers) if isinstance(layer.self_attn, LinearAttention)]
     if not linear:
-        raise ValueError("student has no linear-attention layer to rank: every layer is softmax already.")
+        raise InputError("student has no linear-attention layer to rank: every layer is softmax already.")
     return linear
 
 
@@ -405,9 +405,9 @@ def _restoration_candidates(student: Any, prompts: Sequence[RetrievalPrompt]) ->
     """`recurrent_kv_heads(student)`, after checking the arguments of the restoration measures."""
     candidates = recurrent_kv_heads(student)
     if not prompts:
-        raise ValueError("restoration gains need at least one prompt")
+        raise InputError("restoration gains need at least one prompt")
     if not candidates:
-        raise ValueError("student has no recurrent KV head to restore: every head is softmax already.")
+        raise InputError("student has no recurrent KV head to restore: every head is softmax already.")
     return candidates
 
 
@@ -506,7 +506,7 @@ def restoration_gains(student: LinearAttentionForCausalLM, prompts: Sequence[Ret
     candidates = _restoration_candidates(student, prompts)
     if shortlist is not None:
         if not _is_int(shortlist) or not 1 <= shortlist <= len(candidates):
-            raise ValueError(f"shortlist={shortlist!r}: give a number of KV heads in [1, {len(candidates)}] (the "
+            raise InputError(f"shortlist={shortlist!r}: give a number of KV heads in [1, {len(candidates)}] (the "
                              "student's recurrent KV heads), or None to measure every one")
         estimates = estimated_restoration_gains(student, prompts, progress=progress)
         candidates = sorted(candidates, key=lambda lh: (-float(estimates[lh]), lh))[:shortlist]
@@ -544,7 +544,7 @@ def select_softmax_layers(
     """
     linear_layers = _check_pair(student, teacher)
     if not _is_int(k) or not 1 <= k < len(linear_layers):
-        raise ValueError(f"k={k!r}: choose an integer in [1, {len(linear_layers) - 1}]; the student has "
+        raise InputError(f"k={k!r}: choose an integer in [1, {len(linear_layers) - 1}]; the student has "
                          f"{len(linear_layers)} linear layers and at least one must stay linear.")
     ranking = rank_softmax_layers(student, teacher, rows)
     return sorted(entry["layer"] for entry in ranking[:k]), ranking

@@ -48,7 +48,7 @@ from .configuration_linear_attention import (
     check_sparse_cache_size,
     check_window_weight,
 )
-from .feature_maps import HedgehogFeatureMap, T2RFeatureMap, build_feature_map
+from .feature_maps import FeatureMap, build_feature_map
 from .ops import (
     delta_rule_attention,
     delta_window_attention_step,
@@ -277,7 +277,19 @@ class LinearAttention(AttentionProjections):
     the feature maps φ, the decay gate (`decay_proj`, None without a data-dependent decay), the window mix
     (`window_gate`, window kinds), the output norm (`o_norm`), the write strength (`beta_proj`, delta kinds), the
     short convolution (`qkv_conv`) and the output gate (`g_proj`).
+
+    What is whose is decided here, by part name: the `TEACHER_PARTS` are the softmax layer's (conversion copies them),
+    every other parameter of the layer is one conversion adds (`added_parameters`: a part added to a kind, or the
+    parameters of a registered feature map, counts without being listed), and attention transfer trains the added
+    ones but for `ATTENTION_TRANSFER_FROZEN` (`attention_transfer_parameters`).
     """
+
+    # The softmax teacher's parts: attention transfer recomputes the teacher's attention from them, so they stay as
+    # they are there.
+    TEACHER_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    # Added parts that attention transfer leaves at their start: the output norm's gains (1), which the later stages
+    # train with the rest of the model.
+    ATTENTION_TRANSFER_FROZEN = ("o_norm",)
 
     def __init__(self, config: LinearAttentionConfig, layer_idx: int) -> None:
         super().__init__(config)
@@ -315,6 +327,17 @@ class LinearAttention(AttentionProjections):
             self.qkv_conv = nn.Conv1d(channels, channels, config.conv_size, groups=channels, bias=False)
         if config.output_gate:
             self.g_proj = nn.Linear(h, heads * config.head_dim, bias=False)
+
+    def added_parameters(self) -> dict[str, nn.Parameter]:
+        """Name (within the layer) -> parameter of every parameter conversion adds: all but the `TEACHER_PARTS`'."""
+        return {name: parameter for name, parameter in self.named_parameters()
+                if name.split(".", 1)[0] not in self.TEACHER_PARTS}
+
+    def attention_transfer_parameters(self) -> dict[str, nn.Parameter]:
+        """Name (within the layer) -> parameter of what attention transfer (stage 1) trains by default: the added
+        parameters but the `ATTENTION_TRANSFER_FROZEN` parts'."""
+        return {name: parameter for name, parameter in self.added_parameters().items()
+                if name.split(".", 1)[0] not in self.ATTENTION_TRANSFER_FROZEN}
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """log a_t ≤ 0: None, [B, T, H] (fixed, scalar) or [B, T, H, K] (vector), in fp32."""
@@ -967,13 +990,10 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        # Learned feature maps start as the identity (rectangular when F != D): a converted
-        # model's φ(q)·φ(k) then begins as a monotone function of the teacher's q·k.
-        if isinstance(module, (T2RFeatureMap, HedgehogFeatureMap)):
-            heads, d, f = module.weight.shape
-            init.copy_(module.weight, torch.eye(d, f).expand(heads, d, f))
-            if isinstance(module, T2RFeatureMap):
-                init.zeros_(module.bias)
+        # Each feature map sets its own start (the learned built-in ones: the identity, rectangular when F != D, so
+        # that a converted model's φ(q)·φ(k) begins as a monotone function of the teacher's q·k).
+        if isinstance(module, FeatureMap):
+            module.initialize()
         elif isinstance(module, (WindowHybridAttention, DeltaWindowAttention)):
             if isinstance(module, WindowHybridAttention):  # γ = sigmoid(window_gate) = window_weight
                 init.constant_(module.window_gate, window_gate_logit(self.config.window_weight))

@@ -95,6 +95,8 @@ TIERS = {
     "test_kernel_report.py::test_kernel_report_delta_rule_backward_does_not_spill": FULL,
     "test_kernel_report.py::test_kernel_report_pruned_configs_do_not_spill": FULL,
     "test_benchmarks.py::test_decode_loop_benchmark_times_every_variant_in_turn": ONE,
+    # The GPU recipes' four commands on a tiny stand-in of each model (~40-80 s a model on one thread).
+    "test_gpu_recipes.py::test_a_models_four_recipes_run_end_to_end_on_a_stand_in": FULL,
     # Softmax heads: every variant's cache, padding, packing and gradient paths stay quick; one variant's generate
     # modes, one Triton backend under the interpreter, the source architectures of one kind; tracing in the full tier.
     "test_softmax_heads.py::test_every_generate_mode_with_the_cache_equals_without": ONE,
@@ -161,6 +163,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _feature_maps_as_built_in():
+    """A feature map a test or a docs example registers is gone after it (the registry is the process's)."""
+    from hf_linear_attn.feature_maps import FEATURE_MAP_REGISTRY
+
+    built_in = dict(FEATURE_MAP_REGISTRY)
+    yield
+    FEATURE_MAP_REGISTRY.clear()
+    FEATURE_MAP_REGISTRY.update(built_in)
 
 
 @pytest.fixture

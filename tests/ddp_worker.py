@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from hf_linear_attn.training import finetune, stages
 from hf_linear_attn.training.data import DataArguments
 from hf_linear_attn.training.loop import TrainArguments

@@ -4,11 +4,11 @@ forcing, what trains, and the hooks leaving the model as it was."""
 import pytest
 import torch
 from helpers import teacher, tiny_model
-from hf_linear_attn.training.attention_transfer import AttentionTransfer, attention_transfer_loss
 from torch import nn
 
 from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.modeling_linear_attention import LinearAttention, causal_softmax_attention
+from hf_linear_attn.training.attention_transfer import AttentionTransfer, attention_transfer_loss
 
 VARIANTS = {
     "window": dict(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1),

@@ -134,7 +134,7 @@ def test_serving_benchmark_prepares_the_teacher_and_both_conversions_with_more_p
     save_with_tokenizer(teacher("llama"), tmp_path / "teacher")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("feature_map: elu\nwindow_size: 4\nnum_sink_tokens: 1\nsoftmax_layers_k: 1\n"
-                      "softmax_heads_n: 1\nrestored_heads_n: 1\n")
+                      "softmax_heads: [auto:1]\nrestored_heads_n: 1\n")
     out = tmp_path / "out"
     assert benchmark_main("bench_vllm.py", "prepare", "--teacher", str(tmp_path / "teacher"), "--recipe",
                           str(recipe), "--max_positions", "4096", "--output_dir", str(out)) == 0
@@ -169,11 +169,11 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
     from one forward of the longest), the last quarter and the within-N reference are the losses of the tokens they
     name, and the cap variants are the converted model with the cap as saved and removed."""
     from helpers import WORDS
-    from hf_linear_attn.training.data import byte_level_tokenizer
-    from hf_linear_attn.training.long_context_data import load_texts, long_documents
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_linear_attn import convert_to_linear_attention
+    from hf_linear_attn.training.data import byte_level_tokenizer
+    from hf_linear_attn.training.long_context_data import load_texts, long_documents
 
     tokenizer = byte_level_tokenizer()
     torch.manual_seed(0)

@@ -6,8 +6,17 @@ import sys
 
 import pytest
 import torch
-from helpers import SOURCES, save_with_tokenizer, script_env, teacher
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from helpers import DIMS, SOURCES, save_with_tokenizer, script_env, teacher
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
@@ -16,6 +25,7 @@ from hf_linear_attn.conversion import (
     GATED_DELTANET_OPTIONS,
     GATED_DELTANET_WINDOW_OPTIONS,
     linear_attention_config,
+    sliding_window_change,
 )
 
 
@@ -329,13 +339,15 @@ def test_attention_transfer_of_a_delta_conversion_lowers_its_loss(options, new):
     """A few distillation steps (the parameters `training/distill.py` trains by default) on a converted tiny Llama
     with Gated DeltaNet layers (with the window: λ too, from 0): the transfer loss falls, and only the new attention
     parameters move."""
-    from hf_linear_attn.training.attention_transfer import AttentionTransfer, attention_transfer_loss
-    from hf_linear_attn.training.loop import select_trainable
-    from hf_linear_attn.training.stages import DistillArguments
+    from hf_linear_attn.training.attention_transfer import (
+        AttentionTransfer,
+        attention_transfer_loss,
+        select_transfer_parameters,
+    )
 
     torch.manual_seed(0)
     student = convert_to_linear_attention(teacher("llama"), **options).train()
-    trained = select_trainable(student, DistillArguments().trainable_parameters)
+    trained = select_transfer_parameters(student)
     assert {name.split(".self_attn.")[-1].split(".")[0] for name in trained} == new
     before = {name: p.detach().clone() for name, p in student.named_parameters()}
     batch = {"input_ids": torch.randint(0, 96, (4, 48)), "position_ids": torch.arange(48).expand(4, 48)}
@@ -368,7 +380,7 @@ def test_convert_cli_keeps_the_teachers_retrieval_heads(tmp_path, capsys, datase
         (["--softmax_heads", "auto:0"], "N ≥ 1"),
         (["--softmax_heads", "1:2"], "KV head indices must lie in [0, 1]"),
         (["--softmax_heads", "1-0"], "not a LAYER:HEAD"),
-        (["--softmax_heads", "auto:1", "--ranking_prompts", "0"], "at least one prompt"),
+        (["--softmax_heads", "auto:1", "--head_ranking_prompts", "0"], "at least one prompt"),
     ):
         with pytest.raises(SystemExit) as exit_:
             run_convert(*common, *bad, "--output_dir", str(tmp_path / "bad"))
@@ -378,7 +390,7 @@ def test_convert_cli_keeps_the_teachers_retrieval_heads(tmp_path, capsys, datase
     assert run_convert(*common, "--softmax_heads", "1:1", "0:0", "--output_dir", str(tmp_path / "explicit")) == 0
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "explicit").config.softmax_heads == {0: [0], 1: [1]}
 
-    assert run_convert(*common, "--softmax_heads", "auto:3", "--ranking_prompts", "2",
+    assert run_convert(*common, "--softmax_heads", "auto:3", "--head_ranking_prompts", "2",
                        "--output_dir", str(tmp_path / "heads")) == 0
     ranking = json.loads((tmp_path / "heads" / "softmax_head_ranking.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "heads")
@@ -399,11 +411,10 @@ def test_convert_cli_restores_the_heads_a_trained_checkpoint_gains_most_from(tmp
     it); bad requests stop with one error line before anything is written."""
     import json
 
+    from hf_linear_attn.layer_selection import restoration_gains
     from hf_linear_attn.training import distill
     from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
     from hf_linear_attn.training.data import DataArguments
-
-    from hf_linear_attn.layer_selection import restoration_gains
 
     save_with_tokenizer(teacher("llama"), tmp_path / "src")
     common = ["--model_name_or_path", str(tmp_path / "src"), "--feature_dim", "8", "--window_size", "4",
@@ -412,14 +423,14 @@ def test_convert_cli_restores_the_heads_a_trained_checkpoint_gains_most_from(tmp
     assert run_convert(*common, "--softmax_heads", "0:1", "--output_dir", str(tmp_path / "converted")) == 0
     assert distill.main(["--model_name_or_path", str(tmp_path / "converted"), "--output_dir", str(tmp_path / "stage1"),
                          "--max_steps", "2", *data, "--report_to", "none"]) == 0
-    ranked = ["--softmax_heads", "auto:1", "--ranking_model", str(tmp_path / "stage1"), "--ranking_prompts", "2"]
+    ranked = ["--softmax_heads", "auto:1", "--ranking_model", str(tmp_path / "stage1"), "--head_ranking_prompts", "2"]
     for bad, message in (
         (["--softmax_heads", "auto:1", "--head_ranking", "restoration"],
          "give --softmax_heads auto:N and --ranking_model"),
         (["--softmax_heads", "0:0", "--head_ranking", "restoration", "--ranking_model", str(tmp_path / "stage1")],
          "give --softmax_heads auto:N and --ranking_model"),
         ([*ranked, "--head_ranking", "kl"], "choose one of ['teacher', 'restoration']"),
-        ([*ranked, "--head_ranking", "restoration", "--ranking_shortlist", "-1"], "measure at least the 1 heads"),
+        ([*ranked, "--head_ranking", "restoration", "--head_ranking_shortlist", "-1"], "measure at least the 1 heads"),
         ([*ranked, "--head_ranking", "restoration", "--feature_dim", "16"], "feature_dim"),
     ):
         with pytest.raises(SystemExit) as exit_:
@@ -427,7 +438,7 @@ def test_convert_cli_restores_the_heads_a_trained_checkpoint_gains_most_from(tmp
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
-    assert run_convert(*common, *ranked, "--head_ranking", "restoration", "--ranking_shortlist", "2", *data,
+    assert run_convert(*common, *ranked, "--head_ranking", "restoration", "--head_ranking_shortlist", "2", *data,
                        "--output_dir", str(tmp_path / "restored")) == 0
     ranking = json.loads((tmp_path / "restored" / "softmax_head_ranking.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "restored")
@@ -460,3 +471,50 @@ def test_a_conversion_holds_the_slow_rotations_at_the_teachers_positions(name):
     source.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0,
                                      "rope_theta": source.config.rope_parameters["rope_theta"]}
     assert linear_attention_config(source.config).rope_position_cap is None
+
+
+# Sources that attend through a sliding window of 16 tokens (in the layers named), and the config changes that turn
+# it off: Mistral's in every layer; Qwen2's, with use_sliding_window, in the layers from max_window_layers on.
+SLIDING_SOURCES = {
+    "mistral": (MistralForCausalLM, MistralConfig, {"head_dim": 24, "sliding_window": 16}, {"sliding_window": None},
+                "all 2 layers", [0, 1]),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+              {"use_sliding_window": False}, "layers [1]", [1]),
+}
+
+
+@pytest.mark.parametrize("name", SLIDING_SOURCES)
+def test_a_sliding_window_source_converts_to_whole_context_attention_and_says_so(name, caplog):
+    """The source's sliding window is not kept: with a conversion window covering the input, the converted model is
+    the source without its window (full causal attention), its own within the window; a warning says what changed."""
+    model_cls, config_cls, sliding, whole, where, layers = SLIDING_SOURCES[name]
+    torch.manual_seed(0)
+    source = model_cls(config_cls(**DIMS, **sliding, attn_implementation="sdpa")).eval()
+    unwindowed = model_cls(config_cls(**DIMS, **{**sliding, **whole}, attn_implementation="sdpa")).eval()
+    unwindowed.load_state_dict(source.state_dict())
+    with caplog.at_level("WARNING", logger="hf_linear_attn.conversion"):
+        student = convert_to_linear_attention(source, window_size=64, num_sink_tokens=4, softmax_heads={1: [0]})
+    assert f"The {name} source attends through a sliding window of 16 tokens in {where}; the converted model " \
+           "does not keep that window" in caplog.text
+    assert f"window layers {layers} attend with exact softmax over their last 64 tokens (+ 4 sinks)" in caplog.text
+    assert "their window of 64 tokens reaches past the source's 16" in caplog.text
+    assert "softmax heads {1: [0]} attend to the whole context" in caplog.text
+    assert "train on rows (block_size) of at most 16 tokens" in caplog.text
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.no_grad():
+        got = student(ids).logits
+        torch.testing.assert_close(got, unwindowed(ids).logits, atol=2e-5, rtol=1e-4)
+        assert (got - source(ids).logits)[:, 16:].abs().max() > 1e-3  # past 16 tokens the source's window cut
+        torch.testing.assert_close(got[:, :16], source(ids[:, :16]).logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", [
+    Qwen2Config(**DIMS),  # use_sliding_window false: no window
+    Qwen2Config(**DIMS, use_sliding_window=True, sliding_window=16, max_window_layers=2),  # no layer from 2 on
+    MistralConfig(**DIMS, sliding_window=256),  # a window over every position the model has
+], ids=["qwen2 without", "qwen2 in no layer", "mistral over every position"])
+def test_a_source_whose_window_changes_nothing_converts_without_a_word(config, caplog):
+    assert sliding_window_change(config, linear_attention_config(config)) is None
+    with caplog.at_level("WARNING", logger="hf_linear_attn.conversion"):
+        convert_to_linear_attention(AutoModelForCausalLM.from_config(config))
+    assert "sliding window" not in caplog.text

@@ -10,12 +10,12 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 from helpers import ROOT, read_log, save_with_tokenizer, script_env, teacher, tiny_args
-from hf_linear_attn.training import checkpoints
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_linear_attn.modeling_linear_attention as modeling
 from hf_linear_attn import convert_to_linear_attention
+from hf_linear_attn.training import checkpoints
 
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 CONFIG = ROOT / "configs" / "accelerate" / "cpu_ddp_2proc.yaml"

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 from helpers import save_with_tokenizer, teacher
+from transformers import AutoModelForCausalLM
+
+from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.training.attention_transfer import AttentionTransfer
 from hf_linear_attn.training.data import DataArguments
 from hf_linear_attn.training.loop import TrainArguments
 from hf_linear_attn.training.stages import DistillArguments, distill
-from transformers import AutoModelForCausalLM
-
-from hf_linear_attn import convert_to_linear_attention
 
 
 def transfer_loss(model, ids: torch.Tensor) -> float:

@@ -27,15 +27,15 @@ from helpers import (
     teacher,
     tiny_args,
 )
-from hf_linear_attn.training import checkpoints, finetune, loop, stages
-from hf_linear_attn.training.data import DataArguments
-from hf_linear_attn.training.loop import TrainArguments
-from hf_linear_attn.training.recipes import parse_recipe_args
 from hub_server import HubServer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import convert_to_linear_attention
+from hf_linear_attn.training import checkpoints, finetune, loop, stages
+from hf_linear_attn.training.data import DataArguments
+from hf_linear_attn.training.loop import TrainArguments
+from hf_linear_attn.training.recipes import parse_recipe_args
 
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 CONFIGS = {"ddp": "cpu_ddp_2proc.yaml", "fsdp2": "fsdp2.yaml", "multi-node-fsdp2": "multi_node_fsdp2.yaml",
@@ -288,9 +288,10 @@ def test_lora_with_a_kl_teacher_ends_in_a_merged_checkpoint_that_pushes_and_gene
     `hf-linear-attn-export` merges it into its base (the only LoRA route under FSDP2 and ZeRO-3) with the logits of
     the adapter on its base (1e-5), as an ordinary checkpoint that pushes to a Hub, from which a process without
     hf-linear-attn loads it and generates."""
+    from peft import PeftModel
+
     from hf_linear_attn.training import export
     from hf_linear_attn.training.hub import push_to_hub
-    from peft import PeftModel
 
     needs_engine(engine)
     loss_rtol, weight_atol, logit_atol = TOLERANCES[engine]

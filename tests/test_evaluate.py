@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import WORDS, document_pieces
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hf_linear_attn import convert_to_linear_attention
 from hf_linear_attn.training import evaluate
 from hf_linear_attn.training.data import DataArguments, build_datasets, byte_level_tokenizer, collate_rows
 from hf_linear_attn.training.long_context_data import SOURCES, VARIANTS, load_texts, long_documents, passkey_trials
 from hf_linear_attn.training.long_context_metrics import passkey_scores, perplexity_windows
 from hf_linear_attn.training.model_card import EVALUATION_FILE, passkey_cell
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-from hf_linear_attn import convert_to_linear_attention
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK = 64
@@ -78,7 +78,8 @@ def second_half_perplexity(model, windows, window: int = 0, sinks: int = 0) -> f
 
 def arguments(root, *extra: str) -> list[str]:
     """Command line of a tiny evaluation of root/{teacher,wide,narrow} with the texts in root/texts."""
-    return ["--teacher", str(root / "teacher"), "--models", f"wide={root / 'wide'}", f"narrow={root / 'narrow'}",
+    return ["--teacher_name_or_path", str(root / "teacher"), "--models", f"wide={root / 'wide'}",
+            f"narrow={root / 'narrow'}",
             "--block_size", str(BLOCK), "--max_eval_rows", "6", "--baseline_window", "8", "--baseline_sinks", "2",
             "--long_context_data", str(root / "texts"), "--document_tokens", "512", "--documents_per_source", "2",
             "--long_contexts", *map(str, CONTEXTS), "--long_scored_tokens", str(SCORED),
@@ -252,14 +253,14 @@ def test_head_variants_restore_the_teachers_best_retrieving_heads_and_the_fronti
     """`--softmax_head_counts 1`: "narrow + 1 heads" is narrow with the teacher's best retrieving KV head (ranked on
     the data pipeline's passkey prompts) restored; with a memory size too, every combination; the frontier table
     puts each model's perplexity and passkey at the longest context beside its cache share."""
+    from hf_linear_attn.head_selection import retrieval_scores, top_heads
+    from hf_linear_attn.layer_selection import restore_softmax_heads
     from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
     from hf_linear_attn.training.data import byte_level_tokenizer
 
-    from hf_linear_attn.head_selection import retrieval_scores, top_heads
-    from hf_linear_attn.layer_selection import restore_softmax_heads
-
     root, teacher, _, documents = evaluated
-    argv = ["--teacher", str(root / "teacher"), "--models", f"narrow={root / 'narrow'}", "--softmax_head_counts", "1",
+    argv = ["--teacher_name_or_path", str(root / "teacher"), "--models", f"narrow={root / 'narrow'}",
+            "--softmax_head_counts", "1",
             "--sparse_cache_sizes", "3", "--head_ranking_prompts", "2", "--head_ranking_length", "400",
             "--baseline_window", "0", "--block_size", str(BLOCK), "--cache_dir", str(dataset_cache),
             "--max_eval_rows", "2", "--long_context_data", str(root / "texts"), "--document_tokens", "512",
@@ -304,11 +305,10 @@ def test_head_variants_ranked_by_restoration_restore_the_models_own_best_heads(e
     own log-probability of the key most on the ranking prompts, no teacher needed: measured exactly on every one of
     its 4 recurrent KV heads with `--head_ranking_shortlist 4` (`restoration_gains`), by the first-order estimate
     alone with 0 (`estimated_restoration_gains`)."""
-    from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
-    from hf_linear_attn.training.data import byte_level_tokenizer
-
     from hf_linear_attn.head_selection import top_heads
     from hf_linear_attn.layer_selection import estimated_restoration_gains, restoration_gains, restore_softmax_heads
+    from hf_linear_attn.training.checkpoint_conversion import head_ranking_prompts
+    from hf_linear_attn.training.data import byte_level_tokenizer
 
     root, _, _, documents = evaluated
     argv = ["--models", f"narrow={root / 'narrow'}", "--softmax_head_counts", "1", "--head_ranking", "restoration",
@@ -339,7 +339,7 @@ def test_head_variants_ranked_by_the_teacher_need_one(tmp_path, capsys):
     argv = ["--models", "m=x", "--softmax_head_counts", "1", "--long_context_data", str(tmp_path / "texts")]
     with pytest.raises(SystemExit):
         evaluate.main(argv)
-    assert "head_ranking teacher needs --teacher" in capsys.readouterr().err
+    assert "head_ranking teacher needs --teacher_name_or_path" in capsys.readouterr().err
 
 
 def test_sparse_memory_sizes_need_window_hybrids(evaluated, tmp_path, capsys):
@@ -372,7 +372,7 @@ def test_the_chat_variant_needs_a_chat_template_and_says_so_before_any_model_loa
     tokenizer = byte_level_tokenizer()
     tokenizer.chat_template = None
     tokenizer.save_pretrained(tmp_path / "plain")
-    argv = ["--teacher", str(tmp_path / "no-teacher"), "--tokenizer_name", str(tmp_path / "plain"),
+    argv = ["--teacher_name_or_path", str(tmp_path / "no-teacher"), "--tokenizer_name", str(tmp_path / "plain"),
             "--long_context_data", str(tmp_path / "texts"), "--document_tokens", "512", "--documents_per_source", "2",
             "--long_contexts", "64", "--long_scored_tokens", str(SCORED), "--passkey_lengths", "400",
             "--block_size", str(BLOCK),
@@ -385,7 +385,7 @@ def test_the_chat_variant_needs_a_chat_template_and_says_so_before_any_model_loa
 
 def test_missing_long_texts_stop_before_any_model_loads_with_the_prepare_command(tmp_path, capsys):
     # The teacher and model paths do not exist: reaching them would fail differently.
-    argv = ["--teacher", str(tmp_path / "no-teacher"), "--models", f"m={tmp_path / 'no-model'}",
+    argv = ["--teacher_name_or_path", str(tmp_path / "no-teacher"), "--models", f"m={tmp_path / 'no-model'}",
             "--long_context_data", str(tmp_path / "nowhere")]
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(argv)
@@ -443,7 +443,8 @@ def test_perplexity_by_position_is_reported_for_every_model_against_the_teachers
 ])
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys, extra, message):
     write_long_texts(tmp_path / "texts")
-    argv = ["--teacher", str(tmp_path / "no-teacher"), "--long_context_data", str(tmp_path / "texts"), *extra]
+    argv = ["--teacher_name_or_path", str(tmp_path / "no-teacher"), "--long_context_data", str(tmp_path / "texts"),
+            *extra]
     with pytest.raises(SystemExit):
         evaluate.main(argv)
     assert re.search(message, capsys.readouterr().err)

@@ -10,9 +10,6 @@ import shutil
 import pytest
 import torch
 from helpers import save_with_tokenizer, tiny_args, tiny_model
-from hf_linear_attn.training import export, finetune, stages
-from hf_linear_attn.training.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX
-from hf_linear_attn.training.data import byte_level_tokenizer
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -20,6 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from hf_linear_attn.checkpoint_code import checkpoint_code_problems, code_files
 from hf_linear_attn.configuration_linear_attention import AUTO_MAP
+from hf_linear_attn.training import export, finetune, stages
+from hf_linear_attn.training.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX
+from hf_linear_attn.training.data import byte_level_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 4, 8, 12, 90, 3, 7, 21, 44, 60, 2, 11, 19, 25, 6]])

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +31,10 @@ from helpers import (
     tiny_model,
     write_documents,
 )
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from hf_linear_attn import InputError, InputNotFoundError, LinearAttentionForCausalLM
 from hf_linear_attn.training import checkpoints, finetune, loop, stages
 from hf_linear_attn.training.data import (
     DataArguments,
@@ -43,10 +48,6 @@ from hf_linear_attn.training.data import (
 )
 from hf_linear_attn.training.loop import GlobalBatchSampler, TrainArguments, make_accelerator, train
 from hf_linear_attn.training.losses import causal_lm_loss, flat_positions, logit_distillation_loss, packed_forward
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-from hf_linear_attn import LinearAttentionForCausalLM
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -98,7 +99,8 @@ def test_recipe_fields_and_command_line_overrides(tmp_path, capsys):
         ["--config", str(TINY_RECIPE), "--learning_rate", "0.5", "--use_lora", "--lora_target_modules", "q_proj"]
     )
     recipe = yaml.safe_load(TINY_RECIPE.read_text())
-    assert model_args.config_name == recipe["config_name"]
+    # a shipped recipe's `configs/...` file is read from the installed package, wherever the command runs
+    assert Path(model_args.config_name) == ROOT / recipe["config_name"] and Path(model_args.config_name).is_absolute()
     assert data_args.block_size == recipe["block_size"] and train_args.max_steps == recipe["max_steps"]
     assert train_args.learning_rate == 0.5  # the flag wins over the recipe
     assert model_args.use_lora and model_args.lora_target_modules == ["q_proj"]
@@ -132,35 +134,37 @@ def _bad_input_cases(tmp_path, cache):
                                  vocab_size=300)).save_pretrained(teacher)
     out = tmp_path / "out"
     return {
-        "missing file": (FileNotFoundError, "no such file",
+        "missing file": (InputNotFoundError, "no such file",
                          tiny_args(out, cache, "--train_file", str(tmp_path / "missing.jsonl"))),
-        "unknown column": (ValueError, "'body' is not a column",
+        "unknown column": (InputError, "'body' is not a column",
                            tiny_args(out, cache, "--train_file", str(docs), "--text_column", "body")),
         "unknown recipe key": (SystemExit, r"typo.yaml: unknown key\(s\) \['learning_rat'\]", ["--config", str(typo)]),
-        "not linear attention": (ValueError, "'llama' model, not a linear-attention",
+        "not linear attention": (InputError, "'llama' model, not a linear-attention",
                                  tiny_args(out, cache, "--config_name", "", "--model_name_or_path", str(llama))),
-        "lora targets": (ValueError, r"\['qkv'\] match no module",
+        "lora targets": (InputError, r"\['qkv'\] match no module",
                          tiny_args(out, cache, "--use_lora", "--lora_target_modules", "q_proj", "qkv")),
-        "trainable pattern": (ValueError, "'nothing_like_this' matches no parameter",
+        "trainable pattern": (InputError, "'nothing_like_this' matches no parameter",
                               tiny_args(out, cache, "--trainable_parameters", "nothing_like_this")),
-        "incomplete resume folder": (ValueError, "not a complete checkpoint",
+        "incomplete resume folder": (InputError, "not a complete checkpoint",
                                      tiny_args(out, cache, "--resume_from_checkpoint", str(incomplete))),
-        "nothing to resume": (FileNotFoundError, "no complete checkpoint",
+        "nothing to resume": (InputNotFoundError, "no complete checkpoint",
                               tiny_args(out, cache, "--resume_from_checkpoint", "latest")),
-        "earlier run in output_dir": (ValueError, "already holds checkpoints", tiny_args(occupied, cache)),
-        "no model": (ValueError, "exactly one of", tiny_args(out, cache, "--model_name_or_path", "x")),
-        "push without repo": (ValueError, "needs --hub_model_id", tiny_args(out, cache, "--push_to_hub")),
-        "bf16 weights that train": (ValueError, "weights that train stay float32",
+        "earlier run in output_dir": (InputError, "already holds checkpoints", tiny_args(occupied, cache)),
+        "no model": (InputError, "exactly one of", tiny_args(out, cache, "--model_name_or_path", "x")),
+        "push without repo": (InputError, "needs --hub_model_id", tiny_args(out, cache, "--push_to_hub")),
+        "bf16 weights that train": (InputError, "weights that train stay float32",
                                     tiny_args(out, cache, "--dtype", "bfloat16")),
-        "teacher vocabulary": (ValueError, "teacher .* predicts 300 tokens but the model 259",
+        "teacher vocabulary": (InputError, "teacher .* predicts 300 tokens but the model 259",
                                tiny_args(out, cache, "--teacher_name_or_path", str(teacher))),
-        "kl weight": (ValueError, r"--kl_weight must be in \[0, 1\], got 1.5",
+        "kl weight": (InputError, r"--kl_weight must be in \[0, 1\], got 1.5",
                       tiny_args(out, cache, "--teacher_name_or_path", str(teacher), "--kl_weight", "1.5")),
-        "gguf without teacher": (ValueError, "--teacher_gguf_file names a file inside",
+        "gguf without teacher": (InputError, "--teacher_gguf_file names a file inside",
                                  tiny_args(out, cache, "--teacher_gguf_file", "model.gguf")),
-        "window weight": (ValueError, r"`--set_window_weight`=1.5 .* strictly between 0 and 1",
+        "window weight": (InputError, r"`--set_window_weight`=1.5 .* strictly between 0 and 1",
                           tiny_args(out, cache, "--set_window_weight", "1.5")),
-        "window weight without window": (ValueError, r"`--set_window_weight`=0.9 .* this model has none",
+        "config override": (InputError, r"--config_overrides 'no_such_field=1'",
+                            tiny_args(out, cache, "--config_overrides", "no_such_field=1")),
+        "window weight without window": (InputError, r"`--set_window_weight`=0.9 .* this model has none",
                                          tiny_args(out, cache, "--set_window_weight", "0.9", "--config_overrides",
                                                    "window_size=0,num_sink_tokens=0")),
     }
@@ -170,7 +174,8 @@ def _bad_input_cases(tmp_path, cache):
                                   "lora targets", "trainable pattern", "incomplete resume folder",
                                   "nothing to resume", "earlier run in output_dir", "no model", "push without repo",
                                   "bf16 weights that train", "teacher vocabulary", "kl weight",
-                                  "gguf without teacher", "window weight", "window weight without window"])
+                                  "gguf without teacher", "window weight", "window weight without window",
+                                  "config override"])
 def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")

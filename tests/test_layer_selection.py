@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import tiny_model
-from hf_linear_attn.training.attention_transfer import AttentionTransfer
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import LinearAttentionCache, convert_to_linear_attention
@@ -27,6 +26,7 @@ from hf_linear_attn.layer_selection import (
     write_ranking,
 )
 from hf_linear_attn.modeling_linear_attention import LinearAttention, SoftmaxAttention
+from hf_linear_attn.training.attention_transfer import AttentionTransfer
 
 LAYERS = 4
 OPTIONS = dict(feature_map="hedgehog", feature_dim=8, window_size=4, num_sink_tokens=1)
@@ -490,7 +490,7 @@ def test_the_demo_restores_the_heads_stage1_gains_most_from_and_writes_the_ranki
     teacher = llama_teacher(vocab_size=259, max_position_embeddings=512)  # byte-level ids, passkey prompts of 400
     converted(teacher).save_pretrained(tmp_path / "stage1")
     tokenizer, data = byte_level_tokenizer(), DataArguments(block_size=400, cache_dir=str(dataset_cache))
-    args = demo.DemoArguments(restored_heads_n=2, ranking_shortlist=3, ranking_prompts=2)
+    args = demo.DemoArguments(restored_heads_n=2, head_ranking_shortlist=3, head_ranking_prompts=2)
     folder = demo.restore_heads(tmp_path, tmp_path / "stage1", tokenizer, data, args)
 
     stage1 = AutoModelForCausalLM.from_pretrained(tmp_path / "stage1")
@@ -507,7 +507,8 @@ def test_the_demo_restores_the_heads_stage1_gains_most_from_and_writes_the_ranki
 
     # ranking_shortlist 0: the first-order estimate alone ranks, every recurrent head in the ranking
     estimate_only = demo.restore_heads(tmp_path / "estimate", tmp_path / "stage1", tokenizer, data,
-                                       demo.DemoArguments(restored_heads_n=2, ranking_shortlist=0, ranking_prompts=2))
+                                       demo.DemoArguments(restored_heads_n=2, head_ranking_shortlist=0,
+                                                          head_ranking_prompts=2))
     estimates = estimated_restoration_gains(stage1, head_ranking_prompts(tokenizer, data, 2), progress=False)
     written = json.loads((estimate_only / "softmax_head_ranking.json").read_text())
     assert len(written["ranking"]) == 2 * LAYERS and "first-order estimate" in written["measure"]

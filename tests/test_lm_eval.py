@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import ROOT, tiny_config
+
+import hf_linear_attn
 from hf_linear_attn.training.data import byte_level_tokenizer
 from hf_linear_attn.training.long_context_data import (
     DEFAULT_NEEDLES_DIR,
@@ -19,8 +21,6 @@ from hf_linear_attn.training.long_context_data import (
     write_needles,
 )
 from hf_linear_attn.training.long_context_metrics import answer_matches, greedy_generate
-
-import hf_linear_attn
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra: pip install -e '.[dev]'")
 TASKS = ROOT / "configs" / "lm_eval"

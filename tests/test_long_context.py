@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import WORDS, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
 from hf_linear_attn.training import long_context, measure
 from hf_linear_attn.training.data import byte_level_tokenizer
 from hf_linear_attn.training.long_context_data import (
@@ -49,7 +51,6 @@ from hf_linear_attn.training.measure import (
     new_cache,
     prefill,
 )
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 259  # the byte-level tokenizer's

@@ -1,4 +1,5 @@
-"""Every recipe in configs/ parses with the dataclasses of the script it is written for."""
+"""Every recipe in configs/ parses with the dataclasses of the script it is written for (the GPU recipes of
+configs/gpu/: tests/test_gpu_recipes.py)."""
 
 import os
 import subprocess
@@ -9,37 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import save_with_tokenizer, teacher
-from hf_linear_attn.training.checkpoint_conversion import ConversionArguments
-from hf_linear_attn.training.data import DataArguments
-from hf_linear_attn.training.demo import DEFAULT_RECIPE as DEMO_RECIPE
-from hf_linear_attn.training.demo import DemoArguments
-from hf_linear_attn.training.loop import TrainArguments
-from hf_linear_attn.training.recipes import attention_arguments, attention_options, parse_recipe_args
-from hf_linear_attn.training.stages import FINETUNE_ARGUMENTS, DistillArguments
 from transformers import AutoTokenizer
 
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
 from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
 from hf_linear_attn.layer_selection import parse_softmax_layers
+from hf_linear_attn.training.checkpoint_conversion import ConversionArguments
+from hf_linear_attn.training.demo import DEFAULT_RECIPE as DEMO_RECIPE
+from hf_linear_attn.training.demo import DemoArguments
+from hf_linear_attn.training.recipes import attention_arguments, attention_options, parse_recipe_args
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-SCRIPTS = {
-    "convert": ConversionArguments,
-    "distill": (DistillArguments, DataArguments, TrainArguments),
-    "recover": FINETUNE_ARGUMENTS,
-}
-
-
-@pytest.mark.parametrize("recipe", sorted((CONFIGS / "lolcats").glob("*.yaml")), ids=lambda p: p.name)
-def test_lolcats_recipes_parse(recipe):
-    stage = recipe.stem.rsplit("-", 1)[1]
-    parsed = parse_recipe_args(SCRIPTS[stage], ["--config", str(recipe)])
-    first = parsed if stage == "convert" else parsed[0]
-    assert first.model_name_or_path
-    if stage == "convert":
-        AttentionOptions(**attention_options(parsed))  # the recipe's options are valid together
-
-
 def test_recipe_with_an_unknown_key_is_refused(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("window: 64\n")
@@ -55,7 +36,7 @@ def test_the_delta_rule_demo_is_the_demo_with_another_layer_kind():
     delta = parse_recipe_args(DemoArguments, ["--config", str(CONFIGS / "demo_delta_window.yaml")])
     options = AttentionOptions(**attention_options(delta))  # valid together
     assert (options.update_rule, options.window_size, options.num_sink_tokens) == ("delta", 64, 4)
-    additive_only = {"recovery_window_weight", "memory_sizes", "output_dir"}
+    additive_only = {"recovery_window_weight", "sparse_cache_sizes", "output_dir"}
     differing = {f.name for f in fields(DemoArguments) if getattr(default, f.name) != getattr(delta, f.name)}
     assert differing - set(ATTENTION_OPTIONS) == additive_only
 
@@ -105,15 +86,16 @@ def test_the_demo_refuses_a_recovery_window_weight_without_a_window(tmp_path, ca
 
 @pytest.mark.parametrize("argv, named", [
     (["--feature_map", "identity", "--feature_dim", "32"], "feature_dim"),
-    (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--memory_sizes", "64"],
-     "memory_sizes"),
+    (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--sparse_cache_sizes", "64"],
+     "sparse_cache_sizes"),
     (["--passkey_variants", "chat", "twice"], "passkey_variants must be"),
     (["--long_min_rows", "0"], "long_min_rows must be ≥ 1"),
-    (["--restored_heads_n", "4", "--ranking_shortlist", "3"], "the shortlist must hold at least the heads restored"),
+    (["--restored_heads_n", "4", "--head_ranking_shortlist", "3"],
+     "the shortlist must hold at least the heads restored"),
     (["--restored_heads_n", "-1"], "restored_heads_n -1"),
     (["--recovery_window_weight", "1"], "recovery_window_weight"),
     (["--window_dropout", "1"], "window_dropout=1.0"),
-    (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--memory_sizes", "64",
+    (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--sparse_cache_sizes", "64",
       "--window_dropout", "0.5"], "no sliding window to shrink"),
     (["--mixed_precision", "fp16"], "mixed_precision 'fp16': use auto, bf16 or no"),
 ], ids=["attention option", "memory without window", "passkey variant", "perplexity rows", "shortlist",
@@ -141,7 +123,7 @@ def test_the_demo_checks_the_long_texts_before_any_work(tmp_path, monkeypatch, c
 def test_demo_recipes_parse_into_valid_attention_options(recipe):
     parsed = parse_recipe_args(DemoArguments, ["--config", str(recipe)])
     AttentionOptions(**attention_options(parsed))  # the recipe's options are valid together
-    assert not parsed.memory_sizes or parsed.window_size > 0
+    assert not parsed.sparse_cache_sizes or parsed.window_size > 0
 
 
 def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
@@ -151,7 +133,8 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
     assert models == {"stage 1": tmp_path / "stage1", "stage 1 + 6 heads": tmp_path / "stage1-heads",
                       "stage 2": tmp_path / "stage2"}
     evaluate_args = demo.evaluation_arguments(args, tmp_path / "teacher", models)
-    assert (evaluate_args.teacher, evaluate_args.gguf_file) == (str(tmp_path / "teacher"), None)  # de-quantized once
+    # the teacher de-quantized once, a plain checkpoint
+    assert (evaluate_args.teacher_name_or_path, evaluate_args.teacher_gguf_file) == (str(tmp_path / "teacher"), None)
     assert evaluate_args.models == [f"{label}={path}" for label, path in models.items()]
     assert evaluate_args.passkey_models == ["teacher", "stage 2"]
     assert evaluate_args.decode_models == ["teacher", "stage 2", "stage 2 + memory 128"]
@@ -161,7 +144,7 @@ def test_the_demo_evaluates_the_model_after_each_stage_it_runs(tmp_path):
     short = parse_recipe_args(DemoArguments, ["--recovery_steps", "0", "--restored_heads_n", "0"],
                               default_recipe=DEMO_RECIPE)
     assert demo.stage_models(short, tmp_path) == {"stage 1": tmp_path / "stage1"}
-    layers = parse_recipe_args(DemoArguments, ["--softmax_layers_k", "2", "--frontier_head_counts", "6"],
+    layers = parse_recipe_args(DemoArguments, ["--softmax_layers_k", "2", "--softmax_head_counts", "6"],
                                default_recipe=DEMO_RECIPE)
     assert demo.stage_models(layers, tmp_path) == {
         "stage 1": tmp_path / "stage1", "stage 1 + 2 softmax layers": tmp_path / "stage1-softmax",

@@ -6,7 +6,6 @@ save and load) agrees with its reference as for the kinds alone; bad input is re
 import pytest
 import torch
 from helpers import SOURCES, VARIANTS, left_pad, prompts, teacher, tiny_config, tiny_model
-from hf_linear_attn.training.attention_transfer import AttentionTransfer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_linear_attn import LinearAttentionCache, LinearAttentionConfig, convert_to_linear_attention
@@ -20,6 +19,7 @@ from hf_linear_attn.modeling_linear_attention import (
     WindowHybridAttentionWithSoftmaxHeads,
     one_query_attention,
 )
+from hf_linear_attn.training.attention_transfer import AttentionTransfer
 
 # Every variant with KV head 1 of layer 1 (and its query group: query heads 2, 3) kept as softmax attention.
 MIXED = {name: {**overrides, "softmax_heads": {1: [1]}} for name, overrides in VARIANTS.items()}

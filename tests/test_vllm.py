@@ -360,7 +360,7 @@ def test_serving_benchmark_times_every_request_together_in_a_kv_cache_sized_for_
     save_with_tokenizer(LlamaForCausalLM(LlamaConfig(**{**TINY, **HEADS_SHAPE})).eval(), tmp_path / "teacher")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("feature_map: hedgehog\nfeature_dim: 16\nwindow_size: 16\nnum_sink_tokens: 2\n"
-                      "softmax_heads_n: 1\nrestored_heads_n: 1\n")
+                      "softmax_heads: [auto:1]\nrestored_heads_n: 1\n")
     out = tmp_path / "out"
     assert bench.main(["prepare", "--teacher", str(tmp_path / "teacher"), "--recipe", str(recipe),
                        "--output_dir", str(out)]) == 0

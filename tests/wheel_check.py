@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     run([f"{bin_}/hf-linear-attn-distill", "--model_name_or_path", str(work / "converted"), "--output_dir",
          str(work / "stage1"), "--max_steps", "2", "--block_size", "32", "--report_to", "none",
          "--cache_dir", str(work / "data_cache")])
-    run([f"{bin_}/hf-linear-attn-evaluate", "--teacher", str(work / "teacher"), "--models",
+    run([f"{bin_}/hf-linear-attn-evaluate", "--teacher_name_or_path", str(work / "teacher"), "--models",
          f"stage1={work / 'stage1'}", "--block_size", "32", "--max_eval_rows", "2", "--long_context_data",
-         str(work / "texts"), "--document_tokens", "512", "--documents_per_source", "2", "--long_contexts", "64",
-         "--long_scored_tokens", "128", "--long_min_rows", "1", "--passkey_lengths", "200", "--passkey_trials", "1",
-         "--passkey_keys", "1", "--decode_contexts", "32", "--decode_tokens", "1", "--output_dir",
+         str(work / "texts"), "--document_tokens", "640", "--documents_per_source", "2", "--long_contexts", "64",
+         "--long_scored_tokens", "128", "--long_min_rows", "1", "--passkey_lengths", "600", "--passkey_trials", "1",
+         "--passkey_keys", "2", "--decode_contexts", "32", "--decode_tokens", "1", "--output_dir",
          str(work / "evaluation"), "--cache_dir", str(work / "data_cache")])
     if not (work / "evaluation" / "evaluation.json").is_file():
         fail("the evaluation wrote no evaluation.json")

@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from hf_linear_attn.checkpoint_code import is_project_checkpoint, repair_checkpoint_code
+from hf_linear_attn.configuration_linear_attention import InputError, InputNotFoundError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -85,9 +86,9 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     module merges (ValueError / FileNotFoundError naming what is not, and what is supported)."""
     adapter_dir = Path(adapter_dir)
     if not is_adapter_folder(adapter_dir):
-        raise FileNotFoundError(f"{adapter_dir} holds no {ADAPTER_CONFIG}: not a PEFT adapter folder.")
+        raise InputNotFoundError(f"{adapter_dir} holds no {ADAPTER_CONFIG}: not a PEFT adapter folder.")
     if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
-        raise FileNotFoundError(f"{adapter_dir} holds no {ADAPTER_WEIGHTS} (an adapter saved as a pickle, "
+        raise InputNotFoundError(f"{adapter_dir} holds no {ADAPTER_WEIGHTS} (an adapter saved as a pickle, "
                                 "adapter_model.bin, is not read: save it again with safe_serialization=True).")
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     _check_lora_kind(config, adapter_dir)
@@ -96,18 +97,18 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
 
 def _check_lora_kind(config: dict[str, Any], adapter_dir: Path) -> None:
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{adapter_dir} is a {config.get('peft_type')!r} adapter; this merges {SUPPORTED}.")
+        raise InputError(f"{adapter_dir} is a {config.get('peft_type')!r} adapter; this merges {SUPPORTED}.")
     init = config.get("init_lora_weights", True)
     if init not in _PLAIN_INITS:
-        raise ValueError(f"{adapter_dir} was initialised with init_lora_weights={init!r}, which changes the base "
+        raise InputError(f"{adapter_dir} was initialised with init_lora_weights={init!r}, which changes the base "
                          "weights: save it converted to plain LoRA (peft's path_initial_model_for_weight_conversion) "
                          f"and merge that. This merges {SUPPORTED}.")
     options = {name: value for name, value in config.items() if name not in _PLAIN_FIELDS and value}
     if options:
         listed = ", ".join(f"{name}={value!r}" for name, value in sorted(options.items()))
-        raise ValueError(f"{adapter_dir} is not a plain LoRA adapter ({listed}); this merges {SUPPORTED}.")
+        raise InputError(f"{adapter_dir} is not a plain LoRA adapter ({listed}); this merges {SUPPORTED}.")
     if config.get("bias", "none") not in ("none", "all", "lora_only"):
-        raise ValueError(f"{adapter_dir}: bias={config.get('bias')!r}; this merges {SUPPORTED}.")
+        raise InputError(f"{adapter_dir}: bias={config.get('bias')!r}; this merges {SUPPORTED}.")
 
 
 def pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -134,22 +135,23 @@ def resolve_base(name: str | None, adapter_dir: Path) -> Path:
     """The local folder of the base checkpoint `name`: a folder, or a Hub id found by snapshot_download (the local
     cache only under HF_HUB_OFFLINE=1). ValueError naming it when there is none."""
     if not name:
-        raise ValueError(f"{adapter_dir}/{ADAPTER_CONFIG} names no base model (base_model_name_or_path): pass the "
+        raise InputError(f"{adapter_dir}/{ADAPTER_CONFIG} names no base model (base_model_name_or_path): pass the "
                          "base checkpoint the adapter was trained on (--base_model_name_or_path).")
     if Path(name).is_dir():
         return Path(name)
-    from hf_linear_attn.training.model_card import is_hub_id
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
+    from hf_linear_attn.training.model_card import is_hub_id
+
     if not is_hub_id(name):
-        raise ValueError(f"base model {name}: no such folder (nor a Hub id); pass the base checkpoint the adapter "
+        raise InputError(f"base model {name}: no such folder (nor a Hub id); pass the base checkpoint the adapter "
                          "was trained on (--base_model_name_or_path).")
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.txt", "*.model",
                                                             "*.jinja", "*.tiktoken"]))
     except (OSError, ValueError, HfHubHTTPError) as error:
-        raise ValueError(f"base model {name}: neither a local folder nor a Hub model that can be downloaded or "
+        raise InputError(f"base model {name}: neither a local folder nor a Hub model that can be downloaded or "
                          f"found in the local cache ({type(error).__name__}: {error}); pass the base checkpoint the "
                          "adapter was trained on (--base_model_name_or_path).") from None
 
@@ -161,14 +163,14 @@ def base_shards(base_dir: Path) -> dict[str, list[str]]:
         with safe_open(str(base_dir / WEIGHTS_FILE), framework="pt") as weights:
             return {WEIGHTS_FILE: list(weights.keys())}
     if not (base_dir / WEIGHTS_INDEX).is_file():
-        raise FileNotFoundError(f"base model {base_dir} holds no safetensors weights ({WEIGHTS_FILE} or "
+        raise InputNotFoundError(f"base model {base_dir} holds no safetensors weights ({WEIGHTS_FILE} or "
                                 f"{WEIGHTS_INDEX}); a base saved otherwise must first be saved again with "
                                 "save_pretrained (safetensors).")
     shards: dict[str, list[str]] = {}
     for key, file in json.loads((base_dir / WEIGHTS_INDEX).read_text())["weight_map"].items():
         shards.setdefault(file, []).append(key)
     if missing := sorted(file for file in shards if not (base_dir / file).is_file()):
-        raise FileNotFoundError(f"base model {base_dir}: {WEIGHTS_INDEX} lists shards that are missing: {missing}.")
+        raise InputNotFoundError(f"base model {base_dir}: {WEIGHTS_INDEX} lists shards that are missing: {missing}.")
     return shards
 
 
@@ -207,7 +209,7 @@ def plan_merge(adapter_dir: Path, base_dir: Path, config: dict[str, Any]) -> Mer
     with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as adapter:
         adapter_shapes = {key: list(adapter.get_slice(key).get_shape()) for key in adapter.keys()}  # noqa: SIM118
     if foreign := sorted(key for key in adapter_shapes if not key.startswith(PEFT_PREFIX)):
-        raise ValueError(f"{adapter_dir}/{ADAPTER_WEIGHTS} holds tensors outside {PEFT_PREFIX!r}: {foreign[:5]}; "
+        raise InputError(f"{adapter_dir}/{ADAPTER_WEIGHTS} holds tensors outside {PEFT_PREFIX!r}: {foreign[:5]}; "
                          f"not an adapter of a causal LM as peft saves it. This merges {SUPPORTED}.")
     pairs: dict[str, dict[str, str]] = {}  # module -> {"A": key, "B": key, "kind": linear / embedding}
     problems = []
@@ -251,7 +253,7 @@ def plan_merge(adapter_dir: Path, base_dir: Path, config: dict[str, Any]) -> Mer
     if problems:
         listed = "".join(f"\n  {problem}" for problem in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise ValueError(f"{adapter_dir} does not fit the base model {base_dir} (an adapter of another model?):"
+        raise InputError(f"{adapter_dir} does not fit the base model {base_dir} (an adapter of another model?):"
                          f"{listed}{more}")
     return plan
 
@@ -267,10 +269,10 @@ def check_output_dir(output_dir: str | os.PathLike, **sources: str | os.PathLike
         source = Path(source).resolve()
         if output == source or source in output.parents:
             relation = "is" if output == source else "lies inside"
-            raise ValueError(f"output folder {output_dir} {relation} the {label} {source}, which is only read: "
+            raise InputError(f"output folder {output_dir} {relation} the {label} {source}, which is only read: "
                              "choose a folder outside it.")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"output folder {output_dir} exists and is not empty: choose a new or empty folder.")
+        raise InputError(f"output folder {output_dir} exists and is not empty: choose a new or empty folder.")
     return output
 
 
@@ -345,7 +347,7 @@ def merge_adapter(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike,
     base_dir = resolve_base(base_name, adapter_dir)
     output = check_output_dir(output_dir, **{"adapter folder": adapter_dir, "base model folder": base_dir})
     if not (base_dir / "config.json").is_file():
-        raise FileNotFoundError(f"base model {base_dir} holds no config.json: not a saved model checkpoint.")
+        raise InputNotFoundError(f"base model {base_dir} holds no config.json: not a saved model checkpoint.")
     plan = plan_merge(adapter_dir, base_dir, config)
     project = is_project_checkpoint(base_dir)
     tokenizer_source = adapter_dir if tokenizer_files(adapter_dir) else base_dir

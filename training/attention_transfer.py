@@ -34,19 +34,22 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
-from hf_linear_attn.training.losses import packed_forward
 from torch import nn
 from transformers.utils import ModelOutput
 
+from hf_linear_attn.configuration_linear_attention import InputError
 from hf_linear_attn.modeling_linear_attention import (
     LinearAttention,
     LinearAttentionForCausalLM,
     causal_softmax_attention,
 )
+from hf_linear_attn.training.loop import select_trainable, train_only
+from hf_linear_attn.training.losses import packed_forward
 
 _LAYER_SIGNATURE = inspect.signature(LinearAttention.forward)
 
@@ -54,6 +57,25 @@ _LAYER_SIGNATURE = inspect.signature(LinearAttention.forward)
 def transfer_layers(model: nn.Module) -> list[LinearAttention]:
     """The layers attention transfer trains: every LinearAttention (softmax layers are teachers already)."""
     return [module for module in model.modules() if isinstance(module, LinearAttention)]
+
+
+def select_transfer_parameters(model: nn.Module, patterns: Sequence[str] | None = None) -> list[str]:
+    """Make exactly what attention transfer trains trainable, every other parameter frozen, and return the names:
+    with `patterns` (`--trainable_parameters`), the parameters one of those regexes matches; without, what the
+    linear-attention layers declare (`LinearAttention.attention_transfer_parameters`: the parameters conversion
+    adds, feature maps registered outside the package included). Raises when that is nothing."""
+    if patterns is not None:
+        return select_trainable(model, patterns)
+    names = [f"{prefix}.{name}" for prefix, layer in model.named_modules() if isinstance(layer, LinearAttention)
+             for name in layer.attention_transfer_parameters()]
+    if not names:
+        config = model.config
+        raise InputError(f"The linear-attention layers have no parameter attention transfer trains (feature_map "
+                         f"{config.feature_map!r}, decay {config.decay!r}, window_size {config.window_size}, "
+                         f"update_rule {config.update_rule!r}): convert with a learned feature map (t2r, hedgehog), a "
+                         "data-dependent decay (scalar, vector), a window or the delta rule, or name the parameters "
+                         "to train with --trainable_parameters.")
+    return train_only(model, names)
 
 
 class AttentionTransfer:
@@ -67,7 +89,7 @@ class AttentionTransfer:
         self.model = model
         self.layers = transfer_layers(model)
         if not self.layers:
-            raise ValueError("model has no linear-attention layer to transfer attention to (all are softmax_layers).")
+            raise InputError("model has no linear-attention layer to transfer attention to (all are softmax_layers).")
         check_window_dropout(window_dropout, model.config)
         self.window_dropout = window_dropout
         self._full_windows = [layer.window_size for layer in self.layers]  # each layer's own, put back after
@@ -142,10 +164,10 @@ def check_window_dropout(window_dropout: Any, config: Any) -> None:
     """ValueError unless `window_dropout` is a probability in [0, 1) and, when > 0, `config` has a sliding window
     of at least 2 tokens to shrink."""
     if isinstance(window_dropout, bool) or not isinstance(window_dropout, (int, float)) or not 0 <= window_dropout < 1:
-        raise ValueError(f"window_dropout={window_dropout!r}: give a probability in [0, 1) (0: the window always "
+        raise InputError(f"window_dropout={window_dropout!r}: give a probability in [0, 1) (0: the window always "
                          "whole).")
     if window_dropout > 0 and getattr(config, "window_size", 0) < 2:
-        raise ValueError(f"window_dropout={window_dropout}: the model has no sliding window to shrink (window_size "
+        raise InputError(f"window_dropout={window_dropout}: the model has no sliding window to shrink (window_size "
                          f"{getattr(config, 'window_size', 0)}; it needs ≥ 2); give 0.")
 
 

@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_linear_attn.training.data import DataArguments, build_datasets, check_data_arguments
-from hf_linear_attn.training.long_context_data import LongDocument, passkey_trials
-from hf_linear_attn.training.recipes import attention_arguments, attention_options
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from hf_linear_attn import LinearAttentionForCausalLM
+from hf_linear_attn.configuration_linear_attention import InputError
 from hf_linear_attn.conversion import (
     DEFAULT_ATTENTION_OPTIONS,
     convert_to_linear_attention,
@@ -45,6 +43,10 @@ from hf_linear_attn.layer_selection import (
     select_softmax_layers,
     write_ranking,
 )
+from hf_linear_attn.training.command_line import renamed
+from hf_linear_attn.training.data import DataArguments, build_datasets, check_data_arguments
+from hf_linear_attn.training.long_context_data import LongDocument, passkey_trials
+from hf_linear_attn.training.recipes import attention_arguments, attention_options
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANKING_FILE = "softmax_layer_ranking.json"
@@ -61,6 +63,7 @@ ESTIMATED_RESTORATION_MEASURE = ("first-order estimate of the gain in the model'
                                  "(mean over the prompts)")
 
 
+@renamed(ranking_prompts="head_ranking_prompts", ranking_shortlist="head_ranking_shortlist")
 @dataclass
 class ConversionArguments(attention_arguments("ConversionAttentionArguments", **DEFAULT_ATTENTION_OPTIONS)):
     """The source, the output and every attention option (`AttentionOptions`, LoLCATs defaults)."""
@@ -82,7 +85,7 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
                 "LAYER:HEAD[,HEAD...] items (`17:0,2 20:1`), or `auto:N`, the N KV heads outside the softmax layers "
                 "that the teacher retrieves with most (passkey prompts, hf_linear_attn.head_selection); the ranking "
                 f"in {HEAD_RANKING_FILE}. With --ranking_model they are restored on it, training-free."})
-    ranking_prompts: int = field(default=8, metadata={
+    head_ranking_prompts: int = field(default=8, metadata={
         "help": "With --softmax_heads auto:N: passkey prompts of --block_size tokens (haystack: the data pipeline's "
                 "documents) the head ranking measures."})
     head_ranking: str = field(default="teacher", metadata={
@@ -90,7 +93,7 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
                 "retrieves with each head, at conversion) or restoration (the gain in --ranking_model's own "
                 "log-probability of the key with each head alone restored; the output is --ranking_model with the N "
                 "best restored, training-free)."})
-    ranking_shortlist: int | None = field(default=None, metadata={
+    head_ranking_shortlist: int | None = field(default=None, metadata={
         "help": "With --head_ranking restoration: the heads measured exactly, the best of a first-order estimate "
                 "(default 3 × N, at most every recurrent head; 0: the estimate alone ranks, one forward and "
                 "backward per prompt)."})
@@ -100,22 +103,22 @@ def check_conversion_arguments(args: ConversionArguments) -> None:
     """Raise ValueError naming the argument for a conversion that cannot run, before anything is read."""
     for name in ("model_name_or_path", "output_dir"):
         if getattr(args, name) is None:
-            raise ValueError(f"--{name} is required (on the command line or in the recipe)")
+            raise InputError(f"--{name} is required (on the command line or in the recipe)")
     if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype {args.dtype!r}: choose one of {list(DTYPES)}")
+        raise InputError(f"--dtype {args.dtype!r}: choose one of {list(DTYPES)}")
     if args.head_ranking not in HEAD_RANKINGS:
-        raise ValueError(f"--head_ranking {args.head_ranking!r}: choose one of {list(HEAD_RANKINGS)}")
+        raise InputError(f"--head_ranking {args.head_ranking!r}: choose one of {list(HEAD_RANKINGS)}")
     output = Path(args.output_dir).resolve()
     source = Path(args.model_name_or_path)
     if source.exists():
         source = source.resolve()
         if output == source or source in output.parents or output in source.parents:
             relation = "is" if output == source else "is inside" if source in output.parents else "contains"
-            raise ValueError(f"--output_dir {args.output_dir} {relation} --model_name_or_path "
+            raise InputError(f"--output_dir {args.output_dir} {relation} --model_name_or_path "
                              f"{args.model_name_or_path}: writing the conversion there would replace its source; "
                              "choose another folder.")
     if output.exists() and any(output.iterdir()) and not args.overwrite_output_dir:
-        raise ValueError(f"--output_dir {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
+        raise InputError(f"--output_dir {output} exists and is not empty; pass --overwrite_output_dir to replace it.")
 
 
 def replace_folder(new: Path, target: Path) -> None:
@@ -195,7 +198,7 @@ def head_ranking_prompts(tokenizer: Any, data_args: DataArguments, prompts: int)
     tokens = [token for split in ("validation", "train") if split in rows
               for row in rows[split]["input_ids"] for token in row][: (prompts + 1) * length]
     if len(tokens) < 2 * length:
-        raise ValueError(f"the data pipeline holds {len(tokens)} tokens, too few for passkey prompts of "
+        raise InputError(f"the data pipeline holds {len(tokens)} tokens, too few for passkey prompts of "
                          f"{length} tokens that rank heads; give more documents or a shorter length")
     variant = "chat" if getattr(tokenizer, "chat_template", None) else "single"
     trials = passkey_trials(tokenizer, [LongDocument("data", 0, torch.tensor(tokens))], length, prompts, "natural",
@@ -215,7 +218,7 @@ def check_shortlist(name: str, shortlist: int | None, n: int) -> None:
     """ValueError unless the `shortlist` given as `name` (None: the default) measures at least the `n` heads asked
     for or is 0 (the first-order estimate alone ranks): the argument check of `restoration_scores`' shortlist."""
     if shortlist is not None and not (shortlist == 0 or n <= shortlist):
-        raise ValueError(f"{name} {shortlist}: measure at least the {n} heads asked for, or give 0 (the first-order "
+        raise InputError(f"{name} {shortlist}: measure at least the {n} heads asked for, or give 0 (the first-order "
                          "estimate alone ranks).")
 
 
@@ -229,7 +232,7 @@ def restoration_scores(model: LinearAttentionForCausalLM, prompts: list[Retrieva
     available = len(recurrent_kv_heads(model))
     shortlist = min(3 * n, available) if shortlist is None else shortlist
     if not (1 <= n <= available and (shortlist == 0 or n <= shortlist <= available)):
-        raise ValueError(f"{n} restored heads from a shortlist of {shortlist}: need 1 ≤ heads ≤ {available} (the "
+        raise InputError(f"{n} restored heads from a shortlist of {shortlist}: need 1 ≤ heads ≤ {available} (the "
                          "model's recurrent KV heads) and a shortlist of 0 (the first-order estimate alone) or "
                          f"between the heads and {available}")
     if shortlist == 0:
@@ -252,7 +255,7 @@ def check_head_count(n: int, num_layers: int, kv_heads: int, softmax_layers: int
     """`--softmax_heads auto:N` asks for at most the KV heads outside the softmax layers."""
     available = (num_layers - softmax_layers) * kv_heads
     if not 1 <= n <= available:
-        raise ValueError(f"--softmax_heads auto:{n}: N must be in [1, {available}], the KV heads of the "
+        raise InputError(f"--softmax_heads auto:{n}: N must be in [1, {available}], the KV heads of the "
                          f"{num_layers - softmax_layers} layers that are not softmax layers ({kv_heads} each)")
 
 
@@ -270,41 +273,38 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
     head_spec = parse_softmax_heads(args.softmax_heads or None)
     by_restoration = args.head_ranking == "restoration"
     if by_restoration and (head_spec.auto_n is None or args.ranking_model is None):
-        raise ValueError("--head_ranking restoration ranks heads on a trained checkpoint: give --softmax_heads auto:N "
+        raise InputError("--head_ranking restoration ranks heads on a trained checkpoint: give --softmax_heads auto:N "
                          "and --ranking_model (a stage-1 or stage-2 checkpoint of this conversion)")
     check_layer_selection(selection, teacher=args.model_name_or_path,
                           ranking_model=args.ranking_model if selection.auto_k is not None or not by_restoration
                           else None)
     options["softmax_layers"] = list(selection.layers)
-    try:
-        conversion_config = linear_attention_config(source_config, softmax_heads=head_spec.heads, **options)
-    except TypeError as error:  # an option of the wrong type is bad input like any other
-        raise ValueError(str(error)) from None
+    conversion_config = linear_attention_config(source_config, softmax_heads=head_spec.heads, **options)
     if head_spec.auto_n is not None:
         check_head_count(head_spec.auto_n, conversion_config.num_hidden_layers, conversion_config.num_key_value_heads,
                          len(selection.layers) + (selection.auto_k or 0))
         check_data_arguments(data_args)
-        if args.ranking_prompts < 1:
-            raise ValueError(f"--ranking_prompts {args.ranking_prompts}: rank on at least one prompt.")
+        if args.head_ranking_prompts < 1:
+            raise InputError(f"--head_ranking_prompts {args.head_ranking_prompts}: rank on at least one prompt.")
         if by_restoration:
-            check_shortlist("--ranking_shortlist", args.ranking_shortlist, head_spec.auto_n)
+            check_shortlist("--head_ranking_shortlist", args.head_ranking_shortlist, head_spec.auto_n)
     if selection.auto_k is not None or by_restoration:
         check_data_arguments(data_args)
         if args.ranking_rows < 1:
-            raise ValueError(f"--ranking_rows {args.ranking_rows}: rank on at least one held-out row.")
+            raise InputError(f"--ranking_rows {args.ranking_rows}: rank on at least one held-out row.")
         try:
             ranking_config = AutoConfig.from_pretrained(args.ranking_model)
         except OSError as error:
-            raise ValueError(f"--ranking_model {args.ranking_model}: {error}") from None
+            raise InputError(f"--ranking_model {args.ranking_model}: {error}") from None
         check_same_conversion(ranking_config, conversion_config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **load_kwargs)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer could be loaded: "
+        raise InputError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer could be loaded: "
                          f"{error}") from error
     if 2 * len(tokenizer) < source_config.vocab_size:
         # Some transformers releases build an empty placeholder tokenizer when a folder has none.
-        raise ValueError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer found (what loads has "
+        raise InputError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer found (what loads has "
                          f"{len(tokenizer)} tokens for a model with {source_config.vocab_size} embeddings).")
 
     teacher = load_teacher(args.model_name_or_path, **load_kwargs)
@@ -319,17 +319,17 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
         trained = load_teacher(args.ranking_model)
     heads = head_spec.heads
     if head_spec.auto_n is not None:
-        prompts = head_ranking_prompts(tokenizer, data_args, args.ranking_prompts)
+        prompts = head_ranking_prompts(tokenizer, data_args, args.head_ranking_prompts)
         if by_restoration:
-            ranked_heads = rank_restoration_heads(trained, prompts, head_spec.auto_n, args.ranking_shortlist)
+            ranked_heads = rank_restoration_heads(trained, prompts, head_spec.auto_n, args.head_ranking_shortlist)
             source = "the KV heads whose restoration alone raises --ranking_model's log-probability of the key most"
         else:
             layers = list(selection.layers) if restored is None else restored.model.config.softmax_layers
             ranked_heads = rank_retrieval_heads(teacher, prompts, head_spec.auto_n, layers)
             source = "the teacher's best retrieving KV heads"
         heads = ranked_heads.heads
-        print(f"Softmax heads {heads}: {source} on {args.ranking_prompts} passkey prompts of {data_args.block_size} "
-              f"tokens (ranking in {HEAD_RANKING_FILE})")
+        print(f"Softmax heads {heads}: {source} on {args.head_ranking_prompts} passkey prompts of "
+              f"{data_args.block_size} tokens (ranking in {HEAD_RANKING_FILE})")
     if trained is None:
         student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], softmax_heads=heads, **options)
     else:

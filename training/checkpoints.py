@@ -56,6 +56,8 @@ from accelerate.logging import get_logger
 from accelerate.utils import RNG_STATE_NAME
 from transformers import PreTrainedTokenizerBase
 
+from hf_linear_attn.configuration_linear_attention import InputError, InputNotFoundError
+
 CHECKPOINT_PREFIX = "checkpoint-"
 TEMPORARY_PREFIX = ".tmp-checkpoint-"
 REPLACED_PREFIX = ".old-checkpoint-"
@@ -139,16 +141,16 @@ def resolve_resume_checkpoint(output_dir: str | Path, value: str) -> Path:
                 return checkpoint
             skipped.append((checkpoint.name, problem))
         reasons = "".join(f"; {name}: {reason}" for name, reason in skipped)
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"--resume_from_checkpoint latest: no complete checkpoint ({CHECKPOINT_PREFIX}STEP with "
             f"{STATE_FILE}) in {output_dir}{reasons}."
         )
     path = Path(value)
     if not path.is_dir():
-        raise FileNotFoundError(f"--resume_from_checkpoint {value}: no such folder.")
+        raise InputNotFoundError(f"--resume_from_checkpoint {value}: no such folder.")
     problem = checkpoint_problem(path)
     if problem is not None:
-        raise ValueError(f"--resume_from_checkpoint {value} is not a complete checkpoint: {problem}.")
+        raise InputError(f"--resume_from_checkpoint {value} is not a complete checkpoint: {problem}.")
     return path
 
 
@@ -238,7 +240,7 @@ def check_pickles(checkpoint: Path) -> None:
             try:
                 _CheckingUnpickler(io.BytesIO(stream)).load()
             except Exception as error:
-                raise ValueError(f"Refusing to resume from {checkpoint}: {path.relative_to(checkpoint)} is not a "
+                raise InputError(f"Refusing to resume from {checkpoint}: {path.relative_to(checkpoint)} is not a "
                                  f"plain-data pickle ({error}); loading it could run code.") from None
 
 
@@ -279,7 +281,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     devices = _device_rng_modules()
     for name in state["devices"]:
         if name not in devices:
-            raise ValueError(f"the run used {name} devices, which this machine lacks")
+            raise InputError(f"the run used {name} devices, which this machine lacks")
     random.setstate(python_state)
     np.random.set_state(numpy_state)
     torch.set_rng_state(torch_state)
@@ -366,7 +368,7 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path, scheduler:
     try:
         accelerator.load_state(str(checkpoint))
     except Exception as error:
-        raise ValueError(f"Cannot resume from {checkpoint}: {type(error).__name__}: {error}") from error
+        raise InputError(f"Cannot resume from {checkpoint}: {type(error).__name__}: {error}") from error
     state = read_trainer_state(checkpoint)
     # Every process starts from the same seed: on more processes than the run saved, a process without a state of
     # its own continues rank 0's (exact without dropout; with it, the random draws differ from the saved run's).
@@ -383,7 +385,7 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: str | Path, scheduler:
         try:
             restore(json.loads((checkpoint / name).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"Cannot resume from {checkpoint}: {name} is missing or damaged ({error}); the "
+            raise InputError(f"Cannot resume from {checkpoint}: {name} is missing or damaged ({error}); the "
                              "resumed run would not continue the interrupted one exactly.") from None
     return state
 
@@ -409,7 +411,7 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, resume: str | None
     if found and not overwrite:
         what = ("checkpoints of an earlier run" if any(n.startswith(CHECKPOINT_PREFIX) for n in found)
                 else "a finished run")
-        raise ValueError(f"{output_dir} already holds {what} ({', '.join(found[:6])}): continue it with "
+        raise InputError(f"{output_dir} already holds {what} ({', '.join(found[:6])}): continue it with "
                          "--resume_from_checkpoint latest, or replace it with --overwrite_output_dir.")
     return None
 

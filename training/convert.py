@@ -22,10 +22,11 @@ Attention transfer trains each layer on its teacher's exact inputs, so the stage
 layers are what stage 1 of the hybrid itself would have trained.
 
 Softmax-head selection: `--softmax_heads auto:N` keeps exact softmax attention in the N KV heads the teacher
-retrieves with most (attention on a pass key, `--ranking_prompts` prompts). `--head_ranking restoration
+retrieves with most (attention on a pass key, `--head_ranking_prompts` prompts). `--head_ranking restoration
 --ranking_model STAGE1` ranks them on STAGE1 itself instead: by how much restoring each head alone raises STAGE1's
-log-probability of the key (exactly for the `--ranking_shortlist` heads, default 3 × N, that a first-order estimate
-ranks best); the output is STAGE1 with the N best restored, training-free, the ranking in `softmax_head_ranking.json`.
+log-probability of the key (exactly for the `--head_ranking_shortlist` heads, default 3 × N, that a first-order
+estimate ranks best); the output is STAGE1 with the N best restored, training-free, the ranking in
+`softmax_head_ranking.json`.
 
 The conversion is `training.checkpoint_conversion.convert_checkpoint`; this script parses its arguments.
 """

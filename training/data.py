@@ -7,6 +7,13 @@ one record's `text_column`; with `chat_template` that column holds a conversatio
 `{"role", "content"}` messages) rendered by the tokenizer's chat template. Without a validation
 split, `validation_split_percentage` of the documents are held out (disjoint from training).
 
+Streaming (`stream_documents` = N > 0, with `dataset_name`): the dataset is read as a stream (`datasets`'
+`streaming=True`), and only the first N documents of its `train` split are kept, written once into the `datasets`
+cache (a `Dataset.from_generator` keyed by the dataset, its configuration, the column and N: a later stage with the
+same four reads the cache and streams nothing). A large corpus (a 10B-token sample) is then never downloaded whole
+for a run that trains on a few tens of millions of its tokens. The held-out share is drawn from those N documents as
+for any source without a validation split, so every stage given the same N holds out the same documents.
+
 Packing. Every document is tokenised and ends with EOS; documents are concatenated and cut into rows
 of `block_size` tokens. Each row carries `position_ids` that restart at 0 where a document starts and
 at the start of the row (a document cut by a row boundary continues as a fresh piece), and `labels`
@@ -37,9 +44,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from datasets import DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from hf_linear_attn.configuration_linear_attention import InputError, InputNotFoundError
 
 EMBEDDED_CORPUS = Path(__file__).resolve().parent / "corpus" / "jargon.jsonl"
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -61,6 +71,12 @@ class DataArguments:
         default=None, metadata={"help": "A Hub dataset id or a local dataset folder (load_dataset)."}
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
+    stream_documents: int = field(
+        default=0,
+        metadata={"help": "Read --dataset_name as a stream and keep the first N documents of its train split (cached "
+                          "once; the held-out share is drawn from them), so a large corpus is never downloaded whole. "
+                          "0: load the dataset whole."},
+    )
     train_file: str | None = field(
         default=None, metadata={"help": "Local training documents: .txt, .json/.jsonl, .parquet or .csv."}
     )
@@ -110,27 +126,31 @@ class DataArguments:
 def check_data_arguments(args: DataArguments) -> None:
     """Raise a clear error for inconsistent or missing data sources, before anything is loaded."""
     if args.dataset_name and (args.train_file or args.validation_file):
-        raise ValueError("Give either --dataset_name or --train_file/--validation_file, not both.")
+        raise InputError("Give either --dataset_name or --train_file/--validation_file, not both.")
     if args.validation_file and not args.train_file:
-        raise ValueError("--validation_file needs --train_file.")
+        raise InputError("--validation_file needs --train_file.")
+    if args.stream_documents < 0 or (args.stream_documents > 0 and not args.dataset_name):
+        raise InputError(f"--stream_documents {args.stream_documents}: streams --dataset_name (a Hub dataset or a "
+                         "local dataset folder); give N ≥ 1 documents with --dataset_name, or 0 to load the source "
+                         "whole.")
     for name in ("train_file", "validation_file"):
         path = getattr(args, name)
         if path is None:
             continue
         if not Path(path).is_file():
-            raise FileNotFoundError(f"--{name} {path}: no such file.")
+            raise InputNotFoundError(f"--{name} {path}: no such file.")
         if Path(path).suffix not in FILE_BUILDERS:
-            raise ValueError(f"--{name} {path}: unsupported file type; use one of {sorted(FILE_BUILDERS)}.")
+            raise InputError(f"--{name} {path}: unsupported file type; use one of {sorted(FILE_BUILDERS)}.")
     if args.train_file and args.validation_file and Path(args.train_file).suffix != Path(args.validation_file).suffix:
-        raise ValueError("--train_file and --validation_file must have the same file type.")
+        raise InputError("--train_file and --validation_file must have the same file type.")
     if args.sample_by not in TEXT_SAMPLING:
-        raise ValueError(f"--sample_by {args.sample_by!r}: use one of {TEXT_SAMPLING}.")
+        raise InputError(f"--sample_by {args.sample_by!r}: use one of {TEXT_SAMPLING}.")
     if args.block_size < 2:
-        raise ValueError(f"--block_size {args.block_size}: a row needs at least 2 tokens.")
+        raise InputError(f"--block_size {args.block_size}: a row needs at least 2 tokens.")
     if args.position_offset < 0:
-        raise ValueError(f"--position_offset {args.position_offset}: must be ≥ 0 (0 switches the offsets off).")
+        raise InputError(f"--position_offset {args.position_offset}: must be ≥ 0 (0 switches the offsets off).")
     if not 0 < args.validation_split_percentage < 100:
-        raise ValueError(f"--validation_split_percentage {args.validation_split_percentage}: must lie in (0, 100).")
+        raise InputError(f"--validation_split_percentage {args.validation_split_percentage}: must lie in (0, 100).")
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
@@ -164,13 +184,35 @@ def dataset_names(args: DataArguments) -> list[str]:
     return [f"embedded: {EMBEDDED_CORPUS.name} (The Jargon File 4.4.7, public domain)"]
 
 
+def _streamed_records(dataset_name: str, config_name: str | None, text_column: str, count: int):
+    """The first `count` records of the dataset's train split, read as a stream, with only `text_column` kept."""
+    for record in load_dataset(dataset_name, config_name, split="train", streaming=True).take(count):
+        if text_column not in record:
+            raise InputError(f"--text_column {text_column!r} is not a column of dataset {dataset_name!r}; its columns "
+                             f"are {sorted(record)}.")
+        yield {text_column: record[text_column]}
+
+
+def streamed_documents(args: DataArguments) -> Dataset:
+    """The first `args.stream_documents` documents of `args.dataset_name`'s train split, streamed once into the
+    `datasets` cache (see the module docstring)."""
+    try:
+        return Dataset.from_generator(_streamed_records, cache_dir=args.cache_dir, gen_kwargs={
+            "dataset_name": args.dataset_name, "config_name": args.dataset_config_name,
+            "text_column": args.text_column, "count": args.stream_documents})
+    except DatasetGenerationError as error:  # datasets wraps what the stream raised
+        raise (error.__cause__ or error) from None
+
+
 def load_documents(args: DataArguments) -> DatasetDict:
     """The raw documents as a DatasetDict with `train` and `validation` splits.
 
     The validation split is the source's own (`validation`, or `--validation_file`) or, when there is
     none, a `validation_split_percentage` share (drawn with `validation_split_seed`) of the training documents.
     """
-    if args.dataset_name:
+    if args.stream_documents:
+        raw = DatasetDict(train=streamed_documents(args))
+    elif args.dataset_name:
         raw = load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
     else:
         files = {"train": args.train_file or str(EMBEDDED_CORPUS)}
@@ -178,27 +220,27 @@ def load_documents(args: DataArguments) -> DatasetDict:
             files["validation"] = args.validation_file
         for split, path in files.items():
             if Path(path).stat().st_size == 0:
-                raise ValueError(f"--{split}_file {path} is empty.")
+                raise InputError(f"--{split}_file {path} is empty.")
         builder = FILE_BUILDERS[Path(files["train"]).suffix]
         options = {"sample_by": args.sample_by} if builder == "text" else {}
         try:
             raw = load_dataset(builder, data_files=files, cache_dir=args.cache_dir, **options)
         except Exception as error:  # datasets wraps the parser's error (malformed JSON, CSV, ...)
             cause = error.__cause__ or error
-            raise ValueError(f"{_describe_source(args)} cannot be read as {builder} records: "
+            raise InputError(f"{_describe_source(args)} cannot be read as {builder} records: "
                              f"{type(cause).__name__}: {cause}") from None
     if "train" not in raw:
-        raise ValueError(f"{_describe_source(args)} has no 'train' split (splits: {list(raw)}).")
+        raise InputError(f"{_describe_source(args)} has no 'train' split (splits: {list(raw)}).")
     columns = raw["train"].column_names
     if args.text_column not in columns:
-        raise ValueError(
+        raise InputError(
             f"--text_column {args.text_column!r} is not a column of {_describe_source(args)}; its columns are "
             f"{columns}."
         )
     if "validation" not in raw:
         documents = raw["train"].num_rows
         if documents < 2:
-            raise ValueError(
+            raise InputError(
                 f"{_describe_source(args)} holds {documents} document(s): a held-out share needs at least "
                 "2; give --validation_file, more documents"
                 + (", or --sample_by line (one document per line)" if args.sample_by != "line" else "") + "."
@@ -214,7 +256,7 @@ def _document_texts(batch: dict[str, list], args: DataArguments, tokenizer: PreT
     column = batch[args.text_column]
     for value in column:
         if value and not isinstance(value, list if args.chat_template else str):
-            raise ValueError(f"--text_column {args.text_column!r} holds a {type(value).__name__} ({str(value)[:60]!r})"
+            raise InputError(f"--text_column {args.text_column!r} holds a {type(value).__name__} ({str(value)[:60]!r})"
                              f"; expected {'a list of messages' if args.chat_template else 'text'}.")
     if not args.chat_template:
         return [text for text in column if text and text.strip()]
@@ -290,7 +332,7 @@ def check_positions(args: DataArguments, max_position_embeddings: int | None) ->
     """Refuse training positions beyond what the model's RoPE was built for (the offsets plus a row); None: the
     config states no limit."""
     if max_position_embeddings is not None and args.position_offset + args.block_size > max_position_embeddings:
-        raise ValueError(f"--position_offset {args.position_offset} + --block_size {args.block_size} exceeds the "
+        raise InputError(f"--position_offset {args.position_offset} + --block_size {args.block_size} exceeds the "
                          f"model's max_position_embeddings {max_position_embeddings}: lower position_offset to at "
                          f"most {max(0, max_position_embeddings - args.block_size)}.")
 
@@ -307,7 +349,7 @@ def build_datasets(
     `main_process_first` so that one process fills the cache and the others read it.
     """
     if args.chat_template and not tokenizer.chat_template:
-        raise ValueError("--chat_template was given but the tokenizer has no chat template.")
+        raise InputError("--chat_template was given but the tokenizer has no chat template.")
     with main_process_first or contextlib.nullcontext():
         raw = load_documents(args)
         tokenized = raw.map(
@@ -329,7 +371,7 @@ def build_datasets(
             )
     for split, rows in packed.items():
         if len(rows) == 0:
-            raise ValueError(
+            raise InputError(
                 f"The {split} split of {_describe_source(args)} holds fewer than block_size={args.block_size} "
                 "tokens: lower --block_size or add text."
             )

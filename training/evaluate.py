@@ -1,8 +1,8 @@
 """Evaluate converted linear-attention models against their softmax teacher.
 
     hf-linear-attn-long-context prepare               # once: the held-out long texts (make long-context-data)
-    python training/evaluate.py --teacher SRC --models converted=DIR stage1=DIR2 [--gguf_file F] \
-        [--config RECIPE.yaml] [--block_size 512 --max_eval_rows 16 ...] \
+    python training/evaluate.py --teacher_name_or_path SRC --models converted=DIR stage1=DIR2 \
+        [--teacher_gguf_file F] [--config RECIPE.yaml] [--block_size 512 --max_eval_rows 16 ...] \
         [--long_contexts 256 512 1024 2048 4096 --long_scored_tokens 8192 --long_min_rows 8] \
         [--passkey_lengths 1024 2048 4096 --passkey_trials 50 --passkey_variants chat single multi \
          --passkey_models teacher stage1]

@@ -54,12 +54,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+import hf_linear_attn
+from hf_linear_attn.configuration_linear_attention import InputError, InputNotFoundError
+from hf_linear_attn.conversion import load_teacher
+from hf_linear_attn.head_selection import retrieval_scores, top_heads
+from hf_linear_attn.layer_selection import recurrent_kv_heads, restore_softmax_heads
 from hf_linear_attn.training.checkpoint_conversion import (
     HEAD_RANKINGS,
     check_shortlist,
     head_ranking_prompts,
     restoration_scores,
 )
+from hf_linear_attn.training.command_line import renamed
 from hf_linear_attn.training.data import DataArguments, build_datasets, collate_rows
 from hf_linear_attn.training.long_context_data import (
     DEFAULT_DATA_DIR,
@@ -86,18 +94,15 @@ from hf_linear_attn.training.losses import causal_lm_loss, predicted_tokens, tok
 from hf_linear_attn.training.measure import cache_bytes_by_context, cache_memory, decode_profile
 from hf_linear_attn.training.model_card import EVALUATION_FILE, long_context_tables, write_model_card
 from hf_linear_attn.training.report import format_cell, log_log_plot, machine, write_report
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-import hf_linear_attn
-from hf_linear_attn.conversion import load_teacher
-from hf_linear_attn.head_selection import retrieval_scores, top_heads
-from hf_linear_attn.layer_selection import recurrent_kv_heads, restore_softmax_heads
 
 
+@renamed(teacher="teacher_name_or_path", gguf_file="teacher_gguf_file")
 @dataclass
 class EvaluateArguments:
-    teacher: str | None = field(default=None, metadata={"help": "The softmax source checkpoint (folder or Hub id)."})
-    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file of the teacher, inside its folder."})
+    teacher_name_or_path: str | None = field(default=None, metadata={
+        "help": "The softmax source checkpoint (folder or Hub id)."})
+    teacher_gguf_file: str | None = field(default=None, metadata={
+        "help": "GGUF file of the teacher, inside its folder."})
     models: list[str] = field(default_factory=list, metadata={"help": "label=path of each model to evaluate."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the teacher's, else model 1's."})
     max_eval_rows: int = field(default=16, metadata={"help": "Validation rows (of block_size tokens) scored."})
@@ -134,7 +139,8 @@ class EvaluateArguments:
     softmax_head_counts: list[int] = field(default_factory=list, metadata={
         "help": "Also measure the models of memory_models with, for each N, the N KV heads the teacher retrieves with "
                 "most restored to softmax (training-free, beside those they keep already; labelled 'LABEL + N "
-                "heads', and with each of sparse_cache_sizes 'LABEL + N heads + memory M'). Needs --teacher."})
+                "heads', and with each of sparse_cache_sizes 'LABEL + N heads + memory M'). Needs "
+                "--teacher_name_or_path."})
     head_ranking_prompts: int = field(default=6, metadata={
         "help": "Passkey prompts (haystack: the data pipeline's documents) that rank the teacher's heads."})
     head_ranking_length: int = field(default=2048, metadata={"help": "Tokens of each head-ranking prompt."})
@@ -188,9 +194,9 @@ def parse_models(entries: list[str]) -> dict[str, str]:
     for entry in entries:
         label, sep, path = entry.partition("=")
         if not sep or not label or not path:
-            raise ValueError(f"--models entries are label=path, got {entry!r}")
+            raise InputError(f"--models entries are label=path, got {entry!r}")
         if label in models:
-            raise ValueError(f"--models: label {label!r} given twice")
+            raise InputError(f"--models: label {label!r} given twice")
         models[label] = path
     return models
 
@@ -222,23 +228,23 @@ def check_variant_models(models: dict[str, str], args: EvaluateArguments) -> Non
     if not sizes and not counts:
         return
     if any(size < 1 for size in sizes) or len(set(sizes)) < len(sizes):
-        raise ValueError(f"sparse_cache_sizes must be distinct sizes ≥ 1, got {sizes}")
+        raise InputError(f"sparse_cache_sizes must be distinct sizes ≥ 1, got {sizes}")
     for label, path in models.items():
         config = AutoConfig.from_pretrained(path)
         if sizes and getattr(config, "window_size", 0) < 1:
-            raise ValueError(f"sparse_cache_sizes: model {label!r} ({path}) is no window hybrid (window_size > 0), "
+            raise InputError(f"sparse_cache_sizes: model {label!r} ({path}) is no window hybrid (window_size > 0), "
                              "so it has no sparse memory to switch on; drop the sizes or the model")
         if not counts:
             continue
         if not isinstance(config, hf_linear_attn.LinearAttentionConfig):
-            raise ValueError(f"softmax_head_counts: model {label!r} ({path}) is a {config.model_type!r} model, not a "
+            raise InputError(f"softmax_head_counts: model {label!r} ({path}) is a {config.model_type!r} model, not a "
                              "linear-attention checkpoint, so it has no recurrent heads to restore; drop the counts "
                              "or leave it out of memory_models")
         available = len(recurrent_kv_heads(config))
         for name, asked, most in (("softmax_head_counts", counts, max(counts)),
                                   ("head_ranking_shortlist", shortlist, shortlist or 0)):
             if most > available:
-                raise ValueError(f"{name} {asked}: model {label!r} ({path}) has {available} recurrent KV heads left "
+                raise InputError(f"{name} {asked}: model {label!r} ({path}) has {available} recurrent KV heads left "
                                  "to restore")
 
 
@@ -268,65 +274,65 @@ def check_arguments(args: EvaluateArguments) -> tuple[dict[str, str], dict[str, 
     """ValueError naming the first bad argument, reading no file (the checkpoints' configs are
     `check_variant_models`'). Returns the models {label: path}, those measured with each of `sparse_cache_sizes`,
     and the labels of every model measured (teacher, baseline, models, memory variants)."""
-    if not args.teacher and not args.models:
-        raise ValueError("give --teacher and/or --models label=path ...")
+    if not args.teacher_name_or_path and not args.models:
+        raise InputError("give --teacher_name_or_path and/or --models label=path ...")
     models = parse_models(args.models)
     unknown = sorted(set(args.memory_models or []) - set(models))
     if unknown:
-        raise ValueError(f"memory_models {unknown} are not among --models {list(models)}")
+        raise InputError(f"memory_models {unknown} are not among --models {list(models)}")
     with_memory = {label: models[label] for label in (models if args.memory_models is None else args.memory_models)}
-    labels = [*(["teacher"] if args.teacher else []),
-              *([baseline_label(args)] if args.teacher and args.baseline_window > 0 else []), *models,
+    labels = [*(["teacher"] if args.teacher_name_or_path else []),
+              *([baseline_label(args)] if args.teacher_name_or_path and args.baseline_window > 0 else []), *models,
               *(name for name, *_ in variants(args, with_memory))]
     if args.head_ranking not in HEAD_RANKINGS:
-        raise ValueError(f"head_ranking {args.head_ranking!r}: choose one of {list(HEAD_RANKINGS)}")
+        raise InputError(f"head_ranking {args.head_ranking!r}: choose one of {list(HEAD_RANKINGS)}")
     counts = args.softmax_head_counts
     if counts and (any(n < 1 for n in counts) or len(set(counts)) < len(counts)):
-        raise ValueError(f"softmax_head_counts must be distinct counts ≥ 1, got {counts}")
+        raise InputError(f"softmax_head_counts must be distinct counts ≥ 1, got {counts}")
     shortlist = args.head_ranking_shortlist
     if shortlist is not None and not (counts and args.head_ranking == "restoration"):
-        raise ValueError(f"head_ranking_shortlist {shortlist} applies to head variants ranked by restoration: give "
+        raise InputError(f"head_ranking_shortlist {shortlist} applies to head variants ranked by restoration: give "
                          "softmax_head_counts and head_ranking restoration, or drop it")
     if shortlist is not None:
         check_shortlist("head_ranking_shortlist", shortlist, max(counts))
-    if counts and args.head_ranking == "teacher" and not args.teacher:
-        raise ValueError("softmax_head_counts with head_ranking teacher needs --teacher, whose heads are ranked; "
-                         "give it or rank with --head_ranking restoration")
+    if counts and args.head_ranking == "teacher" and not args.teacher_name_or_path:
+        raise InputError("softmax_head_counts with head_ranking teacher needs --teacher_name_or_path, whose heads are "
+                         "ranked; give it or rank with --head_ranking restoration")
     for name in ("max_eval_rows", "eval_batch_size", "document_tokens", "documents_per_source",
                  "long_scored_tokens", "long_min_rows", "decode_tokens", "prefill_chunk", "decode_prefilled",
                  "head_ranking_prompts"):
         if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
+            raise InputError(f"{name} must be ≥ 1, got {getattr(args, name)}")
     if args.baseline_window < 0 or args.baseline_sinks < 0 or args.passkey_trials < 0:
-        raise ValueError("baseline_window, baseline_sinks and passkey_trials must be ≥ 0, got "
+        raise InputError("baseline_window, baseline_sinks and passkey_trials must be ≥ 0, got "
                          f"{args.baseline_window}, {args.baseline_sinks} and {args.passkey_trials}")
     if any(c < 2 for c in args.long_contexts):
-        raise ValueError(f"long_contexts must be ≥ 2 tokens each, got {args.long_contexts}")
+        raise InputError(f"long_contexts must be ≥ 2 tokens each, got {args.long_contexts}")
     if any(n < 1 for n in [*args.passkey_lengths, *args.decode_contexts]):
-        raise ValueError(f"passkey_lengths and decode_contexts must be ≥ 1 each, got {args.passkey_lengths} and "
+        raise InputError(f"passkey_lengths and decode_contexts must be ≥ 1 each, got {args.passkey_lengths} and "
                          f"{args.decode_contexts}")
     longest = max([*args.long_contexts, *args.passkey_lengths], default=0)
     if longest > args.document_tokens:
-        raise ValueError(f"long_contexts / passkey_lengths go up to {longest} tokens, more than document_tokens="
+        raise InputError(f"long_contexts / passkey_lengths go up to {longest} tokens, more than document_tokens="
                          f"{args.document_tokens}: raise document_tokens")
     if args.position_bins:
         check_position_bins(args.position_bins, args.document_tokens)
         documents = args.documents_per_source * len(SOURCES)
         if not 1 <= args.position_rows <= documents:
-            raise ValueError(f"position_rows must be in [1, {documents}] (documents_per_source × {len(SOURCES)} "
+            raise InputError(f"position_rows must be in [1, {documents}] (documents_per_source × {len(SOURCES)} "
                              f"texts), got {args.position_rows}")
     for name, given, allowed in (("passkey_haystacks", args.passkey_haystacks, HAYSTACKS),
                                  ("passkey_variants", args.passkey_variants, VARIANTS)):
         if not given or any(value not in allowed for value in given):
-            raise ValueError(f"{name} must be a non-empty list of {list(allowed)}, got {given}")
+            raise InputError(f"{name} must be a non-empty list of {list(allowed)}, got {given}")
     if "multi" in args.passkey_variants and not 2 <= args.passkey_keys <= len(DOORS):
-        raise ValueError(f"passkey_keys must be in [2, {len(DOORS)}] for the multi variant, got {args.passkey_keys}")
+        raise InputError(f"passkey_keys must be in [2, {len(DOORS)}] for the multi variant, got {args.passkey_keys}")
     for name in ("passkey_models", "decode_models"):
         unknown = sorted(set(getattr(args, name) or []) - set(labels))
         if unknown:
-            raise ValueError(f"{name} {unknown} are not evaluated; the labels are {labels}")
+            raise InputError(f"{name} {unknown} are not evaluated; the labels are {labels}")
     if len(set(labels)) < len(labels):
-        raise ValueError(f"--models labels must differ from each other, from 'teacher' and from the baseline's "
+        raise InputError(f"--models labels must differ from each other, from 'teacher' and from the baseline's "
                          f"({baseline_label(args)!r}); the labels are {labels}")
     return models, with_memory, labels
 
@@ -356,12 +362,12 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         try:
             texts = load_texts(args.long_context_data)
         except FileNotFoundError as error:
-            raise FileNotFoundError(f"long_context_data: {error}") from None
+            raise InputNotFoundError(f"long_context_data: {error}") from None
 
-    load_kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    tokenizer_source = args.tokenizer_name or args.teacher or next(iter(models.values()))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **(load_kwargs if tokenizer_source == args.teacher
-                                                                   else {}))
+    load_kwargs = {"gguf_file": args.teacher_gguf_file} if args.teacher_gguf_file else {}
+    tokenizer_source = args.tokenizer_name or args.teacher_name_or_path or next(iter(models.values()))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **(
+        load_kwargs if tokenizer_source == args.teacher_name_or_path else {}))
     rows = list(build_datasets(data_args, tokenizer)["validation"])[: args.max_eval_rows]
     documents = [] if texts is None else long_documents(tokenizer, texts, args.document_tokens,
                                                            args.documents_per_source)
@@ -384,8 +390,8 @@ def evaluate_models(args: EvaluateArguments, data_args: DataArguments,
         f"{len(passkey_sets)} passkey settings x {args.passkey_trials} trials for {sorted(passkey_models)}")
 
     candidates: list[tuple[str, Callable[[], PreTrainedModel]]] = []
-    if args.teacher:
-        candidates.append(("teacher", lambda: load_teacher(args.teacher, **load_kwargs)))
+    if args.teacher_name_or_path:
+        candidates.append(("teacher", lambda: load_teacher(args.teacher_name_or_path, **load_kwargs)))
     for label, path in models.items():
         candidates.append((label, lambda p=path: AutoModelForCausalLM.from_pretrained(p)))
         source = "teacher" if args.head_ranking == "teacher" else label

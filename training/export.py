@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hf_linear_attn.checkpoint_code import is_project_checkpoint, repair_checkpoint_code
+from hf_linear_attn.configuration_linear_attention import InputError, InputNotFoundError
 from hf_linear_attn.training.adapters import (
     check_output_dir,
     copy_into,
@@ -34,8 +36,6 @@ from hf_linear_attn.training.adapters import (
 )
 from hf_linear_attn.training.checkpoints import RUN_FILES
 from hf_linear_attn.training.command_line import exit_on_bad_input
-
-from hf_linear_attn.checkpoint_code import is_project_checkpoint, repair_checkpoint_code
 
 
 def export_checkpoint(source: Path, output_dir: str) -> list[str]:
@@ -68,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Merged the adapter {source} into its base: {output}")
             return 0
         if not source.is_dir():
-            raise FileNotFoundError(f"--model_name_or_path {source}: no such folder.")
+            raise InputNotFoundError(f"--model_name_or_path {source}: no such folder.")
         if not is_project_checkpoint(source):
-            raise ValueError(f"--model_name_or_path {source} is neither a PEFT adapter folder (adapter_config.json) "
+            raise InputError(f"--model_name_or_path {source} is neither a PEFT adapter folder (adapter_config.json) "
                              "nor a hf-linear-attn checkpoint (config.json of model_type 'linear_attention').")
         if args.base_model_name_or_path is not None:
-            raise ValueError(f"--base_model_name_or_path is for adapters only; {source} is a full checkpoint.")
+            raise InputError(f"--base_model_name_or_path is for adapters only; {source} is a full checkpoint.")
         changes = export_checkpoint(source, args.output_dir)
     in_place = Path(args.output_dir).resolve() == source.resolve()
     done = f"{source}" if in_place else f"Copied {source} to {args.output_dir}; its"

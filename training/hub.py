@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from huggingface_hub import HfApi
+
+from hf_linear_attn.checkpoint_code import checkpoint_code_problems
+from hf_linear_attn.configuration_linear_attention import REPAIR_COMMAND, InputError
 from hf_linear_attn.training.checkpoints import (
     CHECKPOINT_PREFIX,
     LOG_FILE,
@@ -21,10 +25,6 @@ from hf_linear_attn.training.checkpoints import (
     TEMPORARY_PREFIX,
 )
 from hf_linear_attn.training.model_card import render_model_card
-from huggingface_hub import HfApi
-
-from hf_linear_attn.checkpoint_code import checkpoint_code_problems
-from hf_linear_attn.configuration_linear_attention import REPAIR_COMMAND
 
 # Training leftovers in an output folder that do not belong in a model repository.
 IGNORE_PATTERNS = [f"{CHECKPOINT_PREFIX}*", f"{TEMPORARY_PREFIX}*", f"{REPLACED_PREFIX}*", f"{PREVIOUS_RUN_PREFIX}*",
@@ -58,18 +58,18 @@ def push_to_hub(
     created; if the upload fails, `folder/README.md` is restored to what it was."""
     folder = Path(folder)
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} holds a LoRA adapter, not a model: merge it into its base first "
+        raise InputError(f"{folder} holds a LoRA adapter, not a model: merge it into its base first "
                          f"(hf-linear-attn-export --model_name_or_path {folder} --output_dir MERGED_DIR), then push "
                          "MERGED_DIR.")
     card = render_model_card(folder, repo_id=repo_id, license=license)
     if problems := checkpoint_code_problems(folder):
-        raise ValueError(f"{folder} would not load from the Hub with trust_remote_code=True: "
+        raise InputError(f"{folder} would not load from the Hub with trust_remote_code=True: "
                          + "; ".join(problems) + ". Repair it first (config.json and code files only): "
                          + REPAIR_COMMAND.format(folder=folder))
     try:
         card.validate(repo_type="model")
     except ValueError as error:
-        raise ValueError(f"The Hub refuses the model card's metadata (--license {card.data.license!r}?): "
+        raise InputError(f"The Hub refuses the model card's metadata (--license {card.data.license!r}?): "
                          f"{error}") from None
     readme = folder / "README.md"
     previous = readme.read_bytes() if readme.is_file() else None

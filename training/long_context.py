@@ -12,6 +12,9 @@ import json
 import sys
 from dataclasses import dataclass, field
 
+from transformers import AutoTokenizer, HfArgumentParser
+
+from hf_linear_attn.configuration_linear_attention import InputError
 from hf_linear_attn.training.command_line import exit_on_bad_input, parse_dataclasses
 from hf_linear_attn.training.long_context_data import (
     DEFAULT_DATA_DIR,
@@ -23,7 +26,6 @@ from hf_linear_attn.training.long_context_data import (
     prepare,
     write_needles,
 )
-from transformers import AutoTokenizer, HfArgumentParser
 
 
 @dataclass
@@ -58,10 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     configs/lm_eval/needles."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, argv = (argv[0], argv[1:]) if argv else ("", [])
+    if command in ("-h", "--help"):
+        print(f"usage: hf-linear-attn-long-context {{{','.join(COMMANDS)}}} [--help] [flags]\n\n{__doc__}")
+        return 0
     with exit_on_bad_input():
         if command not in COMMANDS:
-            raise ValueError(f"the commands are {' and '.join(COMMANDS)}, got {command!r} (evaluate with `python "
-                             "training/evaluate.py --teacher SRC --models label=DIR ...`)")
+            raise InputError(f"the commands are {' and '.join(COMMANDS)}, got {command!r} (evaluate with `python "
+                             "training/evaluate.py --teacher_name_or_path SRC --models label=DIR ...`)")
         if command == "prepare":
             (args,) = parse_dataclasses(HfArgumentParser(PrepareArguments), argv)
             for path in prepare(args.data_dir):

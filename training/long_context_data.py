@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from hf_linear_attn.configuration_linear_attention import InputError, InputNotFoundError
 from hf_linear_attn.head_selection import RetrievalPrompt
 
 DEFAULT_DATA_DIR = "outputs/long_context_data"
@@ -150,7 +151,7 @@ def check_texts(data_dir: str | Path = DEFAULT_DATA_DIR) -> None:
     data_dir = Path(data_dir)
     missing = [source for source in SOURCES if not (data_dir / f"{source}.jsonl").is_file()]
     if missing:
-        raise FileNotFoundError(f"data_dir {str(data_dir)!r} lacks the long-context texts {missing}: run "
+        raise InputNotFoundError(f"data_dir {str(data_dir)!r} lacks the long-context texts {missing}: run "
                                 f"`{PREPARE_COMMAND} --data_dir {data_dir}` once (it fetches Debian packages; "
                                 f"`make long-context-data` does it for the default folder)")
 
@@ -176,7 +177,7 @@ def long_documents(tokenizer, texts: dict[str, list[dict]], document_tokens: int
     consecutive pieces of `document_tokens` tokens and keep `documents_per_source` of them, evenly spaced;
     the result alternates sources (source 1's first, source 2's first, source 1's second, ...)."""
     if document_tokens < 1 or documents_per_source < 1:
-        raise ValueError(f"document_tokens and documents_per_source must be ≥ 1, got {document_tokens} and "
+        raise InputError(f"document_tokens and documents_per_source must be ≥ 1, got {document_tokens} and "
                          f"{documents_per_source}")
     per_source = []
     for source, records in texts.items():
@@ -185,7 +186,7 @@ def long_documents(tokenizer, texts: dict[str, list[dict]], document_tokens: int
             ids += tokenizer(("\n\n" if i else "") + record["text"], add_special_tokens=False).input_ids
         available = len(ids) // document_tokens
         if available < documents_per_source:
-            raise ValueError(f"source {source!r} has {len(ids)} tokens: fewer than documents_per_source="
+            raise InputError(f"source {source!r} has {len(ids)} tokens: fewer than documents_per_source="
                              f"{documents_per_source} documents of document_tokens={document_tokens}")
         picks = [(2 * i + 1) * available // (2 * documents_per_source) for i in range(documents_per_source)]
         per_source.append([LongDocument(source, k, torch.tensor(ids[k * document_tokens:(k + 1) * document_tokens]))
@@ -223,7 +224,7 @@ class PasskeyTrial:
         start = next((i for i in range(self.needle_start, len(row) - len(answer) + 1)
                       if row[i:i + len(answer)] == answer), None)
         if start is None:
-            raise ValueError(f"the answer's tokens {answer} do not appear in the prompt after its needle (position "
+            raise InputError(f"the answer's tokens {answer} do not appear in the prompt after its needle (position "
                              f"{self.needle_start}): this tokenizer splits the key differently inside the needle")
         ids = torch.cat([self.input_ids, self.answer_ids], dim=1)
         return RetrievalPrompt(ids, (start, start + len(answer)), (ids.shape[1] - len(answer), ids.shape[1]))
@@ -239,7 +240,7 @@ def passkey_prompt(tokenizer, haystack_ids: list[int], length: int, needles: lis
     head_ids, tail = encode(head), encode(question)
     budget = length - len(head_ids) - len(tail) - sum(len(ids) for _, ids in needle_ids)
     if budget < 1 or len(haystack_ids) < budget:
-        raise ValueError(f"a passkey prompt of length {length} leaves {budget} haystack tokens "
+        raise InputError(f"a passkey prompt of length {length} leaves {budget} haystack tokens "
                          f"(haystack has {len(haystack_ids)}); use a longer length or haystack")
     ids, starts, taken = list(head_ids), [], 0
     for depth, piece in needle_ids:
@@ -260,7 +261,7 @@ def chat_frame(tokenizer, question: str, answer_start: str) -> tuple[str, str]:
     template (PREAMBLE, the haystack, `question`), then the opening of the assistant's turn and `answer_start`.
     ValueError for a tokenizer without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the 'chat' passkey variant asks in the tokenizer's chat template and this tokenizer has "
+        raise InputError("the 'chat' passkey variant asks in the tokenizer's chat template and this tokenizer has "
                          "none: use the variants 'single' or 'multi'")
     text = tokenizer.apply_chat_template([{"role": "user", "content": PREAMBLE + _MARKER + question}],
                                          tokenize=False, add_generation_prompt=True)
@@ -279,13 +280,13 @@ def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials
     - "multi": `keys` doors with a key each, the others at random depths, one door asked for in plain text.
     The answer of every variant is " " + the key, right after the prompt."""
     if trials < 1:
-        raise ValueError(f"passkey trials must be ≥ 1, got {trials}")
+        raise InputError(f"passkey trials must be ≥ 1, got {trials}")
     if haystack not in HAYSTACKS:
-        raise ValueError(f"haystack must be one of {list(HAYSTACKS)}, got {haystack!r}")
+        raise InputError(f"haystack must be one of {list(HAYSTACKS)}, got {haystack!r}")
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+        raise InputError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if variant == "multi" and not 2 <= keys <= len(DOORS):
-        raise ValueError(f"keys must be in [2, {len(DOORS)}] for the multi-key variant, got {keys}")
+        raise InputError(f"keys must be in [2, {len(DOORS)}] for the multi-key variant, got {keys}")
     head, question = PREAMBLE, " What is the pass key? The pass key is"
     if variant == "chat":
         head, question = chat_frame(tokenizer, "\n\nWhat is the secret pass key?", "The secret pass key is")
@@ -346,7 +347,7 @@ def write_needles(tokenizer, documents: list[LongDocument], output_dir: str | Pa
     prompts as the evaluation's with the same `trials`, `seed` and `keys`). Every prompt is built before a file
     is written. Returns the files written."""
     if not lengths or trials < 1:
-        raise ValueError(f"needles need at least one length and trials ≥ 1, got lengths={list(lengths)} and "
+        raise InputError(f"needles need at least one length and trials ≥ 1, got lengths={list(lengths)} and "
                          f"trials={trials}")
     files = {f"{variant}_{haystack}_{length}.jsonl": needle_records(
         tokenizer, passkey_trials(tokenizer, documents, length, trials, haystack, variant, seed, keys))

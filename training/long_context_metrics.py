@@ -36,9 +36,11 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from hf_linear_attn.configuration_linear_attention import InputError
 from hf_linear_attn.training.long_context_data import LongDocument, PasskeyTrial
 from hf_linear_attn.training.measure import cache_bytes_by_context
-from transformers import DynamicCache, PreTrainedModel
 
 # --------------------------------------------------------------------------------------------- running models
 
@@ -130,11 +132,11 @@ def perplexity_spans(documents: list[LongDocument], context: int, scored_tokens:
     (each row scores its last `context - context // 2`), and at least `min_rows`. Row r is window r // D
     (consecutive, not overlapping) of document r % D of the D documents, so the rows spread over every document."""
     if context < 2 or min_rows < 1:
-        raise ValueError(f"context must be ≥ 2 and min_rows ≥ 1, got {context} and {min_rows}")
+        raise InputError(f"context must be ≥ 2 and min_rows ≥ 1, got {context} and {min_rows}")
     rows = max(math.ceil(scored_tokens / (context - context // 2)), min_rows)
     per_document = min(len(d.input_ids) for d in documents) // context
     if rows > per_document * len(documents):
-        raise ValueError(f"context {context} needs {rows} rows; the documents hold {per_document * len(documents)} "
+        raise InputError(f"context {context} needs {rows} rows; the documents hold {per_document * len(documents)} "
                          f"(use longer or more documents, fewer scored_tokens or fewer min_rows)")
     return [(r % len(documents), (r // len(documents)) * context) for r in range(rows)]
 
@@ -196,7 +198,7 @@ def check_position_bins(edges: list[int], document_tokens: int) -> None:
     """ValueError unless `edges` are ≥ 2 strictly increasing positions from 1 to at most `document_tokens`."""
     if len(edges) < 2 or edges[0] < 1 or edges[-1] > document_tokens or any(
             a >= b for a, b in pairwise(edges)):
-        raise ValueError(f"position_bins {edges}: give at least 2 strictly increasing positions from 1 (position 0 "
+        raise InputError(f"position_bins {edges}: give at least 2 strictly increasing positions from 1 (position 0 "
                          f"has nothing before it to be predicted from) up to document_tokens={document_tokens}")
 
 
@@ -210,7 +212,7 @@ def perplexity_by_position(models: dict[str, object], documents: list[LongDocume
     row per (model, bin): `first`, `end`, `rows`, `scored_tokens`, `perplexity`."""
     check_position_bins(edges, min((len(d.input_ids) for d in documents), default=0))
     if not 1 <= rows <= len(documents):
-        raise ValueError(f"position rows {rows}: give 1 .. {len(documents)} (one row per long document)")
+        raise InputError(f"position rows {rows}: give 1 .. {len(documents)} (one row per long document)")
     results = []
     for label, model in models.items():
         # losses[r, p - 1]: the loss of position p of row r (predicted from positions 0 .. p - 1)
@@ -262,7 +264,7 @@ def passkey_scores(model, trials: list[PasskeyTrial]) -> dict[str, float]:
     `key_log_prob_per_token` (mean per key token) and `argmax_accuracy` (share of key tokens that are the
     argmax)."""
     if not trials:
-        raise ValueError("passkey scores need at least one trial")
+        raise InputError("passkey scores need at least one trial")
     scores = [key_score(model, trial) for trial in trials]
     log_probs = torch.tensor([s.log_prob for s in scores], dtype=torch.float64)
     tokens = sum(s.tokens for s in scores)

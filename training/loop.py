@@ -53,7 +53,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,13 @@ from accelerate.utils import (
     parse_flag_from_env,
     send_to_device,
 )
+from torch import nn
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from hf_linear_attn.configuration_linear_attention import InputError
 from hf_linear_attn.training.checkpoints import (
     LOG_FILE,
     PreviousRun,
@@ -82,11 +89,6 @@ from hf_linear_attn.training.checkpoints import (
 )
 from hf_linear_attn.training.data import collate_rows
 from hf_linear_attn.training.losses import LossFn, causal_lm_loss, weighted_mean
-from torch import nn
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-from torch.utils.data import DataLoader, Dataset, Sampler
-from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 logger = get_logger(__name__)
@@ -142,18 +144,18 @@ def check_train_arguments(args: TrainArguments) -> None:
     output folder (an earlier run there needs --resume_from_checkpoint or --overwrite_output_dir) and
     resolves `resume_from_checkpoint` to the checkpoint folder and `mixed_precision` auto to bf16 or no."""
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
-        raise ValueError("Set --max_steps > 0 or --num_train_epochs > 0.")
+        raise InputError("Set --max_steps > 0 or --num_train_epochs > 0.")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
+            raise InputError(f"--{name} must be >= 1, got {getattr(args, name)}.")
     if args.lr_scheduler_type not in SCHEDULERS:
-        raise ValueError(f"--lr_scheduler_type {args.lr_scheduler_type!r}: use one of {SCHEDULERS}.")
+        raise InputError(f"--lr_scheduler_type {args.lr_scheduler_type!r}: use one of {SCHEDULERS}.")
     if args.mixed_precision not in (None, "no", "fp16", "bf16", "auto"):
-        raise ValueError(f"--mixed_precision {args.mixed_precision!r}: use no, fp16, bf16 or auto.")
+        raise InputError(f"--mixed_precision {args.mixed_precision!r}: use no, fp16, bf16 or auto.")
     if args.mixed_precision == "auto":
         args.mixed_precision = "bf16" if native_bf16() else "no"
     if args.save_total_limit is not None and args.save_total_limit < 1:
-        raise ValueError(f"--save_total_limit must be >= 1, got {args.save_total_limit}.")
+        raise InputError(f"--save_total_limit must be >= 1, got {args.save_total_limit}.")
     args.resume_from_checkpoint = check_output_dir(args.output_dir, args.overwrite_output_dir,
                                                    args.resume_from_checkpoint)
 
@@ -242,7 +244,7 @@ def check_engine(accelerator: Accelerator, model: nn.Module) -> None:
     names = plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
     wraps_layers = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy
     if not wraps_layers or not set(names) & present:
-        raise ValueError(f"The FSDP config must wrap each decoder layer: set fsdp_auto_wrap_policy: "
+        raise InputError(f"The FSDP config must wrap each decoder layer: set fsdp_auto_wrap_policy: "
                          f"TRANSFORMER_BASED_WRAP and fsdp_transformer_layer_cls_to_wrap: LinearAttentionDecoderLayer "
                          f"(as configs/accelerate/fsdp2.yaml does); it has policy {plugin.auto_wrap_policy!r} on "
                          f"{names or 'no class'}.")
@@ -255,14 +257,18 @@ def select_trainable(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     for pattern in patterns:
         if not any(re.search(pattern, name) for name in names):
             sample = ", ".join(names[:12])
-            raise ValueError(f"Trainable-parameter pattern {pattern!r} matches no parameter (names look like: "
+            raise InputError(f"Trainable-parameter pattern {pattern!r} matches no parameter (names look like: "
                              f"{sample}, ...).")
-    selected = []
+    return train_only(model, [name for name in names if any(re.search(pattern, name) for pattern in patterns)])
+
+
+def train_only(model: nn.Module, names: Collection[str]) -> list[str]:
+    """Make exactly the parameters of `model` named in `names` trainable, every other one frozen; returns their
+    names in the model's order."""
+    wanted = set(names)
     for name, parameter in model.named_parameters():
-        parameter.requires_grad_(any(re.search(pattern, name) for pattern in patterns))
-        if parameter.requires_grad:
-            selected.append(name)
-    return selected
+        parameter.requires_grad_(name in wanted)
+    return [name for name, parameter in model.named_parameters() if parameter.requires_grad]
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -281,7 +287,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __init__(self, size: int, seed: int, per_device: int, accumulation: int, processes: int,
                  process_index: int, start_step: int = 0) -> None:
         if size < 1:
-            raise ValueError("The training split holds no rows.")
+            raise InputError("The training split holds no rows.")
         self.size, self.seed, self.per_device, self.processes = size, seed, per_device, processes
         self.process_index, self.start_step = process_index, start_step
         self.global_batch = per_device * accumulation * processes
@@ -366,7 +372,7 @@ def _optimizer(model: nn.Module, args: TrainArguments) -> torch.optim.Optimizer:
         if parameter.requires_grad:
             (decayed if parameter.dim() >= 2 else plain).append(parameter)
     if not decayed and not plain:
-        raise ValueError("No parameter is trainable: check the trainable-parameter selection.")
+        raise InputError("No parameter is trainable: check the trainable-parameter selection.")
     groups = [{"params": decayed, "weight_decay": args.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
                              betas=(args.adam_beta1, args.adam_beta2))
@@ -470,7 +476,7 @@ def train(
     model, optimizer = accelerator.prepare(model, optimizer)
     accumulation = args.gradient_accumulation_steps
     if accelerator.gradient_accumulation_steps != accumulation:  # a DeepSpeed config can impose its own
-        raise ValueError(f"The accelerate config sets gradient_accumulation_steps="
+        raise InputError(f"The accelerate config sets gradient_accumulation_steps="
                          f"{accelerator.gradient_accumulation_steps} but --gradient_accumulation_steps is "
                          f"{accumulation}; leave it unset (auto) in the DeepSpeed config.")
     global_batch = args.per_device_train_batch_size * accumulation * accelerator.num_processes

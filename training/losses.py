@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hf_linear_attn.training.data import IGNORE_INDEX
 from torch import nn
+
+from hf_linear_attn.training.data import IGNORE_INDEX
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 

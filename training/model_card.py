@@ -314,7 +314,7 @@ def cache_memory_statement(config: dict[str, Any], contexts: tuple[int, ...] = C
     constant and its bytes a token."""
     if not contexts or not all(isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
                                for tokens in contexts):
-        raise ValueError(f"contexts must be positive numbers of tokens, got {contexts!r}")
+        raise hf_linear_attn.InputError(f"contexts must be positive numbers of tokens, got {contexts!r}")
     dtype = checkpoint_dtype(config)
     model = layout_model(config, dtype)
     probe = layout_probe(model.config)
@@ -336,10 +336,11 @@ def render_model_card(folder: str | Path, repo_id: str | None = None, license: s
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{folder} holds no config.json: not a saved model checkpoint.")
+        raise hf_linear_attn.InputNotFoundError(f"{folder} holds no config.json: not a saved model checkpoint.")
     config = json.loads(config_file.read_text())
     if config.get("model_type") != hf_linear_attn.LinearAttentionConfig.model_type:
-        raise ValueError(f"{folder} holds a {config.get('model_type')!r} checkpoint, not a linear-attention model.")
+        raise hf_linear_attn.InputError(f"{folder} holds a {config.get('model_type')!r} checkpoint, not a "
+                                        "linear-attention model.")
     summary_file = folder / SUMMARY_FILE
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     base_model = summary.get("base_model")  # the checkpoint this run fine-tuned

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from hf_linear_attn.training.data import byte_level_tokenizer
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -20,7 +19,9 @@ from transformers import (
 )
 
 import hf_linear_attn
+from hf_linear_attn.configuration_linear_attention import InputError
 from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
+from hf_linear_attn.training.data import byte_level_tokenizer
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
@@ -91,7 +92,7 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
     except (OSError, ValueError) as error:
-        raise ValueError(f"No tokenizer could be loaded from {source} ({error}); pass --tokenizer_name.") from None
+        raise InputError(f"No tokenizer could be loaded from {source} ({error}); pass --tokenizer_name.") from None
 
 
 def load_config(model_args: ModelArguments) -> PretrainedConfig:
@@ -101,14 +102,17 @@ def load_config(model_args: ModelArguments) -> PretrainedConfig:
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
     except OSError as error:  # neither a folder with a config nor a reachable Hub id
-        raise ValueError(f"{flag} {source}: no config could be loaded ({error}).") from None
+        raise InputError(f"{flag} {source}: no config could be loaded ({error}).") from None
     if config.model_type != hf_linear_attn.LinearAttentionConfig.model_type:
-        raise ValueError(
+        raise InputError(
             f"{source} is a {config.model_type!r} model, not a linear-attention one: convert it first "
             "(training/convert.py or hf_linear_attn.convert_to_linear_attention), then fine-tune the result."
         )
     if model_args.config_overrides:
-        config.update_from_string(model_args.config_overrides)
+        try:
+            config.update_from_string(model_args.config_overrides)
+        except ValueError as error:  # transformers': a malformed pair or a field the config lacks
+            raise InputError(f"--config_overrides {model_args.config_overrides!r}: {error}") from None
         config = type(config).from_dict(config.to_dict())  # rebuilt, so that the new values are validated
     return config
 
@@ -122,7 +126,7 @@ def fit_to_tokenizer(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBas
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
     elif len(tokenizer) > config.vocab_size:
-        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+        raise InputError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                          f"{config.vocab_size}.")
 
 
@@ -145,7 +149,7 @@ def apply_lora(model: PreTrainedModel, model_args: ModelArguments) -> torch.nn.M
     if missing:
         linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                          if isinstance(module, torch.nn.Linear)})
-        raise ValueError(f"--lora_target_modules {missing} match no module of the model; linear modules: {linear}.")
+        raise InputError(f"--lora_target_modules {missing} match no module of the model; linear modules: {linear}.")
     config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
                         target_modules=list(model_args.lora_target_modules), task_type=TaskType.CAUSAL_LM)
     return get_peft_model(model, config)
@@ -159,7 +163,7 @@ def load_distillation_teacher(model_args: ModelArguments, config: PretrainedConf
                            trust_remote_code=model_args.trust_remote_code, **kwargs)
     teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
     if teacher_vocab != config.vocab_size:
-        raise ValueError(f"The teacher {model_args.teacher_name_or_path} predicts {teacher_vocab} tokens but the "
+        raise InputError(f"The teacher {model_args.teacher_name_or_path} predicts {teacher_vocab} tokens but the "
                          f"model {config.vocab_size}: logit distillation needs the same vocabulary.")
     return teacher.eval().requires_grad_(False)
 

@@ -3,7 +3,8 @@
 `parse_recipe_args((DataclassA, DataclassB), argv)` reads `--config FILE.yaml` (or `default_recipe`)
 for defaults and lets every flag on the command line override them, via `transformers.HfArgumentParser`;
 it returns one instance per dataclass. A recipe key that no dataclass has is an error naming the
-allowed keys. `recipe_dict(parsed)` flattens the parsed instances back into one dict, as run.
+allowed keys; a renamed one (`training.command_line.renamed`) is read as its new name, with a FutureWarning.
+`recipe_dict(parsed)` flattens the parsed instances back into one dict, as run.
 
 The attention options of a script's command line are the fields of `hf_linear_attn`'s `AttentionOptions`
 (type, help and allowed values), with the script's own defaults: `attention_arguments(name, **defaults)`
@@ -11,7 +12,7 @@ makes that dataclass for the script's arguments to subclass, and `attention_opti
 as the keyword arguments of `convert_to_linear_attention`.
 
 `--config` takes a YAML file or the name of a recipe shipped with the package (`configs/` of the repository, installed
-as `hf_linear_attn.configs`: `--config lolcats/llama-3.2-1b-recover`), so an installed command runs one without a
+as `hf_linear_attn.configs`: `--config gpu/llama-3.2-1b-recover`), so an installed command runs one without a
 checkout.
 
 Errors: a recipe that does not parse exits as a bad flag does (argparse's `error: ...`, status 2); the scripts
@@ -28,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hf_linear_attn.training.command_line import parse_dataclasses
 from transformers import HfArgumentParser
 
-from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions
+from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS, AttentionOptions, InputError
+from hf_linear_attn.training.command_line import parse_dataclasses, rename_arguments, renamed_arguments
 
 SHIPPED_RECIPES = Path(str(importlib.resources.files("hf_linear_attn.configs")))
 NOT_RECIPES = ("accelerate", "lm_eval", "models")  # shipped configs of other tools, not recipes of a command
@@ -49,6 +50,14 @@ def recipe_file(value: str) -> Path | None:
         return Path(value)
     name = value.removesuffix(".yaml")
     return SHIPPED_RECIPES / f"{name}.yaml" if name in shipped_recipe_names() else None
+
+
+def shipped_file(value: Any) -> Any:
+    """A shipped recipe names the files it ships with as `configs/...` (the repository's path); they are read from
+    the installed package, wherever the command runs."""
+    if isinstance(value, str) and value.startswith("configs/") and (SHIPPED_RECIPES / value[8:]).is_file():
+        return str(SHIPPED_RECIPES / value[8:])
+    return value
 
 
 def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] | None = None,
@@ -72,6 +81,12 @@ def parse_recipe_args(dataclass_types: type | tuple[type, ...], argv: list[str] 
             break
     if recipe_path is not None:
         recipe = yaml.safe_load(recipe_path.read_text()) or {}
+        if recipe_path.resolve().is_relative_to(SHIPPED_RECIPES.resolve()):
+            recipe = {key: shipped_file(value) for key, value in recipe.items()}
+        try:  # a renamed key is read as its new name, with a FutureWarning
+            recipe = rename_arguments(renamed_arguments(*types), recipe, stacklevel=3)
+        except InputError as error:
+            parser.error(f"{recipe_path}: {error}")
         known = {name for t in types for name in t.__dataclass_fields__}
         unknown = sorted(set(recipe) - known)
         if unknown:

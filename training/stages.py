@@ -20,10 +20,17 @@ from dataclasses import dataclass, field
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
+from transformers import AutoTokenizer
+from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+import hf_linear_attn
+from hf_linear_attn.configuration_linear_attention import InputError, check_has_window_weight, check_window_weight
+from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 from hf_linear_attn.training.attention_transfer import (
     AttentionTransfer,
     attention_transfer_loss,
     check_window_dropout,
+    select_transfer_parameters,
     transfer_layers,
 )
 from hf_linear_attn.training.checkpoints import export_model
@@ -51,12 +58,6 @@ from hf_linear_attn.training.models import (
     trainable_patterns,
 )
 from hf_linear_attn.training.recipes import recipe_dict
-from transformers import AutoTokenizer
-from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
-
-import hf_linear_attn
-from hf_linear_attn.configuration_linear_attention import check_has_window_weight, check_window_weight
-from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
 
 # ---------------------------------------------------------------------------------------------- stage 1
 
@@ -65,10 +66,12 @@ class DistillArguments:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A converted LinearAttentionForCausalLM checkpoint (training/convert.py)."}
     )
-    trainable_parameters: list[str] = field(
-        default_factory=lambda: [r"feature_map|window_gate|decay_proj|beta_proj|qkv_conv|g_proj"],
-        metadata={"help": "Regexes of the parameter names that train (default: feature maps, window γ, decay gates and "
-                          "the delta rule's β projection, short convolution and output gate; each regex must match)."},
+    trainable_parameters: list[str] | None = field(
+        default=None,
+        metadata={"help": "Regexes of the parameter names that train, each of which must match (default: the "
+                          "parameters conversion adds, as the linear-attention layers declare them in "
+                          "LinearAttention.attention_transfer_parameters: feature maps, window γ, decay gates, the "
+                          "delta rule's β projection, short convolution and output gate; not the output norm)."},
     )
     window_dropout: float = field(
         default=0.0,
@@ -82,16 +85,17 @@ class DistillArguments:
 def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainArguments) -> TrainResult:
     """Run stage 1 and save the student (an ordinary model again) to `train_args.output_dir`."""
     if not args.model_name_or_path:
-        raise ValueError("--model_name_or_path (a converted checkpoint, see training/convert.py) is required.")
+        raise InputError("--model_name_or_path (a converted checkpoint, see training/convert.py) is required.")
     check_data_arguments(data_args)
     check_train_arguments(train_args)
     model = load_teacher(args.model_name_or_path)  # refuses missing or unexpected weights
     if not isinstance(model, hf_linear_attn.LinearAttentionForCausalLM):
-        raise ValueError(f"{args.model_name_or_path} holds a {type(model).__name__}, not a linear-attention model; "
+        raise InputError(f"{args.model_name_or_path} holds a {type(model).__name__}, not a linear-attention model; "
                          "convert it first with training/convert.py.")
     if not transfer_layers(model):
-        raise ValueError(f"{args.model_name_or_path} has no linear-attention layer to distill (all softmax_layers).")
+        raise InputError(f"{args.model_name_or_path} has no linear-attention layer to distill (all softmax_layers).")
     check_window_dropout(args.window_dropout, model.config)
+    select_transfer_parameters(model, args.trainable_parameters)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     check_positions(data_args, model.config.max_position_embeddings)
     tokenizer.model_max_length = tokenizer_max_length(tokenizer, model.config.max_position_embeddings)
@@ -100,7 +104,7 @@ def distill(args: DistillArguments, data_args: DataArguments, train_args: TrainA
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     with AttentionTransfer(model, args.window_dropout):  # hooks on the layers, removed before the student is saved
         result = train(model, datasets["train"], datasets["validation"], train_args, accelerator,
-                       loss_fn=attention_transfer_loss, trainable=args.trainable_parameters, run_name="distill",
+                       loss_fn=attention_transfer_loss, run_name="distill",
                        perplexity=False)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
@@ -126,36 +130,36 @@ def check_finetune_arguments(model_args: ModelArguments, data_args: DataArgument
                              hub_args: HubArguments) -> None:
     """Every check that needs nothing loaded; raises a clear error."""
     if bool(model_args.model_name_or_path) == bool(model_args.config_name):
-        raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) and --config_name "
+        raise InputError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) and --config_name "
                          "(train from a config); see configs/finetune_tiny.yaml for a complete recipe.")
     if model_args.dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"--dtype {model_args.dtype!r}: use one of {WEIGHT_DTYPES}.")
+        raise InputError(f"--dtype {model_args.dtype!r}: use one of {WEIGHT_DTYPES}.")
     if model_args.dtype != "float32" and (not model_args.use_lora or model_args.trainable_parameters):
-        raise ValueError(f"--dtype {model_args.dtype} is for the frozen base of a LoRA run: weights that train "
+        raise InputError(f"--dtype {model_args.dtype} is for the frozen base of a LoRA run: weights that train "
                          "stay float32 (--mixed_precision bf16 gives bf16 compute).")
     if model_args.use_lora:
         if model_args.lora_r < 1:
-            raise ValueError(f"--lora_r must be >= 1, got {model_args.lora_r}.")
+            raise InputError(f"--lora_r must be >= 1, got {model_args.lora_r}.")
         if model_args.config_name and not model_args.merge_lora:
-            raise ValueError("--use_lora --merge_lora false from --config_name: the adapter's base would be a random "
+            raise InputError("--use_lora --merge_lora false from --config_name: the adapter's base would be a random "
                              "initialisation saved nowhere, so it could never be merged or loaded; fine-tune a "
                              "checkpoint (--model_name_or_path) or keep --merge_lora true.")
         if model_args.trainable_parameters and not model_args.merge_lora:
-            raise ValueError("--trainable_parameters with an unmerged LoRA adapter: a PEFT adapter does not store "
+            raise InputError("--trainable_parameters with an unmerged LoRA adapter: a PEFT adapter does not store "
                              "the base weights that would train; set --merge_lora true.")
     if model_args.teacher_gguf_file and not model_args.teacher_name_or_path:
-        raise ValueError("--teacher_gguf_file names a file inside --teacher_name_or_path, which is not set.")
+        raise InputError("--teacher_gguf_file names a file inside --teacher_name_or_path, which is not set.")
     if not 0.0 <= model_args.kl_weight <= 1.0:
-        raise ValueError(f"--kl_weight must be in [0, 1], got {model_args.kl_weight}.")
+        raise InputError(f"--kl_weight must be in [0, 1], got {model_args.kl_weight}.")
     if model_args.kl_temperature <= 0:
-        raise ValueError(f"--kl_temperature must be > 0, got {model_args.kl_temperature}.")
+        raise InputError(f"--kl_temperature must be > 0, got {model_args.kl_temperature}.")
     if model_args.set_window_weight is not None:
         check_window_weight(model_args.set_window_weight, "--set_window_weight")
     if hub_args.push_to_hub:
         if not hub_args.hub_model_id:
-            raise ValueError("--push_to_hub needs --hub_model_id USER/NAME.")
+            raise InputError("--push_to_hub needs --hub_model_id USER/NAME.")
         if model_args.use_lora and not model_args.merge_lora:
-            raise ValueError("--push_to_hub uploads a full model: keep --merge_lora true.")
+            raise InputError("--push_to_hub uploads a full model: keep --merge_lora true.")
     check_data_arguments(data_args)
     check_train_arguments(train_args)  # also the output folder: an earlier run is resumed or explicitly replaced
 
@@ -191,7 +195,7 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     check_finetune_arguments(*args)
     accelerator = make_accelerator(train_args)
     if model_args.use_lora and model_args.merge_lora and _shards_parameters(accelerator):
-        raise ValueError("Merging LoRA needs the full weights on one process; under FSDP / ZeRO-3 train with "
+        raise InputError("Merging LoRA needs the full weights on one process; under FSDP / ZeRO-3 train with "
                          "--merge_lora false, then merge the saved adapter into its base: hf-linear-attn-export "
                          "--model_name_or_path OUTPUT_DIR --output_dir MERGED_DIR.")
     set_seed(train_args.seed)

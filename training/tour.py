@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from hf_linear_attn.training.command_line import exit_on_bad_input, offline_by_default
-from hf_linear_attn.training.recipes import SHIPPED_RECIPES, parse_recipe_args
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_linear_attn
+from hf_linear_attn.configuration_linear_attention import InputError
+from hf_linear_attn.training.command_line import exit_on_bad_input, offline_by_default
+from hf_linear_attn.training.recipes import SHIPPED_RECIPES, parse_recipe_args
 
 # Attention variants by name: the config fields that select them.
 VARIANTS = {
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> TourArguments:
     with exit_on_bad_input():
         unknown = [v for v in args.variants if v not in VARIANTS]
         if unknown:
-            raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+            raise InputError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     return args
 
 

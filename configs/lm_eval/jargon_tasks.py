@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
+
 from hf_linear_attn.training.data import DataArguments, load_documents
 
 ROOT = Path(__file__).resolve().parents[2]
