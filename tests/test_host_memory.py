@@ -41,4 +41,7 @@ def heap_growth_mib(mode: str) -> tuple[int, int]:
 
 def test_a_freed_large_block_stays_in_the_heap_only_when_kept():
     assert heap_growth_mib("default") == (0, 0)  # glibc maps a block over 32 MB apart, and unmaps it
-    assert heap_growth_mib("keep") == (200, 200)
+    # the block comes from the heap, part of it from room the heap already had free (the package's imports leave
+    # some), and stays there when freed
+    allocated, freed = heap_growth_mib("keep")
+    assert 190 <= allocated <= 200 and freed == allocated
