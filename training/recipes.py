@@ -55,8 +55,9 @@ def recipe_file(value: str) -> Path | None:
 def shipped_file(value: Any) -> Any:
     """A shipped recipe names the files it ships with as `configs/...` (the repository's path); they are read from
     the installed package, wherever the command runs."""
-    if isinstance(value, str) and value.startswith("configs/") and (SHIPPED_RECIPES / value[8:]).is_file():
-        return str(SHIPPED_RECIPES / value[8:])
+    if isinstance(value, str) and value.startswith("configs/"):
+        shipped = SHIPPED_RECIPES / value.removeprefix("configs/")
+        return str(shipped) if shipped.is_file() else value
     return value
 
 
