@@ -1,2 +1,3 @@
-"""The benchmarks: scripts (`python benchmarks/NAME.py` or `python -m benchmarks.NAME`) and the libraries they
-share. An installed package, as `training` is, so that `benchmarks.NAME` imports however a script is started."""
+"""The benchmarks: scripts run from the checkout's root as `python -m benchmarks.NAME`, and the libraries they share.
+Not installed by the wheel (a user's environment gets only `hf_linear_attn`); the tests find it on pytest's
+`pythonpath`."""

@@ -1,5 +1,5 @@
 """Every Triton kernel specialization the triton backend launches, recorded on CPU and compiled for a Hopper GPU
-(sm_90) without one: the library behind tests/gpu_compile_check.py and benchmarks/kernel_report.py.
+(sm_90) without one: the library behind benchmarks/gpu_compile_check.py and benchmarks/kernel_report.py.
 
 Import it WITHOUT TRITON_INTERPRET (interpreted kernels cannot be compiled). `record_workload` replaces the kernels
 of every Triton module (`TRITON_MODULES`: hf_linear_attn's ops_triton_*) by recorders for the rest of the process:

@@ -76,7 +76,7 @@ from .ops_triton_linear import chunk_output
 __all__ = ["HAS_TRITON", "triton_delta_rule", "unsupported_delta_rule_inputs"]
 
 # The state passes hold whole fp32 [CHUNK, K] tiles (their products contract over K): at K = 128 they take up to
-# 224 KiB of shared memory on a Hopper GPU, which has 227 KiB (tests/gpu_compile_check.py).
+# 224 KiB of shared memory on a Hopper GPU, which has 227 KiB (benchmarks/gpu_compile_check.py).
 MAX_KEY_DIM = 128
 # The K block of `_delta_chunk_dqk_kernel`: at K = V = 128 an sm_90 compile of whole 128-wide ones spills registers.
 DQK_KEY_WIDTH = 64

@@ -26,10 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 REFERENCE = ROOT / "docs" / "reference.md"
 IDS = [str(path.relative_to(ROOT)) for path in DOCS]
-# Flags that the docs name on their own and no documented command takes: other tools' (vLLM, accelerate, pip) and
-# tests/gpu_compile_check.py's.
+# Flags that the docs name on their own and no documented command takes: other tools' (vLLM, accelerate, pip).
 FOREIGN_FLAGS = {"--enforce-eager", "--trust-remote-code", "--config_file", "--num_processes", "--machine_rank",
-                 "--kv-cache-memory-bytes", "--gpu-memory-utilization", "--no-deps", "--cover"}
+                 "--kv-cache-memory-bytes", "--gpu-memory-utilization", "--no-deps"}
 PATH_ROOTS = ("configs", "training", "docs", "benchmarks", "tests", "hf_linear_attn")
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)

@@ -620,8 +620,8 @@ def test_module_imports_without_triton():
 def test_kernels_compile_for_a_hopper_gpu():
     """What runs in the interpreter must also compile for a GPU: every kernel, built for sm_90 without one. --cover:
     each kernel's every constexpr value, block size and argument type once (about 2/3 of the builds, ~25 s fewer
-    here); `python tests/gpu_compile_check.py` builds every specialization."""
-    result = run_python(str(ROOT / "tests" / "gpu_compile_check.py"), "--cover", timeout=600)
+    here); `python -m benchmarks.gpu_compile_check` builds every specialization."""
+    result = run_python("-m", "benchmarks.gpu_compile_check", "--cover", timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "0 failed" in result.stdout
     compiled = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}

@@ -2,9 +2,9 @@
 GPU (sm_90), on a machine without one. The interpreter accepts code that a GPU compiler rejects (dot blocks < 16,
 shapes it cannot lay out...): this catches it on CPU-only CI.
 
-    python tests/gpu_compile_check.py          # bfloat16, one head-dim set: a few dozen kernels
-    python tests/gpu_compile_check.py --cover  # of those, enough that each kernel's every value compiles (the test)
-    python tests/gpu_compile_check.py --all    # float16 / bfloat16 / float32, three head-dim sets
+    python -m benchmarks.gpu_compile_check          # bfloat16, one head-dim set: a few dozen kernels
+    python -m benchmarks.gpu_compile_check --cover  # of those, enough that each kernel's every value compiles (a test)
+    python -m benchmarks.gpu_compile_check --all    # float16 / bfloat16 / float32, three head-dim sets
 
 Run it WITHOUT TRITON_INTERPRET. Kernel launches are recorded instead of run, so the workload computes nothing.
 Prints one line per kernel with its shared memory and exits 1 on any failure, a kernel that needs more shared memory
