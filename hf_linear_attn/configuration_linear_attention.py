@@ -360,8 +360,9 @@ class LinearAttentionConfig(PretrainedConfig):
             this many positions (the slow ones, which a model reads as where a token is) rotate up to position
             `rope_position_cap - 1` and no further; the faster pairs, whose every angle training has seen, rotate
             on. Below the cap nothing changes; past it, every position looks like one the model was trained at,
-            and each position's rotation stays fixed (a cache and a streamed state stay consistent). Converted
-            models set it to the teacher's `max_position_embeddings`. Not with a `dynamic` or `longrope` rope_type.
+            and each position's rotation stays fixed (a cache and a streamed state stay consistent). A conversion
+            sets it to the teacher's `max_position_embeddings` unless given another (`convert_to_linear_attention`'s
+            `rope_position_cap`). Not with a `dynamic` or `longrope` rope_type.
 
     Architecture switches for converted checkpoints:
         attention_bias: bias on q/k/v projections (Qwen2; Llama's `attention_bias=True` also

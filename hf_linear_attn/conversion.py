@@ -73,14 +73,37 @@ GATED_DELTANET_OPTIONS: dict[str, Any] = dict(update_rule="delta", feature_map="
 GATED_DELTANET_WINDOW_OPTIONS: dict[str, Any] = dict(GATED_DELTANET_OPTIONS, window_size=64, num_sink_tokens=4)
 
 
+def converted_position_cap(source_config, requested: int | None) -> int | None:
+    """The `rope_position_cap` of a conversion: `requested`, or the source's `max_position_embeddings` (its RoPE is
+    trained up to there; past it the slow rotations are held). None with a length-dependent RoPE, whose rotations
+    follow the input. InputError for a cap that is not an int in [2, max_position_embeddings] or one with a
+    length-dependent RoPE."""
+    trained = source_config.max_position_embeddings
+    if source_config.rope_parameters.get("rope_type") in LENGTH_DEPENDENT_ROPE_TYPES:
+        if requested is not None:
+            raise InputError(f"rope_position_cap {requested}: the source's rope_type "
+                             f"{source_config.rope_parameters['rope_type']!r} rotates by the input's length, which a "
+                             "cap cannot hold fixed; leave it unset")
+        return None
+    if requested is None:
+        return trained
+    if isinstance(requested, bool) or not isinstance(requested, int) or not 2 <= requested <= trained:
+        raise InputError(f"rope_position_cap {requested!r}: an int from 2 to the source's max_position_embeddings "
+                         f"({trained}), the positions its RoPE was trained at")
+    return requested
+
+
 def linear_attention_config(
-    source_config, softmax_heads: dict[int, list[int]] | None = None, **attention_options: Any
+    source_config, softmax_heads: dict[int, list[int]] | None = None, rope_position_cap: int | None = None,
+    **attention_options: Any
 ) -> LinearAttentionConfig:
     """The `LinearAttentionConfig` of a converted `source_config` (a Llama / Mistral / Qwen2 / Qwen3 config).
 
     `attention_options` are `AttentionOptions` fields (`ATTENTION_OPTIONS`); unset ones take the
     LoLCATs defaults of `DEFAULT_ATTENTION_OPTIONS`. `softmax_heads` ({layer: [kv_head, ...]}) are the KV heads that
-    keep their softmax attention (`LinearAttentionConfig`). Raises ValueError for another architecture or an
+    keep their softmax attention (`LinearAttentionConfig`). `rope_position_cap`: where the slow RoPE rotations stop
+    (`LinearAttentionConfig`); None takes the source's `max_position_embeddings`, the positions its RoPE was trained
+    at (docs/results/long-context.md measures lower caps). Raises ValueError for another architecture or an
     unknown / invalid option (TypeError for one of the wrong type), before anything is built.
     """
     model_type = getattr(source_config, "model_type", None)
@@ -96,6 +119,7 @@ def linear_attention_config(
     options = {**DEFAULT_ATTENTION_OPTIONS, **{k: v for k, v in attention_options.items() if v is not None}}
 
     c = source_config
+    position_cap = converted_position_cap(c, rope_position_cap)
     if model_type == "qwen2":  # q/k/v carry a bias, o does not
         qkv_bias, out_bias = True, False
     else:
@@ -118,10 +142,7 @@ def linear_attention_config(
         eos_token_id=c.eos_token_id,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         rope_parameters=dict(c.rope_parameters),
-        # The teacher's RoPE is trained up to its max_position_embeddings: past it, its slow rotations are held there
-        # (not with a length-dependent RoPE, whose rotations follow the input).
-        rope_position_cap=(None if c.rope_parameters.get("rope_type") in LENGTH_DEPENDENT_ROPE_TYPES
-                           else c.max_position_embeddings),
+        rope_position_cap=position_cap,
         attention_bias=qkv_bias,
         attention_out_bias=out_bias,
         use_qk_norm=model_type == "qwen3",
@@ -199,11 +220,12 @@ def tokenizer_max_length(tokenizer: Any, max_position_embeddings: int | None) ->
 
 def convert_to_linear_attention(
     model_or_path: PreTrainedModel | str, dtype: torch.dtype | None = None,
-    softmax_heads: dict[int, list[int]] | None = None, **attention_options: Any
+    softmax_heads: dict[int, list[int]] | None = None, rope_position_cap: int | None = None, **attention_options: Any
 ) -> LinearAttentionForCausalLM:
     """Convert a softmax-attention causal LM (an instance, a local folder or a Hub id) into a
-    `LinearAttentionForCausalLM` with the given attention options (`LinearAttentionConfig` field names) and
-    `softmax_heads` ({layer: [kv_head, ...]}: KV heads that keep the teacher's softmax attention, exactly).
+    `LinearAttentionForCausalLM` with the given attention options (`LinearAttentionConfig` field names),
+    `softmax_heads` ({layer: [kv_head, ...]}: KV heads that keep the teacher's softmax attention, exactly) and
+    `rope_position_cap` (None: the teacher's `max_position_embeddings`; `linear_attention_config`).
 
     Every weight of the source is copied (the source model is left untouched); the new attention parameters
     take their initial values. The result is in eval mode, in `dtype` (default: the source's dtype).
@@ -212,13 +234,14 @@ def convert_to_linear_attention(
         # Build the config first so that bad options fail before the weights are read.
         from transformers import AutoConfig
 
-        linear_attention_config(AutoConfig.from_pretrained(model_or_path), softmax_heads, **attention_options)
+        linear_attention_config(AutoConfig.from_pretrained(model_or_path), softmax_heads, rope_position_cap,
+                                **attention_options)
         teacher = load_teacher(model_or_path)
     elif isinstance(model_or_path, PreTrainedModel):
         teacher = model_or_path
     else:
         raise TypeError(f"model_or_path must be a PreTrainedModel or a path / Hub id, got {type(model_or_path)}")
-    config = linear_attention_config(teacher.config, softmax_heads, **attention_options)
+    config = linear_attention_config(teacher.config, softmax_heads, rope_position_cap, **attention_options)
     if change := sliding_window_change(teacher.config, config):
         logger.warning(change)
     dtype = dtype or next(teacher.parameters()).dtype

@@ -18,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from hf_linear_attn import LinearAttentionForCausalLM, convert_to_linear_attention
+from hf_linear_attn import InputError, LinearAttentionForCausalLM, convert_to_linear_attention
 from hf_linear_attn.configuration_linear_attention import ATTENTION_OPTIONS
 from hf_linear_attn.conversion import (
     DEFAULT_ATTENTION_OPTIONS,
@@ -132,8 +132,9 @@ def test_convert_cli_takes_every_attention_option(tmp_path):
     assert run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "elu",
                        "--window_size", "0", "--num_sink_tokens", "0", "--decay", "vector", "--decay_low_rank_dim",
                        "4", "--output_norm", "--no_normalize", "--linear_attention_backend", "torch",
-                       "--window_weight", "0.75") == 0
+                       "--window_weight", "0.75", "--rope_position_cap", "16") == 0
     config = AutoModelForCausalLM.from_pretrained(out).config
+    assert config.rope_position_cap == 16
     assert {name: getattr(config, name) for name in ATTENTION_OPTIONS} == {
         "feature_map": "elu", "feature_dim": None, "normalize": False, "output_norm": True, "decay": "vector",
         "decay_low_rank_dim": 4, "decay_horizon": 2048, "window_size": 0, "num_sink_tokens": 0, "window_weight": 0.75,
@@ -170,6 +171,8 @@ def test_convert_cli_fails_before_writing_anything(tmp_path, capsys):
     assert "invalid choice: 'cos'" in fails(  # not a choice: argparse's usage error
         "--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "cos")
     assert "no tokenizer" in fails("--model_name_or_path", str(tmp_path / "no_tokenizer"), "--output_dir", str(out))
+    assert "rope_position_cap 100000: an int from 2" in fails("--model_name_or_path", str(tmp_path / "src"),
+                                                              "--output_dir", str(out), "--rope_position_cap", "100000")
     (tmp_path / "bad.yaml").write_text("window: 3\n")
     assert "unknown key(s) ['window']" in fails("--model_name_or_path", str(tmp_path / "src"), "--output_dir",
                                                 str(out), "--config", str(tmp_path / "bad.yaml"))
@@ -471,6 +474,23 @@ def test_a_conversion_holds_the_slow_rotations_at_the_teachers_positions(name):
     source.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0,
                                      "rope_theta": source.config.rope_parameters["rope_theta"]}
     assert linear_attention_config(source.config).rope_position_cap is None
+
+
+def test_a_conversion_takes_a_position_cap_within_the_teachers_positions():
+    """`rope_position_cap` at conversion (a recipe's training rows' length): kept in the config; anything but an int
+    in [2, the teacher's max_position_embeddings], or any cap with a length-dependent RoPE, is refused before
+    anything is built, naming what is allowed."""
+    source = teacher("llama")
+    trained = source.config.max_position_embeddings
+    assert linear_attention_config(source.config, rope_position_cap=16).rope_position_cap == 16
+    assert convert_to_linear_attention(source, rope_position_cap=trained).config.rope_position_cap == trained
+    for bad in (1, trained + 1, 16.0, True, "16"):
+        with pytest.raises(InputError, match=rf"an int from 2 to the source's max_position_embeddings \({trained}\)"):
+            linear_attention_config(source.config, rope_position_cap=bad)
+    source.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0,
+                                     "rope_theta": source.config.rope_parameters["rope_theta"]}
+    with pytest.raises(InputError, match="rotates by the input's length"):
+        linear_attention_config(source.config, rope_position_cap=16)
 
 
 # Sources that attend through a sliding window of 16 tokens (in the layers named), and the config changes that turn

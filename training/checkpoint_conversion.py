@@ -73,6 +73,9 @@ class ConversionArguments(attention_arguments("ConversionAttentionArguments", **
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside model_name_or_path."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace an existing output_dir."})
     dtype: str = field(default="float32", metadata={"help": f"Weights dtype of the output, one of {list(DTYPES)}."})
+    rope_position_cap: int | None = field(default=None, metadata={
+        "help": "Where the slow RoPE rotations stop (LinearAttentionConfig.rope_position_cap), from 2 to the source's "
+                "max_position_embeddings (unset: that); docs/results/long-context.md measures lower caps."})
     softmax_layers: list[str] = field(default_factory=list, metadata={
         "help": "Layers kept as full softmax attention: indices (`1 5 7` or `1,5,7`), or `auto:K`, the K layers "
                 "whose restoration alone lowers the KL to the teacher most on held-out rows of --ranking_model."})
@@ -279,7 +282,8 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
                           ranking_model=args.ranking_model if selection.auto_k is not None or not by_restoration
                           else None)
     options["softmax_layers"] = list(selection.layers)
-    conversion_config = linear_attention_config(source_config, softmax_heads=head_spec.heads, **options)
+    conversion_config = linear_attention_config(source_config, softmax_heads=head_spec.heads,
+                                                rope_position_cap=args.rope_position_cap, **options)
     if head_spec.auto_n is not None:
         check_head_count(head_spec.auto_n, conversion_config.num_hidden_layers, conversion_config.num_key_value_heads,
                          len(selection.layers) + (selection.auto_k or 0))
@@ -331,7 +335,8 @@ def convert_checkpoint(args: ConversionArguments, data_args: DataArguments | Non
         print(f"Softmax heads {heads}: {source} on {args.head_ranking_prompts} passkey prompts of "
               f"{data_args.block_size} tokens (ranking in {HEAD_RANKING_FILE})")
     if trained is None:
-        student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], softmax_heads=heads, **options)
+        student = convert_to_linear_attention(teacher, dtype=DTYPES[args.dtype], softmax_heads=heads,
+                                              rope_position_cap=args.rope_position_cap, **options)
     else:
         student = restore_softmax_heads(trained, heads, inplace=True).to(DTYPES[args.dtype])
     student.config.base_model_name_or_path = args.model_name_or_path

@@ -45,7 +45,7 @@ from hf_linear_attn.configuration_linear_attention import (
     check_has_window_weight,
     check_window_weight,
 )
-from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, load_teacher
+from hf_linear_attn.conversion import DEFAULT_ATTENTION_OPTIONS, converted_position_cap, load_teacher
 from hf_linear_attn.head_selection import parse_softmax_heads
 from hf_linear_attn.layer_selection import restore_softmax_heads
 from hf_linear_attn.training.attention_transfer import check_window_dropout
@@ -93,6 +93,9 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
     position_offset: int = field(default=0, metadata={
         "help": "Training rows start at a random position up to this (training.data: the feature maps read rotated "
                 "q/k and must see every position the model will run at)."})
+    rope_position_cap: int | None = field(default=None, metadata={
+        "help": "Where the slow RoPE rotations stop (LinearAttentionConfig.rope_position_cap); unset: the teacher's "
+                "max_position_embeddings."})
     softmax_layers_k: int = field(default=0, metadata={
         "help": "After stage 1, restore the K layers that matter most to softmax (0: none)."})
     ranking_rows: int = field(default=2, metadata={"help": "Held-out rows of block_size tokens that rank the layers."})
@@ -276,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1/6] Loading SmolLM2-135M-Instruct from {folder}/{GGUF_FILE}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     teacher = load_teacher(folder, gguf_file=GGUF_FILE).eval()
+    with exit_on_bad_input():  # the cap's bound is the teacher's: checked before the head ranking's minutes
+        converted_position_cap(teacher.config, args.rope_position_cap)
     save_dequantized(teacher, tokenizer, out / "teacher")
 
     print("[2/6] Converting to linear attention", flush=True)
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    softmax heads {ranked.heads}: the teacher's {head_spec.auto_n} best retrieving KV heads on "
               f"{args.head_ranking_prompts} passkey prompts of {args.block_size} tokens", flush=True)
     student = convert_to_linear_attention(teacher, softmax_heads=ranked.heads if ranked else head_spec.heads,
-                                          **attention_options(args))
+                                          rope_position_cap=args.rope_position_cap, **attention_options(args))
     student.config.base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     student.save_pretrained(out / "converted")
     tokenizer.save_pretrained(out / "converted")
