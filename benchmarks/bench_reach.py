@@ -10,7 +10,9 @@ slices of the final hidden states, so a 32K window's logits never exist at once.
 Each linear-attention model is measured as saved and with each of `--position_caps` (`rope_position_cap`: a number,
 or `none` to remove it). `--within N` adds, per model and length, the perplexity of the same last-quarter tokens
 read within N tokens (windows of N, each scoring its last N / 2 tokens): the text's difficulty with the context the
-model was trained on, against which reading the whole window is judged. Report `reach.*`.
+model was trained on, against which reading the whole window is judged. `--within_offset P` also reads those same
+windows at positions P, P + 1, ... instead of 0, 1, ...: the same tokens and context at positions past the trained
+ones, which tells what the positions cost from what the far context costs. Report `reach.*`.
 
     python -m benchmarks.bench_reach --models teacher=outputs/demo/teacher "stage 2=outputs/demo/stage2" \\
         --lengths 4096 8192 16384 32768 --position_caps none 8192 --within 8192
@@ -44,6 +46,8 @@ class ReachArguments:
                 "≥ 2, or 'none' to remove it)."})
     within: int = field(default=0, metadata={"help": "Also score each length's last quarter within this many tokens "
                                                      "(0: skip)."})
+    within_offset: int = field(default=0, metadata={
+        "help": "With --within: also read the same windows at positions starting here (0: skip)."})
     slice_tokens: int = field(default=2048, metadata={"help": "Positions per slice of the loss."})
     long_context_data: str = DEFAULT_DATA_DIR
     output_dir: str = "outputs/bench"
@@ -63,19 +67,32 @@ def check_arguments(args: ReachArguments) -> dict[str, str]:
                                                                    for length in args.lengths)):
         raise InputError(f"--within {args.within}: an even number whose half divides every length's last quarter "
                          f"({[length // 4 for length in args.lengths]})")
+    if args.within_offset < 0 or (args.within_offset and not args.within):
+        raise InputError(f"--within_offset {args.within_offset}: a position ≥ 0, and only with --within")
     if args.slice_tokens < 1:
         raise InputError(f"--slice_tokens must be ≥ 1, got {args.slice_tokens}")
     return models
 
 
 @torch.no_grad()
-def position_losses(model, ids: torch.Tensor, slice_tokens: int) -> torch.Tensor:
-    """float64 [T - 1]: the next-token loss at every position of one row ids [1, T], the LM head applied to
-    `slice_tokens` positions of the final hidden states at a time."""
-    hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, :-1]
+def position_losses(model, ids: torch.Tensor, slice_tokens: int, first_position: int = 0) -> torch.Tensor:
+    """float64 [T - 1]: the next-token loss at every position of one row ids [1, T] read at positions
+    `first_position`, `first_position` + 1, ..., the LM head applied to `slice_tokens` positions of the final hidden
+    states at a time."""
+    positions = torch.arange(first_position, first_position + ids.shape[1], device=ids.device)[None]
+    hidden = model.get_decoder()(input_ids=ids, position_ids=positions).last_hidden_state[0, :-1]
     head, target = model.get_output_embeddings(), ids[0, 1:]
     return torch.cat([F.cross_entropy(head(hidden[i:i + slice_tokens]).float(), target[i:i + slice_tokens],
                                       reduction="none").double() for i in range(0, len(target), slice_tokens)])
+
+
+def within_perplexity(model, ids: torch.Tensor, length: int, args: ReachArguments, first_position: int) -> float:
+    """The perplexity of the last quarter of ids[:, :length], each token read within `args.within` tokens (windows
+    that score their last half), the windows at positions from `first_position`."""
+    half = args.within // 2
+    losses = [position_losses(model, ids[:, start - half:start + half], args.slice_tokens, first_position)[-half:]
+              for start in range(length - length // 4, length, half)]
+    return math.exp(torch.cat(losses).mean().item())
 
 
 def variants(path: str, caps: list[str]) -> list[tuple[str, dict]]:
@@ -114,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                            "perplexity": math.exp(losses.mean().item()),
                            "last_quarter": math.exp(losses[-(length // 4):].mean().item())}
                     if args.within and length > args.within:
-                        half = args.within // 2
-                        within = [position_losses(model, ids[:, start - half:start + half], args.slice_tokens)[-half:]
-                                  for start in range(length - length // 4, length, half)]
-                        row["last_quarter_within"] = math.exp(torch.cat(within).mean().item())
+                        row["last_quarter_within"] = within_perplexity(model, ids, length, args, 0)
+                        if args.within_offset:
+                            row["last_quarter_within_offset"] = within_perplexity(model, ids, length, args,
+                                                                                  args.within_offset)
                     rows.append(row)
                     print(f"  {label} ({variant}) {document.source} @{length}: {row['perplexity']:.2f}, last quarter "
                           f"{row['last_quarter']:.2f}", flush=True)
@@ -125,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     columns = {"model": "model", "variant": "variant", "text": "text", "length": "context",
                "perplexity": "perplexity", "last_quarter": "last quarter",
                "last_quarter_within": f"last quarter within {args.within:,}"}
+    if args.within_offset:
+        columns["last_quarter_within_offset"] = f"the same at positions from {args.within_offset:,}"
     plot = log_log_plot(rows, "length", "context tokens", [("perplexity", "held-out perplexity"),
                                                             ("last_quarter", "perplexity, last quarter")],
                         line=lambda row: f"{row['model']} ({row['variant']}), {row['text']}")

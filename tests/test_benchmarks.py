@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_linear_attn import InputError
+
 # The models of the decode and train benchmarks' tests: one layer, hidden 32, vocabulary 64.
 TINY_DECODE = ["--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64",
                "--num_hidden_layers", "1", "--vocab_size", "64"]
@@ -183,6 +185,11 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
     student = convert_to_linear_attention(teacher, feature_map="hedgehog", feature_dim=8, window_size=8,
                                           num_sink_tokens=2).eval()
     assert student.config.rope_position_cap == 64
+    with torch.no_grad():  # feature maps far from their start and a sharp head: where tokens sit then shows
+        for name, parameter in student.named_parameters():
+            if "feature_map" in name:
+                parameter.add_(torch.randn_like(parameter))
+        student.lm_head.weight.mul_(30)
     for name, model in (("teacher", teacher), ("student", student)):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
@@ -192,7 +199,8 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
         (tmp_path / "texts" / f"{source}.jsonl").write_text(json.dumps({"title": source, "text": text}) + "\n")
     assert benchmark_main("bench_reach.py", "--models", f"teacher={tmp_path / 'teacher'}",
                           f"student={tmp_path / 'student'}", "--lengths", "128", "256", "--position_caps", "none",
-                          "--within", "64", "--slice_tokens", "40", "--long_context_data", str(tmp_path / "texts"),
+                          "--within", "64", "--within_offset", "64", "--slice_tokens", "40",
+                          "--long_context_data", str(tmp_path / "texts"),
                           "--output_dir", str(tmp_path / "out")) == 0
     rows = json.loads((tmp_path / "out" / "reach.json").read_text())["rows"]
     assert [(r["model"], r["variant"], r["text"], r["length"]) for r in rows] == [
@@ -212,14 +220,33 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
                                      reduction="none")
         assert row["perplexity"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-5)
         assert row["last_quarter"] == pytest.approx(math.exp(losses[-(row["length"] // 4):].mean().item()), rel=1e-5)
-        within = []
-        for start in range(row["length"] * 3 // 4, row["length"], 32):
-            window = ids[:, start - 32:start + 32]
-            with torch.no_grad():
-                within.append(F.cross_entropy(models[row["model"], row["variant"]](window).logits[0, -33:-1],
-                                              window[0, -32:], reduction="none"))
-        assert row["last_quarter_within"] == pytest.approx(math.exp(torch.cat(within).mean().item()), rel=1e-5)
+        for key, first in (("last_quarter_within", 0), ("last_quarter_within_offset", 64)):
+            within = []  # the same windows read at positions 0-63, then 64-127 (past the student's cap)
+            for start in range(row["length"] * 3 // 4, row["length"], 32):
+                window = ids[:, start - 32:start + 32]
+                positions = torch.arange(first, first + 64)[None]
+                with torch.no_grad():
+                    logits = models[row["model"], row["variant"]](window, position_ids=positions).logits
+                within.append(F.cross_entropy(logits[0, -33:-1], window[0, -32:], reduction="none"))
+            assert row[key] == pytest.approx(math.exp(torch.cat(within).mean().item()), rel=1e-5)
+        # softmax attention with RoPE reads by distance alone, so where the windows sit is moot to the teacher; the
+        # conversion's feature maps read rotated q and k, so it is not to the student (its readings differ by > 5e-4)
+        same = row["last_quarter_within_offset"] == pytest.approx(row["last_quarter_within"], rel=1e-4)
+        assert same == (row["model"] == "teacher")
     ids = documents[0].input_ids[None]
     with torch.no_grad():  # the two variants are two models past the cap (so the checks above tell them apart)
         torch.testing.assert_close(student(ids[:, :64]).logits, uncapped(ids[:, :64]).logits, rtol=0, atol=0)
         assert not torch.allclose(student(ids).logits, uncapped(ids).logits, atol=1e-5)
+
+
+def test_reach_benchmark_refuses_an_offset_it_cannot_use():
+    """`--within_offset` reads the --within windows elsewhere: refused without --within, or below 0, before any
+    model is loaded."""
+    from benchmarks.bench_reach import ReachArguments, check_arguments
+
+    assert check_arguments(ReachArguments(models=["a=x"], lengths=[16384, 32768], within=8192,
+                                           within_offset=8192)) == {"a": "x"}
+    for within, offset in ((0, 8192), (8192, -1)):
+        with pytest.raises(InputError, match=f"--within_offset {offset}: a position ≥ 0, and only with --within"):
+            check_arguments(ReachArguments(models=["a=x"], lengths=[16384, 32768], within=within,
+                                           within_offset=offset))
