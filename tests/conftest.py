@@ -60,6 +60,7 @@ TIERS = {
     "test_triton_ops.py::test_window_sink_kernel_launched_only_when_needed": FULL,
     "test_triton_ops.py::test_window_backward_is_deterministic": FULL,
     "test_triton_ops.py::test_kernels_compile_for_a_hopper_gpu": FULL,
+    "test_triton_ops.py::test_packed_calls_read_no_values_on_the_host": FULL,
     "test_delta_rule_triton.py::test_matches_recurrent_oracle": COVER,
     "test_delta_rule_triton.py::test_low_precision_matches_float64_oracle": ONE,
     "test_triton_decode.py::test_window_step_matches_twin": COVER,
@@ -91,10 +92,14 @@ TIERS = {
     "test_lm_eval.py::test_cloze_accuracy_is_the_argmax_of_the_choices_loglikelihood": FULL,
     "test_lm_eval.py::test_needle_accuracy_is_the_models_own_greedy_passkey_accuracy": FULL,
     "test_lm_eval.py::test_a_model_that_reads_the_key_scores_1_through_the_harness_and_one_that_does_not_0": FULL,
+    "test_kernel_report.py::test_kernel_report_dry": FULL,
     "test_kernel_report.py::test_gpu_check_dry_stages": FULL,
     "test_kernel_report.py::test_kernel_report_delta_rule_backward_does_not_spill": FULL,
     "test_kernel_report.py::test_kernel_report_pruned_configs_do_not_spill": FULL,
     "test_benchmarks.py::test_decode_loop_benchmark_times_every_variant_in_turn": ONE,
+    # The allocator's heap behaviour (a process per case), and the recipes' offline switch (a process per setting).
+    "test_host_memory.py::test_a_freed_large_block_stays_in_the_heap_only_when_kept": FULL,
+    "test_recipes.py::test_the_demo_and_tour_stay_offline_unless_told_otherwise": ONE,
     # The GPU recipes' four commands on a tiny stand-in of each model (~40-80 s a model on one thread).
     "test_gpu_recipes.py::test_a_models_four_recipes_run_end_to_end_on_a_stand_in": FULL,
     # Softmax heads: every variant's cache, padding, packing and gradient paths stay quick; one variant's generate
