@@ -79,8 +79,9 @@ TIERS = {
     # Training runs beyond those the quick tier keeps (fine-tuning, its checkpoints and resumes, the push after it).
     "test_finetune.py::test_resume_after_sigkill_reproduces_the_loss_curve": FULL,
     "test_ddp.py::test_two_rank_gloo_ddp_*": FULL,
-    # Several processes under `accelerate launch` (~20-45 s each): the quick tier keeps 2-process FSDP2 fine-tuning.
-    "test_distributed.py::test_the_same_model_on_any_number_of_processes": ONE,
+    # Several processes under `accelerate launch` (~20-45 s each): all in the full tier (the quick tier's DDP-free
+    # paths of the same stages run in test_finetune.py and test_distill.py).
+    "test_distributed.py::test_the_same_model_on_any_number_of_processes": FULL,
     "test_distributed.py::test_fsdp2_*": FULL,
     "test_distributed.py::test_attention_transfer_matches_one_process": FULL,
     "test_distributed.py::test_lora_with_a_kl_teacher_ends_in_a_merged_checkpoint_that_pushes_and_generates": FULL,
@@ -97,6 +98,8 @@ TIERS = {
     "test_kernel_report.py::test_kernel_report_delta_rule_backward_does_not_spill": FULL,
     "test_kernel_report.py::test_kernel_report_pruned_configs_do_not_spill": FULL,
     "test_benchmarks.py::test_decode_loop_benchmark_times_every_variant_in_turn": ONE,
+    "test_benchmarks.py::test_decode_benchmark_compiles_and_batches_generate": FULL,
+    "test_delta_rule_ops.py::test_benchmark_script_runs": FULL,
     # The allocator's heap behaviour (a process per case), and the recipes' offline switch (a process per setting).
     "test_host_memory.py::test_a_freed_large_block_stays_in_the_heap_only_when_kept": FULL,
     "test_recipes.py::test_the_demo_and_tour_stay_offline_unless_told_otherwise": ONE,
