@@ -17,8 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from hf_linear_attn.training import long_context, measure
 from hf_linear_attn.training.data import byte_level_tokenizer
+from hf_linear_attn.training.evaluation import EvaluateArguments, check_arguments
 from hf_linear_attn.training.long_context_data import (
     PREAMBLE,
+    RANKING_PREAMBLE,
+    RANKING_VARIANT,
     VARIANTS,
     austen_novels,
     load_texts,
@@ -331,6 +334,34 @@ def test_passkey_trials_spread_depth_and_are_deterministic(tokenizer, documents,
         assert any(sentence in text for sentence in sentences) == (haystack == "filler")
     other_seed = passkey_trials(tokenizer, documents, 400, 5, haystack, variant, seed=4, keys=3)
     assert [t.answer for t in other_seed] != [t.answer for t in trials]
+
+
+def test_ranking_trials_share_no_wording_with_any_evaluated_variant(tokenizer, documents):
+    """Head ranking's prompts (RANKING_VARIANT) ask in words no evaluated variant uses, plain text and the chat
+    template in turn, the code stated once; the evaluation does not accept the variant."""
+    trials = passkey_trials(tokenizer, documents, 400, 4, "natural", RANKING_VARIANT, seed=3)
+    evaluated = [tokenizer.decode(t.input_ids[0]) for v in VARIANTS
+                 for t in passkey_trials(tokenizer, documents, 400, 2, "natural", v, seed=3, keys=3)]
+    for i, trial in enumerate(trials):
+        text = tokenizer.decode(trial.input_ids[0])
+        needle = f" (The code of the archive room is {trial.answer}.) "
+        assert tokenizer.decode(trial.input_ids[0, trial.needle_start:]).startswith(needle)
+        assert text.count(trial.answer) == 1 and trial.input_ids.shape == (1, 400)
+        assert text.startswith(RANKING_PREAMBLE if i % 2 == 0 else "<|im_start|>user\n" + RANKING_PREAMBLE)
+        assert text.endswith(" Which code opens the archive room? The code is" if i % 2 == 0 else
+                             "\n\nWhich code opens the archive room?<|im_end|>\n<|im_start|>assistant\nThe code is")
+        assert trial.retrieval_prompt().needle == (trial.needle_start + len(" (The code of the archive room is"),
+                                                   trial.needle_start + len(needle) - len(".) "))
+    for phrase in ("archive room", "Which code", RANKING_PREAMBLE.strip()):
+        assert not any(phrase in text for text in evaluated)
+    for text in evaluated:
+        assert "pass key" in text
+    plain = byte_level_tokenizer()
+    plain.chat_template = None  # without a template every ranking prompt is plain text
+    assert all(tokenizer.decode(t.input_ids[0]).startswith(RANKING_PREAMBLE)
+               for t in passkey_trials(plain, documents, 400, 2, "natural", RANKING_VARIANT))
+    with pytest.raises(ValueError, match="passkey_variants"):
+        check_arguments(EvaluateArguments(teacher_name_or_path="t", passkey_variants=[RANKING_VARIANT]))
 
 
 def test_passkey_trials_refuse_bad_input(tokenizer, documents):

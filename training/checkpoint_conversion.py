@@ -45,7 +45,7 @@ from hf_linear_attn.layer_selection import (
 )
 from hf_linear_attn.training.command_line import renamed
 from hf_linear_attn.training.data import DataArguments, build_datasets, check_data_arguments
-from hf_linear_attn.training.long_context_data import LongDocument, passkey_trials
+from hf_linear_attn.training.long_context_data import RANKING_VARIANT, LongDocument, passkey_trials
 from hf_linear_attn.training.recipes import attention_arguments, attention_options
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -194,8 +194,9 @@ class RankedHeads:
 
 def head_ranking_prompts(tokenizer: Any, data_args: DataArguments, prompts: int) -> list[RetrievalPrompt]:
     """`prompts` teacher-forced passkey prompts of `data_args.block_size` tokens for `retrieval_scores`, whose
-    haystacks are windows of the data pipeline's documents (held-out rows first, then training rows). They ask in the
-    tokenizer's chat template when it has one (the "chat" passkey variant), else in plain text ("single")."""
+    haystacks are windows of the data pipeline's documents (held-out rows first, then training rows). They are worded
+    as no evaluated passkey variant is (`RANKING_VARIANT`: a code stated once, asked for in plain text and, when the
+    tokenizer has one, in its chat template), so that retrieval is judged on phrasings the heads were not chosen on."""
     length = data_args.block_size
     rows = build_datasets(data_args, tokenizer)
     tokens = [token for split in ("validation", "train") if split in rows
@@ -203,9 +204,8 @@ def head_ranking_prompts(tokenizer: Any, data_args: DataArguments, prompts: int)
     if len(tokens) < 2 * length:
         raise InputError(f"the data pipeline holds {len(tokens)} tokens, too few for passkey prompts of "
                          f"{length} tokens that rank heads; give more documents or a shorter length")
-    variant = "chat" if getattr(tokenizer, "chat_template", None) else "single"
     trials = passkey_trials(tokenizer, [LongDocument("data", 0, torch.tensor(tokens))], length, prompts, "natural",
-                            variant)
+                            RANKING_VARIANT)
     return [trial.retrieval_prompt() for trial in trials]
 
 

@@ -203,6 +203,10 @@ PREAMBLE = ("There is important information hidden inside a lot of irrelevant te
 DOORS = ("red", "green", "blue", "amber", "violet", "silver", "black", "white")
 # "chat" (the default) is the one an instruct teacher passes; "single" and "multi" are harder.
 VARIANTS = ("chat", "single", "multi")
+# The wording head ranking asks in (`training.checkpoint_conversion.head_ranking_prompts`), which no evaluated variant
+# uses (nor is it one the evaluation accepts): heads chosen on it are judged on phrasings they were not chosen on.
+RANKING_VARIANT = "ranking"
+RANKING_PREAMBLE = "Read the notes below. One number in them will be needed at the end.\n\n"
 HAYSTACKS = ("natural", "filler")
 _MARKER = "\x00haystack\x00"
 
@@ -256,14 +260,14 @@ def passkey_prompt(tokenizer, haystack_ids: list[int], length: int, needles: lis
     return torch.tensor([ids]), [starts[order.index(i)] for i in range(len(needles))]
 
 
-def chat_frame(tokenizer, question: str, answer_start: str) -> tuple[str, str]:
+def chat_frame(tokenizer, question: str, answer_start: str, preamble: str = PREAMBLE) -> tuple[str, str]:
     """(text before the haystack, text after it) of a prompt that is one user turn of the tokenizer's chat
-    template (PREAMBLE, the haystack, `question`), then the opening of the assistant's turn and `answer_start`.
+    template (`preamble`, the haystack, `question`), then the opening of the assistant's turn and `answer_start`.
     ValueError for a tokenizer without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("the 'chat' passkey variant asks in the tokenizer's chat template and this tokenizer has "
                          "none: use the variants 'single' or 'multi'")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PREAMBLE + _MARKER + question}],
+    text = tokenizer.apply_chat_template([{"role": "user", "content": preamble + _MARKER + question}],
                                          tokenize=False, add_generation_prompt=True)
     head, _, tail = text.partition(_MARKER)
     return head, tail + answer_start
@@ -277,19 +281,25 @@ def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials
     - "chat": one secret pass key, stated twice in a paragraph of its own, asked for in the tokenizer's chat
       template (the user's turn; the assistant's starts "The secret pass key is");
     - "single": one pass key stated twice inside the running text, asked for in plain text;
-    - "multi": `keys` doors with a key each, the others at random depths, one door asked for in plain text.
+    - "multi": `keys` doors with a key each, the others at random depths, one door asked for in plain text;
+    - RANKING_VARIANT (head ranking's, never evaluated): one code stated once in other words, asked for in plain
+      text in the even trials and in the chat template (when the tokenizer has one) in the odd ones.
     The answer of every variant is " " + the key, right after the prompt."""
     if trials < 1:
         raise InputError(f"passkey trials must be ≥ 1, got {trials}")
     if haystack not in HAYSTACKS:
         raise InputError(f"haystack must be one of {list(HAYSTACKS)}, got {haystack!r}")
-    if variant not in VARIANTS:
+    if variant not in (*VARIANTS, RANKING_VARIANT):
         raise InputError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if variant == "multi" and not 2 <= keys <= len(DOORS):
         raise InputError(f"keys must be in [2, {len(DOORS)}] for the multi-key variant, got {keys}")
     head, question = PREAMBLE, " What is the pass key? The pass key is"
     if variant == "chat":
         head, question = chat_frame(tokenizer, "\n\nWhat is the secret pass key?", "The secret pass key is")
+    ranking_frames = [(RANKING_PREAMBLE, " Which code opens the archive room? The code is")]
+    if variant == RANKING_VARIANT and getattr(tokenizer, "chat_template", None):
+        ranking_frames.append(chat_frame(tokenizer, "\n\nWhich code opens the archive room?", "The code is",
+                                         RANKING_PREAMBLE))
     rng = random.Random(f"{seed}/{length}/{haystack}/{variant}")
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     filler = encode(FILLER * (length // 8 + 2))
@@ -309,6 +319,10 @@ def passkey_trials(tokenizer, documents: list[LongDocument], length: int, trials
                        for j, (door, value) in enumerate(zip(doors, values, strict=True))]
             key = values[0]
             question = f" What is the pass key of the {doors[0]} door? The pass key of the {doors[0]} door is"
+        elif variant == RANKING_VARIANT:
+            key = str(rng.randint(10000, 99999))
+            head, question = ranking_frames[i % len(ranking_frames)]
+            needles = [(depth, f" (The code of the archive room is {key}.) ")]
         else:
             key = str(rng.randint(10000, 99999))
             needle = (f"\n\nThe secret pass key is {key}. Remember it: the secret pass key is {key}.\n\n"
