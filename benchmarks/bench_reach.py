@@ -63,10 +63,11 @@ def check_arguments(args: ReachArguments) -> dict[str, str]:
     for cap in args.position_caps:
         if cap != "none" and not (cap.isdigit() and int(cap) >= 2):
             raise InputError(f"--position_caps takes numbers ≥ 2 or 'none', got {cap!r}")
+    longer = [length for length in args.lengths if length > args.within]  # the lengths read within N
     if args.within and (args.within < 2 or args.within % 2 or any(length // 4 % (args.within // 2)
-                                                                   for length in args.lengths)):
-        raise InputError(f"--within {args.within}: an even number whose half divides every length's last quarter "
-                         f"({[length // 4 for length in args.lengths]})")
+                                                                   for length in longer)):
+        raise InputError(f"--within {args.within}: an even number whose half divides the last quarter of every "
+                         f"length above it ({[length // 4 for length in longer]})")
     if args.within_offset < 0 or (args.within_offset and not args.within):
         raise InputError(f"--within_offset {args.within_offset}: a position ≥ 0, and only with --within")
     if args.slice_tokens < 1:

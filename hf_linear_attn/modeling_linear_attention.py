@@ -128,7 +128,6 @@ class LinearAttentionRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = init_fn(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
-        self.position_cap = config.rope_position_cap  # the angle caps are made from inv_freq at every call
 
     def angles(self, position_ids: torch.Tensor) -> torch.Tensor:
         """position_ids [B, T] -> fp32 angles [B, T, D / 2]: position × frequency, with `rope_position_cap` the
@@ -136,9 +135,10 @@ class LinearAttentionRotaryEmbedding(nn.Module):
         below it (the other frequencies' angles, every value of which training saw, are left to grow)."""
         inv_freq = self.inv_freq.to(device=position_ids.device, dtype=torch.float)
         angles = position_ids[..., None].float() * inv_freq
-        if self.position_cap is None:
+        cap = self.config.rope_position_cap  # read at every call: a cap set on the loaded config holds at once
+        if cap is None:
             return angles
-        last = (self.position_cap - 1) * inv_freq
+        last = (cap - 1) * inv_freq
         return torch.minimum(angles, torch.where(last < 2 * math.pi, last, torch.inf))
 
     @staticmethod

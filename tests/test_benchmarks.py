@@ -211,7 +211,7 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
     uncapped = convert_to_linear_attention(teacher, feature_map="hedgehog", feature_dim=8, window_size=8,
                                            num_sink_tokens=2).eval()
     uncapped.load_state_dict(student.state_dict())
-    uncapped.model.rotary_emb.position_cap = None
+    uncapped.config.rope_position_cap = None  # read at every call: holds at once
     models = {("teacher", "as saved"): teacher, ("student", "as saved"): student, ("student", "cap none"): uncapped}
     for row in rows:
         ids = documents[row["text"] == "austen"].input_ids[None, :row["length"]]
@@ -246,6 +246,10 @@ def test_reach_benchmark_refuses_an_offset_it_cannot_use():
 
     assert check_arguments(ReachArguments(models=["a=x"], lengths=[16384, 32768], within=8192,
                                            within_offset=8192)) == {"a": "x"}
+    # lengths within N are read whole anyway: only the longer ones must split into windows of N
+    assert check_arguments(ReachArguments(models=["a=x"], lengths=[4096, 8192, 16384, 32768], within=8192))
+    with pytest.raises(InputError, match="--within 8192: an even number whose half divides"):
+        check_arguments(ReachArguments(models=["a=x"], lengths=[4096, 12288], within=8192))
     for within, offset in ((0, 8192), (8192, -1)):
         with pytest.raises(InputError, match=f"--within_offset {offset}: a position ≥ 0, and only with --within"):
             check_arguments(ReachArguments(models=["a=x"], lengths=[16384, 32768], within=within,

@@ -32,7 +32,7 @@ from helpers import (
     write_documents,
 )
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_linear_attn import InputError, InputNotFoundError, LinearAttentionForCausalLM
 from hf_linear_attn.training import checkpoints, finetune, loop, stages
@@ -167,6 +167,11 @@ def _bad_input_cases(tmp_path, cache):
         "window weight without window": (InputError, r"`--set_window_weight`=0.9 .* this model has none",
                                          tiny_args(out, cache, "--set_window_weight", "0.9", "--config_overrides",
                                                    "window_size=0,num_sink_tokens=0")),
+        "saved position cap": (InputError, r"rope_position_cap 4096: an int from 2 to .* \(2048\)",
+                               tiny_args(out, cache, "--saved_rope_position_cap", "4096")),
+        "saved position cap on an adapter": (InputError, "an unmerged LoRA adapter saves none",
+                                             tiny_args(out, cache, "--saved_rope_position_cap", "64", "--use_lora",
+                                                       "--merge_lora", "false")),
     }
 
 
@@ -175,7 +180,7 @@ def _bad_input_cases(tmp_path, cache):
                                   "nothing to resume", "earlier run in output_dir", "no model", "push without repo",
                                   "bf16 weights that train", "teacher vocabulary", "kl weight",
                                   "gguf without teacher", "window weight", "window weight without window",
-                                  "config override"])
+                                  "config override", "saved position cap", "saved position cap on an adapter"])
 def test_bad_input_fails_before_training(case, tmp_path, dataset_cache, monkeypatch, capsys):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
@@ -499,6 +504,23 @@ def test_set_window_weight_sets_gamma_before_a_lora_run_that_keeps_it(trained, t
     assert not any(torch.allclose(torch.sigmoid(weights(base)[name]), torch.full_like(gate, 0.9))
                    for name, gate in gates.items())  # it was elsewhere before
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.window_weight == 0.9
+
+
+def test_saved_rope_position_cap_is_written_into_the_saved_model_and_leaves_training_as_it_was(trained, tmp_path,
+                                                                                               dataset_cache):
+    base, _ = trained
+    args = ("--config_name", "", "--model_name_or_path", str(base), "--max_steps", "2", "--use_lora")
+    run(*tiny_args(tmp_path / "plain", dataset_cache, *args))
+    run(*tiny_args(tmp_path / "capped", dataset_cache, *args, "--saved_rope_position_cap", "24"))
+    assert AutoConfig.from_pretrained(base).rope_position_cap != 24
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "capped").config.rope_position_cap == 24
+    plain, capped = weights(tmp_path / "plain"), weights(tmp_path / "capped")
+    assert plain.keys() == capped.keys() and all(torch.equal(plain[name], capped[name]) for name in plain)
+    ids = torch.randint(3, 259, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # positions past 24 now read with the slow rotations held: another output there only
+        a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name)(ids).logits for name in ("plain", "capped"))
+    torch.testing.assert_close(a[:, :24], b[:, :24])
+    assert not torch.allclose(a[:, 24:], b[:, 24:])
 
 
 # Logit distillation (stage 2's optional KL to the teacher) -------------------------------------------------

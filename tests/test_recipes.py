@@ -98,8 +98,11 @@ def test_the_demo_refuses_a_recovery_window_weight_without_a_window(tmp_path, ca
     (["--window_size", "0", "--num_sink_tokens", "0", "--normalize", "false", "--sparse_cache_sizes", "64",
       "--window_dropout", "0.5"], "no sliding window to shrink"),
     (["--mixed_precision", "fp16"], "mixed_precision 'fp16': use auto, bf16 or no"),
+    (["--saved_rope_position_cap", "2048", "--recovery_steps", "0"],
+     "saved_rope_position_cap 2048 is written by stage 2"),
 ], ids=["attention option", "memory without window", "passkey variant", "perplexity rows", "shortlist",
-        "negative heads", "recovery γ of 1", "window dropout of 1", "window dropout without window", "precision"])
+        "negative heads", "recovery γ of 1", "window dropout of 1", "window dropout without window", "precision",
+        "saved cap without stage 2"])
 def test_the_demo_refuses_bad_arguments_before_any_work(argv, named, tmp_path, capsys):
     from hf_linear_attn.training import demo
     with pytest.raises(SystemExit) as exit_info:

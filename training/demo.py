@@ -94,8 +94,12 @@ class DemoArguments(attention_arguments("DemoAttentionArguments", **DEFAULT_ATTE
         "help": "Training rows start at a random position up to this (training.data: the feature maps read rotated "
                 "q/k and must see every position the model will run at)."})
     rope_position_cap: int | None = field(default=None, metadata={
-        "help": "Where the slow RoPE rotations stop (LinearAttentionConfig.rope_position_cap); unset: the teacher's "
-                "max_position_embeddings."})
+        "help": "Where the slow RoPE rotations stop (LinearAttentionConfig.rope_position_cap) from the conversion on, "
+                "through training; unset: the teacher's max_position_embeddings."})
+    saved_rope_position_cap: int | None = field(default=None, metadata={
+        "help": "The rope_position_cap stage 2 is saved with (training.models.ModelArguments): trained at the "
+                "positions above, the final model holds the slow rotations here when it reads past them; unset: as "
+                "trained."})
     softmax_layers_k: int = field(default=0, metadata={
         "help": "After stage 1, restore the K layers that matter most to softmax (0: none)."})
     ranking_rows: int = field(default=2, metadata={"help": "Held-out rows of block_size tokens that rank the layers."})
@@ -266,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.sparse_cache_sizes and args.window_size == 0:
             raise InputError(f"sparse_cache_sizes {args.sparse_cache_sizes} need a window (a sparse memory keeps "
                              "tokens that leave it); give window_size > 0 or sparse_cache_sizes: []")
+        if args.saved_rope_position_cap is not None and args.recovery_steps < 1:
+            raise InputError(f"saved_rope_position_cap {args.saved_rope_position_cap} is written by stage 2, and "
+                             f"recovery_steps {args.recovery_steps} skips it: give recovery_steps ≥ 1 or drop it")
         if args.recovery_window_weight is not None:
             check_window_weight(args.recovery_window_weight, "recovery_window_weight")
             check_has_window_weight(options, "recovery_window_weight", args.recovery_window_weight)
@@ -281,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher = load_teacher(folder, gguf_file=GGUF_FILE).eval()
     with exit_on_bad_input():  # the cap's bound is the teacher's: checked before the head ranking's minutes
         converted_position_cap(teacher.config, args.rope_position_cap)
+        converted_position_cap(teacher.config, args.saved_rope_position_cap)
     save_dequantized(teacher, tokenizer, out / "teacher")
 
     print("[2/6] Converting to linear attention", flush=True)
@@ -326,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         finetune((
             ModelArguments(model_name_or_path=str(list(models.values())[-2]), use_lora=True, lora_r=args.lora_r,
                            lora_alpha=args.lora_alpha, teacher_name_or_path=evaluate_args.teacher_name_or_path,
-                           kl_weight=args.kl_weight, set_window_weight=args.recovery_window_weight),
+                           kl_weight=args.kl_weight, set_window_weight=args.recovery_window_weight,
+                           saved_rope_position_cap=args.saved_rope_position_cap),
             data,
             TrainArguments(output_dir=str(models["stage 2"]), overwrite_output_dir=True, max_steps=args.recovery_steps,
                            per_device_train_batch_size=args.recovery_batch_size,

@@ -82,6 +82,13 @@ class ModelArguments:
                           "`LinearAttentionForCausalLM.set_window_weight`): e.g. raised after attention transfer "
                           "for a LoRA recovery, which does not train γ. None: as the checkpoint has it."},
     )
+    saved_rope_position_cap: int | None = field(
+        default=None,
+        metadata={"help": "Write this rope_position_cap (from 2 to max_position_embeddings) into the saved model: "
+                          "training reads positions as the checkpoint does, the saved model holds RoPE's slow "
+                          "rotations at this many positions past it (e.g. the training rows' length). None: as the "
+                          "checkpoint has it."},
+    )
 
 
 def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:

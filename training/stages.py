@@ -25,7 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deeps
 
 import hf_linear_attn
 from hf_linear_attn.configuration_linear_attention import InputError, check_has_window_weight, check_window_weight
-from hf_linear_attn.conversion import load_teacher, tokenizer_max_length
+from hf_linear_attn.conversion import converted_position_cap, load_teacher, tokenizer_max_length
 from hf_linear_attn.training.attention_transfer import (
     AttentionTransfer,
     attention_transfer_loss,
@@ -137,6 +137,9 @@ def check_finetune_arguments(model_args: ModelArguments, data_args: DataArgument
     if model_args.dtype != "float32" and (not model_args.use_lora or model_args.trainable_parameters):
         raise InputError(f"--dtype {model_args.dtype} is for the frozen base of a LoRA run: weights that train "
                          "stay float32 (--mixed_precision bf16 gives bf16 compute).")
+    if model_args.saved_rope_position_cap is not None and model_args.use_lora and not model_args.merge_lora:
+        raise InputError("--saved_rope_position_cap is written into the saved model's config, and an unmerged LoRA "
+                         "adapter saves none: keep --merge_lora true, or set rope_position_cap when loading.")
     if model_args.use_lora:
         if model_args.lora_r < 1:
             raise InputError(f"--lora_r must be >= 1, got {model_args.lora_r}.")
@@ -205,6 +208,8 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     check_positions(data_args, getattr(config, "max_position_embeddings", None))
     if model_args.set_window_weight is not None:
         check_has_window_weight(config, "--set_window_weight", model_args.set_window_weight)
+    if model_args.saved_rope_position_cap is not None:
+        converted_position_cap(config, model_args.saved_rope_position_cap)  # the bound is the model's positions
     datasets = build_datasets(data_args, tokenizer, accelerator.main_process_first())
     model = build_model(model_args, config)
     if model_args.set_window_weight is not None:
@@ -227,6 +232,8 @@ def finetune(args: FinetuneArguments) -> TrainResult:
     # Held-out metrics stay next-token cross-entropy and perplexity whatever the training objective.
     result = train(model, datasets["train"], datasets["validation"], train_args, accelerator, loss_fn=loss_fn,
                    eval_loss_fn=causal_lm_loss, tracker_config=recipe_dict(args))
+    if model_args.saved_rope_position_cap is not None:
+        accelerator.unwrap_model(result.model).config.rope_position_cap = model_args.saved_rope_position_cap
     export_model(accelerator, result.model, train_args.output_dir, tokenizer, merge_lora=model_args.merge_lora)
     if accelerator.is_main_process:
         write_training_summary(train_args.output_dir, script="training/finetune.py",
