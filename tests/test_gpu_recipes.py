@@ -110,6 +110,10 @@ def test_a_models_recipes_hand_their_checkpoints_on_and_agree(model):
     # The demo's stage 2: LoRA on the KL to the teacher alone, with γ raised, over a bf16 frozen base.
     assert (model_args.use_lora, model_args.kl_weight, model_args.set_window_weight, model_args.dtype) == (
         True, 1.0, 0.99, "bfloat16")
+    # Saved with the slow rotations held at the training rows' length, trained at the teacher's positions.
+    demo = parse_recipe_args(DemoArguments, [], default_recipe=DEMO_RECIPE)
+    assert model_args.saved_rope_position_cap == demo.saved_rope_position_cap == recover_data.block_size
+    assert converted.rope_position_cap is None
     assert (converted.dtype, restored.dtype) == ("float32", "float32")  # stage 1 trains in the checkpoint's dtype
 
 
