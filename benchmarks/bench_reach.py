@@ -8,9 +8,11 @@ token from the tokens before it only); a length-dependent RoPE gets one forward 
 slices of the final hidden states, so a 32K window's logits never exist at once.
 
 Each linear-attention model is measured as saved and with each of `--position_caps` (`rope_position_cap`: a number,
-or `none` to remove it). `--within N` adds, per model and length, the perplexity of the same last-quarter tokens
-read within N tokens (windows of N, each scoring its last N / 2 tokens): the text's difficulty with the context the
-model was trained on, against which reading the whole window is judged. `--within_offset P` also reads those same
+or `none` to remove it). `--within N` adds, per model and length, the perplexity of the same tokens (all of them, and
+the last quarter) read within N tokens (the first N whole, then windows of N each scoring its last N / 2 tokens):
+the text's difficulty with the context the model was trained on, against which reading the whole window is judged
+(perplexity at L over within-N at L is 1 for a model that neither gains nor loses by reading further; the ratio to
+the first 4K mixes in how hard each part of the text is). `--within_offset P` also reads those same
 windows at positions P, P + 1, ... instead of 0, 1, ...: the same tokens and context at positions past the trained
 ones, which tells what the positions cost from what the far context costs. Report `reach.*`.
 
@@ -64,10 +66,9 @@ def check_arguments(args: ReachArguments) -> dict[str, str]:
         if cap != "none" and not (cap.isdigit() and int(cap) >= 2):
             raise InputError(f"--position_caps takes numbers ≥ 2 or 'none', got {cap!r}")
     longer = [length for length in args.lengths if length > args.within]  # the lengths read within N
-    if args.within and (args.within < 2 or args.within % 2 or any(length // 4 % (args.within // 2)
-                                                                   for length in longer)):
-        raise InputError(f"--within {args.within}: an even number whose half divides the last quarter of every "
-                         f"length above it ({[length // 4 for length in longer]})")
+    if args.within and (args.within < 2 or args.within % 2 or any(length % (args.within // 2) for length in longer)):
+        raise InputError(f"--within {args.within}: an even number whose half divides every length above it "
+                         f"({longer})")
     if args.within_offset < 0 or (args.within_offset and not args.within):
         raise InputError(f"--within_offset {args.within_offset}: a position ≥ 0, and only with --within")
     if args.slice_tokens < 1:
@@ -87,13 +88,15 @@ def position_losses(model, ids: torch.Tensor, slice_tokens: int, first_position:
                                       reduction="none").double() for i in range(0, len(target), slice_tokens)])
 
 
-def within_perplexity(model, ids: torch.Tensor, length: int, args: ReachArguments, first_position: int) -> float:
-    """The perplexity of the last quarter of ids[:, :length], each token read within `args.within` tokens (windows
-    that score their last half), the windows at positions from `first_position`."""
-    half = args.within // 2
-    losses = [position_losses(model, ids[:, start - half:start + half], args.slice_tokens, first_position)[-half:]
-              for start in range(length - length // 4, length, half)]
-    return math.exp(torch.cat(losses).mean().item())
+def within_losses(model, ids: torch.Tensor, args: ReachArguments, first_position: int) -> torch.Tensor:
+    """float64 [T - 1]: the loss of every token of ids [1, T] read within `args.within` tokens: the first window's
+    tokens from their start, every later token in windows of `args.within` that score their last half (so each token
+    is read with half a window to a whole window of context), the windows at positions from `first_position`."""
+    n, half = args.within, args.within // 2
+    losses = [position_losses(model, ids[:, :n], args.slice_tokens, first_position)]
+    losses += [position_losses(model, ids[:, start - half:start + half], args.slice_tokens, first_position)[-half:]
+               for start in range(n, ids.shape[1], half)]
+    return torch.cat(losses)
 
 
 def variants(path: str, caps: list[str]) -> list[tuple[str, dict]]:
@@ -125,26 +128,34 @@ def main(argv: list[str] | None = None) -> int:
                 whole = None
                 if rope_type not in LENGTH_DEPENDENT_ROPE_TYPES:
                     whole = position_losses(model, ids, args.slice_tokens)
+                reads = {}  # each token read within N, at positions from 0 (and from the offset)
+                if args.within and longest > args.within:
+                    reads["within"] = within_losses(model, ids, args, 0)
+                    if args.within_offset:
+                        reads["within_offset"] = within_losses(model, ids, args, args.within_offset)
                 for length in sorted(args.lengths):
                     losses = whole[:length - 1] if whole is not None else \
                         position_losses(model, ids[:, :length], args.slice_tokens)
                     row = {"model": label, "variant": variant, "text": document.source, "length": length,
                            "perplexity": math.exp(losses.mean().item()),
                            "last_quarter": math.exp(losses[-(length // 4):].mean().item())}
-                    if args.within and length > args.within:
-                        row["last_quarter_within"] = within_perplexity(model, ids, length, args, 0)
-                        if args.within_offset:
-                            row["last_quarter_within_offset"] = within_perplexity(model, ids, length, args,
-                                                                                  args.within_offset)
+                    for key, within in reads.items():
+                        if length > args.within:
+                            row[key] = math.exp(within[:length - 1].mean().item())
+                            row[f"last_quarter_{key}"] = math.exp(within[length - 1 - length // 4:length - 1].mean()
+                                                                  .item())
                     rows.append(row)
+                    within = f" (within {args.within:,}: {row['within']:.2f}, {row['last_quarter_within']:.2f})" \
+                        if "within" in row else ""
                     print(f"  {label} ({variant}) {document.source} @{length}: {row['perplexity']:.2f}, last quarter "
-                          f"{row['last_quarter']:.2f}", flush=True)
+                          f"{row['last_quarter']:.2f}{within}", flush=True)
             del model
     columns = {"model": "model", "variant": "variant", "text": "text", "length": "context",
                "perplexity": "perplexity", "last_quarter": "last quarter",
-               "last_quarter_within": f"last quarter within {args.within:,}"}
+               "within": f"within {args.within:,}", "last_quarter_within": f"last quarter within {args.within:,}"}
     if args.within_offset:
-        columns["last_quarter_within_offset"] = f"the same at positions from {args.within_offset:,}"
+        at = f"within {args.within:,} at positions from {args.within_offset:,}"
+        columns["within_offset"], columns["last_quarter_within_offset"] = at, f"last quarter {at}"
     plot = log_log_plot(rows, "length", "context tokens", [("perplexity", "held-out perplexity"),
                                                             ("last_quarter", "perplexity, last quarter")],
                         line=lambda row: f"{row['model']} ({row['variant']}), {row['text']}")

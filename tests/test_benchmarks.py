@@ -168,8 +168,9 @@ def test_serving_benchmark_refuses_a_non_positive_size_before_any_engine(flag, v
 def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(benchmark_main, tmp_path):
     """bench_reach on a byte-level Llama and its conversion (positions trained: 64; the conversion holds its slow
     rotations there): each length's numbers are those of a forward of the window's first L tokens (they are read
-    from one forward of the longest), the last quarter and the within-N reference are the losses of the tokens they
-    name, and the cap variants are the converted model with the cap as saved and removed."""
+    from one forward of the longest), the last quarter and the within-N references (every token, and the last
+    quarter) are the losses of the tokens they name, and the cap variants are the converted model with the cap as
+    saved and removed."""
     from helpers import WORDS
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -220,15 +221,21 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
                                      reduction="none")
         assert row["perplexity"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-5)
         assert row["last_quarter"] == pytest.approx(math.exp(losses[-(row["length"] // 4):].mean().item()), rel=1e-5)
-        for key, first in (("last_quarter_within", 0), ("last_quarter_within_offset", 64)):
-            within = []  # the same windows read at positions 0-63, then 64-127 (past the student's cap)
-            for start in range(row["length"] * 3 // 4, row["length"], 32):
+        for key, first in (("within", 0), ("within_offset", 64)):
+            positions = torch.arange(first, first + 64)[None]  # windows read at 0-63, or 64-127 (past the cap)
+            with torch.no_grad():  # the first 64 tokens whole, then windows of 64 scoring their last 32
+                logits = models[row["model"], row["variant"]](ids[:, :64], position_ids=positions).logits
+            within = [F.cross_entropy(logits[0, :-1], ids[0, 1:64], reduction="none")]
+            for start in range(64, row["length"], 32):
                 window = ids[:, start - 32:start + 32]
-                positions = torch.arange(first, first + 64)[None]
                 with torch.no_grad():
                     logits = models[row["model"], row["variant"]](window, position_ids=positions).logits
                 within.append(F.cross_entropy(logits[0, -33:-1], window[0, -32:], reduction="none"))
-            assert row[key] == pytest.approx(math.exp(torch.cat(within).mean().item()), rel=1e-5)
+            within = torch.cat(within)
+            assert len(within) == row["length"] - 1
+            assert row[key] == pytest.approx(math.exp(within.mean().item()), rel=1e-5)
+            last_quarter = within[-(row["length"] // 4):]
+            assert row[f"last_quarter_{key}"] == pytest.approx(math.exp(last_quarter.mean().item()), rel=1e-5)
         # softmax attention with RoPE reads by distance alone, so where the windows sit is moot to the teacher; the
         # conversion's feature maps read rotated q and k, so it is not to the student (its readings differ by > 5e-4)
         same = row["last_quarter_within_offset"] == pytest.approx(row["last_quarter_within"], rel=1e-4)
@@ -248,8 +255,10 @@ def test_reach_benchmark_refuses_an_offset_it_cannot_use():
                                            within_offset=8192)) == {"a": "x"}
     # lengths within N are read whole anyway: only the longer ones must split into windows of N
     assert check_arguments(ReachArguments(models=["a=x"], lengths=[4096, 8192, 16384, 32768], within=8192))
-    with pytest.raises(InputError, match="--within 8192: an even number whose half divides"):
-        check_arguments(ReachArguments(models=["a=x"], lengths=[4096, 12288], within=8192))
+    assert check_arguments(ReachArguments(models=["a=x"], lengths=[4096, 12288], within=8192))
+    with pytest.raises(InputError, match=r"--within 8192: an even number whose half divides every length above it "
+                                         r"\(\[10240\]\)"):
+        check_arguments(ReachArguments(models=["a=x"], lengths=[4096, 10240], within=8192))
     for within, offset in ((0, 8192), (8192, -1)):
         with pytest.raises(InputError, match=f"--within_offset {offset}: a position ≥ 0, and only with --within"):
             check_arguments(ReachArguments(models=["a=x"], lengths=[16384, 32768], within=within,
