@@ -8,13 +8,15 @@ token from the tokens before it only); a length-dependent RoPE gets one forward 
 slices of the final hidden states, so a 32K window's logits never exist at once.
 
 Each linear-attention model is measured as saved and with each of `--position_caps` (`rope_position_cap`: a number,
-or `none` to remove it). `--within N` adds, per model and length, the perplexity of the same tokens (all of them, and
-the last quarter) read within N tokens (the first N whole, then windows of N each scoring its last N / 2 tokens):
-the text's difficulty with the context the model was trained on, against which reading the whole window is judged
-(perplexity at L over within-N at L is 1 for a model that neither gains nor loses by reading further; the ratio to
-the first 4K mixes in how hard each part of the text is). `--within_offset P` also reads those same
-windows at positions P, P + 1, ... instead of 0, 1, ...: the same tokens and context at positions past the trained
-ones, which tells what the positions cost from what the far context costs. Report `reach.*`.
+or `none` to remove it); each softmax model as saved and with each of `--rope_scalings` (type:factor, `yarn:4`
+`dynamic:2`: the teacher's own ways past its `max_position_embeddings`). `--within N` adds, per model and length,
+the perplexity of the same tokens (all of them, and the last quarter) read within N tokens (the first N whole, then
+windows of N each scoring its last N / 2 tokens): the text's difficulty with the context the model was trained on,
+against which reading the whole window is judged (perplexity at L over within-N at L is 1 for a model that neither
+gains nor loses by reading further; the ratio to the first 4K also holds how hard each part of the text is).
+`--within_offset P` also reads those same windows at positions P, P + 1, ... instead of 0, 1, ...: the same tokens
+and context at positions past the trained ones, which tells what the positions cost from what the far context
+costs. Report `reach.*`.
 
     python -m benchmarks.bench_reach --models teacher=outputs/demo/teacher "stage 2=outputs/demo/stage2" \\
         --lengths 4096 8192 16384 32768 --position_caps none 8192 --within 8192
@@ -36,6 +38,10 @@ from hf_linear_attn.training.command_line import exit_on_bad_input, parse_datacl
 from hf_linear_attn.training.long_context_data import DEFAULT_DATA_DIR, load_texts, long_documents
 from hf_linear_attn.training.report import log_log_plot
 
+# The RoPE scalings a softmax model is read with (`--rope_scalings`): those that need no more than a factor and the
+# trained length.
+SCALING_TYPES = ("linear", "dynamic", "yarn")
+
 
 @dataclass
 class ReachArguments:
@@ -46,6 +52,10 @@ class ReachArguments:
     position_caps: list[str] = field(default_factory=list, metadata={
         "help": "Also measure each linear-attention model with rope_position_cap set to each of these (a number "
                 "≥ 2, or 'none' to remove it)."})
+    rope_scalings: list[str] = field(default_factory=list, metadata={
+        "help": "Also measure each softmax model (not a linear-attention one) with each of these RoPE scalings, "
+                f"type:factor with a type of {SCALING_TYPES} and a factor ≥ 1 (e.g. yarn:4 dynamic:2), from its "
+                "max_position_embeddings."})
     within: int = field(default=0, metadata={"help": "Also score each length's last quarter within this many tokens "
                                                      "(0: skip)."})
     within_offset: int = field(default=0, metadata={
@@ -71,6 +81,15 @@ def check_arguments(args: ReachArguments) -> dict[str, str]:
                          f"({longer})")
     if args.within_offset < 0 or (args.within_offset and not args.within):
         raise InputError(f"--within_offset {args.within_offset}: a position ≥ 0, and only with --within")
+    for scaling in args.rope_scalings:
+        kind, _, factor = scaling.partition(":")
+        try:
+            valid = kind in SCALING_TYPES and float(factor) >= 1
+        except ValueError:
+            valid = False
+        if not valid:
+            raise InputError(f"--rope_scalings takes type:factor items with a type of {SCALING_TYPES} and a factor "
+                             f"≥ 1, got {scaling!r}")
     if args.slice_tokens < 1:
         raise InputError(f"--slice_tokens must be ≥ 1, got {args.slice_tokens}")
     return models
@@ -99,13 +118,19 @@ def within_losses(model, ids: torch.Tensor, args: ReachArguments, first_position
     return torch.cat(losses)
 
 
-def variants(path: str, caps: list[str]) -> list[tuple[str, dict]]:
-    """(variant name, from_pretrained overrides) of one model: as saved, and for a linear-attention checkpoint with
-    each cap."""
+def variants(path: str, caps: list[str], scalings: list[str]) -> list[tuple[str, dict]]:
+    """(variant name, from_pretrained overrides) of one model: as saved, for a linear-attention checkpoint with each
+    cap, and for a softmax one with each RoPE scaling (type:factor) from its trained length."""
     config = AutoConfig.from_pretrained(path)
     found = [("as saved", {})]
     if isinstance(config, LinearAttentionConfig):
         found += [(f"cap {cap}", {"rope_position_cap": None if cap == "none" else int(cap)}) for cap in caps]
+    else:
+        for scaling in scalings:
+            kind, factor = scaling.split(":")
+            rope = {**config.rope_parameters, "rope_type": kind, "factor": float(factor),
+                    "original_max_position_embeddings": config.max_position_embeddings}
+            found.append((f"{kind} ×{factor}", {"rope_parameters": rope}))
     return found
 
 
@@ -120,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{machine()}; one window of {longest:,} tokens from each of {[d.source for d in documents]}")
     rows = []
     for label, path in models.items():
-        for variant, overrides in variants(path, args.position_caps):
+        for variant, overrides in variants(path, args.position_caps, args.rope_scalings):
             model = AutoModelForCausalLM.from_pretrained(path, **overrides).eval()
             rope_type = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type")
             for document in documents:

@@ -169,8 +169,8 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
     """bench_reach on a byte-level Llama and its conversion (positions trained: 64; the conversion holds its slow
     rotations there): each length's numbers are those of a forward of the window's first L tokens (they are read
     from one forward of the longest), the last quarter and the within-N references (every token, and the last
-    quarter) are the losses of the tokens they name, and the cap variants are the converted model with the cap as
-    saved and removed."""
+    quarter) are the losses of the tokens they name, the cap variants are the converted model with the cap as saved
+    and removed, and the scaling variant is the teacher loaded with YaRN."""
     from helpers import WORDS
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -200,20 +200,25 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
         (tmp_path / "texts" / f"{source}.jsonl").write_text(json.dumps({"title": source, "text": text}) + "\n")
     assert benchmark_main("bench_reach.py", "--models", f"teacher={tmp_path / 'teacher'}",
                           f"student={tmp_path / 'student'}", "--lengths", "128", "256", "--position_caps", "none",
+                          "--rope_scalings", "yarn:2",
                           "--within", "64", "--within_offset", "64", "--slice_tokens", "40",
                           "--long_context_data", str(tmp_path / "texts"),
                           "--output_dir", str(tmp_path / "out")) == 0
     rows = json.loads((tmp_path / "out" / "reach.json").read_text())["rows"]
     assert [(r["model"], r["variant"], r["text"], r["length"]) for r in rows] == [
-        (model, variant, text, length) for model, variant in (("teacher", "as saved"), ("student", "as saved"),
-                                                               ("student", "cap none"))
+        (model, variant, text, length) for model, variant in (("teacher", "as saved"), ("teacher", "yarn ×2"),
+                                                               ("student", "as saved"), ("student", "cap none"))
         for text in ("kjv", "austen") for length in (128, 256)]
     documents = long_documents(tokenizer, load_texts(tmp_path / "texts"), document_tokens=256, documents_per_source=1)
     uncapped = convert_to_linear_attention(teacher, feature_map="hedgehog", feature_dim=8, window_size=8,
                                            num_sink_tokens=2).eval()
     uncapped.load_state_dict(student.state_dict())
     uncapped.config.rope_position_cap = None  # read at every call: holds at once
-    models = {("teacher", "as saved"): teacher, ("student", "as saved"): student, ("student", "cap none"): uncapped}
+    yarn = LlamaForCausalLM.from_pretrained(tmp_path / "teacher", rope_parameters={
+        **teacher.config.rope_parameters, "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})
+    assert not torch.equal(yarn.model.rotary_emb.inv_freq, teacher.model.rotary_emb.inv_freq)
+    models = {("teacher", "as saved"): teacher, ("teacher", "yarn ×2"): yarn.eval(), ("student", "as saved"): student,
+              ("student", "cap none"): uncapped}
     for row in rows:
         ids = documents[row["text"] == "austen"].input_ids[None, :row["length"]]
         with torch.no_grad():
@@ -246,9 +251,10 @@ def test_reach_benchmark_scores_each_length_as_its_own_forward_with_each_cap(ben
         assert not torch.allclose(student(ids).logits, uncapped(ids).logits, atol=1e-5)
 
 
-def test_reach_benchmark_refuses_an_offset_it_cannot_use():
-    """`--within_offset` reads the --within windows elsewhere: refused without --within, or below 0, before any
-    model is loaded."""
+def test_reach_benchmark_refuses_what_it_cannot_use():
+    """`--within_offset` reads the --within windows elsewhere: refused without --within, or below 0; a RoPE scaling
+    with no factor, a factor below 1 or a type that needs more than a factor is refused too; all before any model is
+    loaded."""
     from benchmarks.bench_reach import ReachArguments, check_arguments
 
     assert check_arguments(ReachArguments(models=["a=x"], lengths=[16384, 32768], within=8192,
@@ -259,6 +265,9 @@ def test_reach_benchmark_refuses_an_offset_it_cannot_use():
     with pytest.raises(InputError, match=r"--within 8192: an even number whose half divides every length above it "
                                          r"\(\[10240\]\)"):
         check_arguments(ReachArguments(models=["a=x"], lengths=[4096, 10240], within=8192))
+    for scaling in ("yarn", "yarn:0.5", "ntk:2", "dynamic:x"):
+        with pytest.raises(InputError, match=f"--rope_scalings takes type:factor items .* got '{scaling}'"):
+            check_arguments(ReachArguments(models=["a=x"], rope_scalings=[scaling]))
     for within, offset in ((0, 8192), (8192, -1)):
         with pytest.raises(InputError, match=f"--within_offset {offset}: a position ≥ 0, and only with --within"):
             check_arguments(ReachArguments(models=["a=x"], lengths=[16384, 32768], within=within,
