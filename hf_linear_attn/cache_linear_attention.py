@@ -555,7 +555,8 @@ def state_layer(config, layer_idx: int) -> CacheLayerMixin:
 # The config fields that decide what a cache holds and how the model reads it: the layer kinds, the state's
 # layout (heads, head and feature sizes, normaliser column, convolution inputs) and its meaning (feature map,
 # decay, update rule, window, sinks). A cache built for a config that differs in any of them would be read as
-# garbage, so the model refuses it. (output_norm and output_gate act on the output only: not listed.)
+# garbage, so the model refuses it. (output_norm and output_gate act on the output only, softmax_log_length_scale on
+# the queries only: not listed.)
 FINGERPRINT_FIELDS = (
     "num_hidden_layers", "softmax_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "feature_map", "feature_dim", "decay", "normalize", "window_size", "num_sink_tokens", "update_rule",

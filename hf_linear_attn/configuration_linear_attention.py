@@ -209,6 +209,14 @@ class AttentionOptions:
     output_gate: bool = _option(
         False, "Multiply the attention output (after output_norm) by silu(x W_g) per channel (Gated DeltaNet: with "
         "output_norm=True, o = RMSNorm(o) * silu(g_proj(x))); in the delta-rule window hybrid, its state part only.")
+    softmax_log_length_scale: float = _option(
+        0.0, "β of the exact attention's log-length scaling: at every position p ≥ max_position_embeddings the "
+        "queries of the softmax layers and softmax heads are multiplied by 1 + β ln((p + 1) / "
+        "max_position_embeddings), so that a query attending over more keys than training ever gave one spreads its "
+        "attention no wider than it did in training (the log-n scaling of Qwen's logn_attn and Llama 4's attention "
+        "temperature tuning). Nothing changes below max_position_embeddings; 0 turns it off (a model without "
+        "softmax layers or heads has nothing it scales). Read at every forward: set on a loaded model's config, it "
+        "holds at once.")
 
     def __post_init__(self) -> None:
         _check_choice("feature_map", self.feature_map, FEATURE_MAPS, " (a map defined elsewhere is registered "
@@ -233,6 +241,8 @@ class AttentionOptions:
             _fail("conv_size", self.conv_size, "0 (off) or a width >= 2: a width-1 convolution only rescales "
                   "channels, which the projections already do")
         _check_bool("output_gate", self.output_gate)
+        _check_number("softmax_log_length_scale", self.softmax_log_length_scale, "must be a number >= 0 (0: off)",
+                      lambda value: value >= 0)
         if self.update_rule == "delta":  # before the window checks: their advice would not apply
             self._check_delta_rule()
         self._check_layer_backend()

@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -156,12 +157,41 @@ class LinearAttentionRotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
-    def rotation(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `position_embeddings` every layer takes: `forward`'s cos and sin as `apply_rotary` reads them,
-        [B, T, 1, D] each, the sin with its first half negated. Made once per model forward, not per layer."""
+    def rotation(self, x: torch.Tensor, position_ids: torch.Tensor) -> Rotation:
+        """The `position_embeddings` every layer takes (`Rotation`): `forward`'s cos and sin as `apply_rotary` reads
+        them, [B, T, 1, D] each, the sin with its first half negated, and the exact attention's query scale. Made once
+        per model forward, not per layer."""
         cos, sin = self(x, position_ids)
         half = sin.shape[-1] // 2
-        return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return Rotation(cos.unsqueeze(2), signed_sin.unsqueeze(2), self.query_scale(position_ids.to(x.device)))
+
+    def query_scale(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """position_ids [B, T] -> fp32 [B, T, 1, 1]: the factor of the softmax layers' and heads' queries,
+        1 + β ln((p + 1) / max_position_embeddings) past the trained positions and 1 within them
+        (`softmax_log_length_scale` β, read at every call); None when β is 0."""
+        beta = self.config.softmax_log_length_scale
+        if not beta:
+            return None
+        trained = self.config.max_position_embeddings
+        keys = (position_ids.float() + 1).clamp(min=trained)  # how many keys the query at p reads, from `trained` on
+        return (1 + beta * torch.log(keys / trained))[..., None, None]
+
+
+class Rotation(NamedTuple):
+    """The `position_embeddings` of every layer (`LinearAttentionRotaryEmbedding.rotation`): RoPE's tables as
+    `apply_rotary` takes them, cos and signed_sin [B, T, 1, D], and `query_scale`, fp32 [B, T, 1, 1] or None, the
+    factor of the exact softmax attention's queries past the trained positions (`scaled_queries`)."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    query_scale: torch.Tensor | None
+
+
+def scaled_queries(q: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """The queries q [B, T, h, D] of softmax attention (a softmax layer's, or a layer's softmax heads') times the
+    rotation's `query_scale` (`softmax_log_length_scale`); q itself when there is none."""
+    return q if rotation.query_scale is None else q * rotation.query_scale.to(q.dtype)
 
 
 def apply_rotary(
@@ -226,11 +256,11 @@ class AttentionProjections(nn.Module):
         return q, k, v
 
     def project(
-        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+        self, x: torch.Tensor, position_embeddings: Rotation
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as the softmax teacher computes them: `project_unrotated`, then RoPE on q and k."""
         q, k, v = self.project_unrotated(x)
-        return *apply_rotary(q, k, *position_embeddings), v
+        return *apply_rotary(q, k, *position_embeddings[:2]), v
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> o_proj of its heads concatenated, [B, T, hidden] (a 2-D product, as in `project`)."""
@@ -359,7 +389,7 @@ class LinearAttention(AttentionProjections):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: Rotation,
         attention_mask: torch.Tensor | None = None,
         cache_layer: LinearStateLayer | None = None,
         cu_seqlens: torch.Tensor | None = None,
@@ -378,7 +408,7 @@ class LinearAttention(AttentionProjections):
     def rotated_qkv(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: Rotation,
         new_mask: torch.Tensor | None,
         cache_layer: LinearStateLayer | None,
         cu_seqlens: torch.Tensor | None,
@@ -388,7 +418,7 @@ class LinearAttention(AttentionProjections):
         q, k, v = self.project_unrotated(hidden_states)
         if self.qkv_conv is not None:
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
-        return *apply_rotary(q, k, *position_embeddings), v
+        return *apply_rotary(q, k, *position_embeddings[:2]), v
 
     def attend(
         self,
@@ -864,14 +894,15 @@ class SoftmaxAttention(AttentionProjections):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: Rotation,
         attention_mask: torch.Tensor | None = None,
         cache_layer: DynamicLayer | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states [B, T, hidden] -> [B, T, hidden]; attention_mask None or bool [B, past + T];
         cu_seqlens None or [N + 1] packed-document boundaries (attention stays within each document)."""
-        q, k, v = (x.transpose(1, 2) for x in self.project(hidden_states, position_embeddings))  # [B, ·, T, D]
+        q, k, v = self.project(hidden_states, position_embeddings)
+        q, k, v = (x.transpose(1, 2) for x in (scaled_queries(q, position_embeddings), k, v))  # [B, ·, T, D]
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)  # [B, H_kv, past + T, D]
         o = causal_softmax_attention(q, k, v, attention_mask, cu_seqlens)
@@ -901,7 +932,7 @@ class SoftmaxHeadsMixin:
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: Rotation,
         attention_mask: torch.Tensor | None = None,
         cache_layer: LinearStateLayer | None = None,
         cu_seqlens: torch.Tensor | None = None,
@@ -911,7 +942,7 @@ class SoftmaxHeadsMixin:
         new_mask = None if attention_mask is None else attention_mask[:, -t:]  # [B, T]
         q, k, v = self.rotated_qkv(hidden_states, position_embeddings, new_mask, cache_layer, cu_seqlens)
         o = self.attend(hidden_states, q, k, v, new_mask, cache_layer, cu_seqlens)  # [B, T, H, V]
-        q_heads = q[:, :, self.softmax_query_heads].transpose(1, 2)  # [B, h, T, D]
+        q_heads = scaled_queries(q[:, :, self.softmax_query_heads], position_embeddings).transpose(1, 2)  # [B, h, T, D]
         k_heads, v_heads = (x[:, :, self.softmax_kv_heads].transpose(1, 2) for x in (k, v))  # [B, h_kv, T, D]
         if cache_layer is not None:
             k_heads, v_heads = cache_layer.update_softmax_heads(k_heads, v_heads)  # [B, h_kv, past + T, D]
@@ -970,7 +1001,7 @@ class LinearAttentionDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: Rotation,
         attention_mask: torch.Tensor | None = None,
         cache_layer: LinearStateLayer | DynamicLayer | None = None,
         cu_seqlens: torch.Tensor | None = None,

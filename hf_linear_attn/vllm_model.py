@@ -62,8 +62,10 @@ from .modeling_linear_attention import (
     LinearAttentionMLP,
     LinearAttentionRMSNorm,
     LinearAttentionRotaryEmbedding,
+    Rotation,
     SoftmaxAttention,
     attention_class,
+    scaled_queries,
 )
 from .ops_sparse_memory import MEMORY_BLOCK_SIZE
 
@@ -197,13 +199,13 @@ class StateSlots(MambaBase):
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return tuple(dtype for _, _, dtype in self.specs)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
-        """hidden_states [N, hidden] (every scheduled token), position_embeddings the cos / sin tables of their
-        positions [1, N, 1, D] -> [N, hidden]. The transformers layer's ops in its order: per group of requests
-        (`groups`) the projections, short convolution and RoPE (`rotated_qkv`) and the kind's attention (`attend`)
-        on the group's cache layer; then, with softmax heads, the paged attention of their q / k / v over every
-        token replaces those query heads' outputs (as `SoftmaxHeadsMixin.forward`); then o_proj. Tokens past the
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Rotation) -> torch.Tensor:
+        """hidden_states [N, hidden] (every scheduled token), position_embeddings the `Rotation` of their positions
+        (cos / sin tables [1, N, 1, D], the softmax heads' query scale [1, N, 1, 1]) -> [N, hidden]. The
+        transformers layer's ops in its order: per group of requests (`groups`) the projections, short convolution
+        and RoPE (`rotated_qkv`) and the kind's attention (`attend`) on the group's cache layer; then, with softmax
+        heads, the paged attention of their q (scaled) / k / v over every token replaces those query heads' outputs
+        (as `SoftmaxHeadsMixin.forward`); then o_proj. Tokens past the
         last request's (vLLM's padding) get 0; so does every token in vLLM's profiling run, which binds no slots."""
         output = torch.zeros_like(hidden_states)
         metadata = get_forward_context().attn_metadata
@@ -215,12 +217,12 @@ class StateSlots(MambaBase):
         if self.softmax_heads is not None:  # q [N, H, D], k, v [N, H_kv, D] of every token, for the softmax heads
             qkv = [hidden_states.new_zeros(n, heads, head_dim)
                    for heads in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
-        cos, sin = (x[0] for x in position_embeddings)  # [N, 1, D]
+        cos, sin = position_embeddings.cos[0], position_embeddings.signed_sin[0]  # [N, 1, D]
         for tokens, slots, contexts in self.groups(metadata):  # tokens [B, T]; slots, contexts: B ints each
             x = hidden_states[tokens]  # [B, T, hidden]
             batch = self.slot_batch(slots, contexts)
             cache_layer = self.cache_layer(batch)
-            q, k, v = self.rotated_qkv(x, (cos[tokens], sin[tokens]), None, cache_layer, None)
+            q, k, v = self.rotated_qkv(x, Rotation(cos[tokens], sin[tokens], None), None, cache_layer, None)
             o[tokens] = self.attend(x, q, k, v, None, cache_layer, None)
             self.store(cache_layer, batch)
             if self.softmax_heads is not None:
@@ -229,7 +231,8 @@ class StateSlots(MambaBase):
         if self.softmax_heads is not None:
             q, k, v = qkv
             kv_heads = self.softmax_kv_heads
-            heads = self.softmax_heads(q[:, self.softmax_query_heads].reshape(n, -1),
+            q_heads = scaled_queries(q[None, :, self.softmax_query_heads], position_embeddings)[0]  # [N, h, D]
+            heads = self.softmax_heads(q_heads.reshape(n, -1),
                                        k[:, kv_heads].reshape(n, -1), v[:, kv_heads].reshape(n, -1))
             o[:, self.softmax_query_heads] = heads.view(n, -1, head_dim).to(o.dtype)
         real = int(metadata.query_start_loc[-1])
@@ -341,11 +344,11 @@ class PagedSoftmaxAttention(SoftmaxAttention):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
                               cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
-        """hidden_states [N, hidden], position_embeddings [1, N, 1, D] each -> [N, hidden]."""
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Rotation) -> torch.Tensor:
+        """hidden_states [N, hidden], position_embeddings (`Rotation`) of [1, N, ...] -> [N, hidden]."""
         n = hidden_states.shape[0]
-        q, k, v = (x.reshape(n, -1) for x in self.project(hidden_states[None], position_embeddings))
+        q, k, v = self.project(hidden_states[None], position_embeddings)
+        q, k, v = (x.reshape(n, -1) for x in (scaled_queries(q, position_embeddings), k, v))
         return self.project_out(self.attn(q, k, v).view(1, n, -1))[0]
 
 
@@ -365,7 +368,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Rotation
                 ) -> torch.Tensor:
         """hidden_states [N, hidden] -> [N, hidden] (pre-norm residual blocks, as the transformers layer)."""
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings)

@@ -1,5 +1,6 @@
 import ast
 import json
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -122,6 +123,9 @@ def test_rope_parameters_keep_scaling_type():
         ({"rope_position_cap": 1}, "rope_position_cap"),  # a cap at position 0 would leave no slow rotation at all
         # A length-dependent RoPE moves every position's rotation with the input; the cap fixes them.
         ({"rope_position_cap": 64, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_position_cap"),
+        # A negative β would flatten softmax attention past the trained positions instead of sharpening it.
+        ({"softmax_log_length_scale": -0.1}, "softmax_log_length_scale"),
+        ({"softmax_log_length_scale": float("inf")}, "softmax_log_length_scale"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides, field):
@@ -157,6 +161,8 @@ def test_invalid_values_raise_naming_the_field(overrides, field):
         ("pad_token_id", 0.5),
         ("base_model_type", 3),
         ("rope_theta", "x"),
+        ("softmax_log_length_scale", "0.5"),
+        ("softmax_log_length_scale", True),
         ("rope_parameters", "dynamic"),
         ("window_weight", "0.9"),
         ("window_weight", True),
@@ -268,6 +274,47 @@ def test_a_model_with_a_position_cap_decodes_past_it_as_its_forward_reads(overri
         steps, cache = [out.logits], out.past_key_values
         for t in range(12, 40):
             out = capped(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_the_log_length_scale_sharpens_only_softmax_attention_and_only_past_the_trained_positions(monkeypatch):
+    """With `softmax_log_length_scale` β the queries a softmax layer and a layer's softmax heads attend with are the
+    plain model's times 1 + β ln((p + 1) / max_position_embeddings) from the trained positions on, and 1 before: the
+    logits there are the plain model's to the bit; the linear heads and the window are untouched; token-by-token
+    decoding past the trained positions gives the full forward's logits (the scale follows the position, not the
+    call)."""
+    import hf_linear_attn.modeling_linear_attention as modeling
+
+    overrides = dict(max_position_embeddings=32, head_dim=32, window_size=8, num_sink_tokens=2, decay="scalar",
+                     softmax_layers=[0], softmax_heads={1: [0]})
+    plain = tiny_model(**overrides).eval()
+    scaled = tiny_model(**overrides, softmax_log_length_scale=0.5).eval()
+    scaled.load_state_dict(plain.state_dict())
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(0))
+    queries = []
+    attention = modeling.causal_softmax_attention
+    monkeypatch.setattr(modeling, "causal_softmax_attention", lambda q, *rest: queries.append(q) or attention(q, *rest))
+    x, positions = torch.randn(1, 80, 64), torch.arange(80)
+    with torch.no_grad():
+        torch.testing.assert_close(scaled(ids[:, :32]).logits, plain(ids[:, :32]).logits, rtol=0, atol=0)
+        full = scaled(ids).logits
+        assert not torch.allclose(full[:, 32:], plain(ids).logits[:, 32:], atol=1e-4)
+        queries.clear()
+        for layer, heads in ((0, 4), (1, 2)):  # the softmax layer's 4 query heads; the 2 of KV head 0 in layer 1
+            for model in (scaled, plain):  # the same input to both layers
+                model.model.layers[layer].self_attn(x, model.model.rotary_emb.rotation(x, positions[None]))
+            got, plain_queries = queries[-2:]  # [B, h, T, D] each
+            assert got.shape[1] == heads
+            factor = (1 + 0.5 * torch.log(torch.clamp(positions.float() + 1, min=32) / 32))[:, None]  # [T, 1]
+            assert factor[31] == 1 and factor[63] == pytest.approx(1 + 0.5 * math.log(2))
+            torch.testing.assert_close(got, plain_queries * factor, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        out = scaled(ids[:, :20], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(20, 80):
+            out = scaled(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
             cache = out.past_key_values
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)

@@ -131,8 +131,8 @@ def test_convert_cli_takes_every_attention_option(tmp_path):
     out = tmp_path / "out"
     assert run_convert("--model_name_or_path", str(tmp_path / "src"), "--output_dir", str(out), "--feature_map", "elu",
                        "--window_size", "0", "--num_sink_tokens", "0", "--decay", "vector", "--decay_low_rank_dim",
-                       "4", "--output_norm", "--no_normalize", "--linear_attention_backend", "torch",
-                       "--window_weight", "0.75", "--rope_position_cap", "16") == 0
+                       "4", "--output_norm", "--no_normalize", "--linear_attention_backend", "torch", "--window_weight",
+                       "0.75", "--rope_position_cap", "16", "--softmax_log_length_scale", "0.25") == 0
     config = AutoModelForCausalLM.from_pretrained(out).config
     assert config.rope_position_cap == 16
     assert {name: getattr(config, name) for name in ATTENTION_OPTIONS} == {
@@ -140,7 +140,7 @@ def test_convert_cli_takes_every_attention_option(tmp_path):
         "decay_low_rank_dim": 4, "decay_horizon": 2048, "window_size": 0, "num_sink_tokens": 0, "window_weight": 0.75,
         "softmax_layers": [],
         "linear_attention_backend": "torch", "update_rule": "additive", "conv_size": 0, "output_gate": False,
-        "sparse_cache_size": 0}
+        "sparse_cache_size": 0, "softmax_log_length_scale": 0.25}
 
 
 def test_conversion_defaults_are_the_lolcats_recipe():

@@ -489,7 +489,7 @@ def test_delta_layer_is_gated_deltanet_from_its_parts():
         padded = torch.cat([torch.zeros(2, 3, 128), qkv], dim=1)
         qkv = torch.stack([(padded[:, t : t + 4] * weight.T).sum(1) for t in range(11)], dim=1)
         q, k, v = (part.reshape(2, 11, -1, 16) for part in qkv.split([64, 32, 32], dim=-1))
-        cos, sin = position_embeddings
+        cos, sin, _ = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)
         k = k.repeat_interleave(2, dim=2)
         q, k = F.elu(q) + 1, F.elu(k) + 1

@@ -211,7 +211,7 @@ def test_batched_decode_step_equals_each_requests_own(kind):
             for (name, _, _), tensor in zip(layer.specs, layer.kv_cache, strict=True):
                 if name != PADDING:
                     tensor[slot] = getattr(cache.layers[0], name)[0]
-            own = tuple(part[row : row + 1] for part in rotation)
+            own = rotation._replace(cos=rotation.cos[row : row + 1], signed_sin=rotation.signed_sin[row : row + 1])
             q, k, v = attention.rotated_qkv(x[row : row + 1], own, None, cache.layers[0], None)
             expected_o.append(attention.attend(x[row : row + 1], q, k, v, None, cache.layers[0], None))
             expected_state.append(cache.layers[0])
