@@ -21,8 +21,8 @@ WINDOW = {"feature_map": "hedgehog", "feature_dim": 8, "window_size": 5, "num_si
 LAYOUTS = {
     **{name: (overrides, torch.float32) for name, overrides in VARIANTS.items()},
     "softmax-heads": ({"softmax_heads": {0: [1]}, "rope_position_cap": 256}, torch.float32),
-    "window-softmax-heads-and-layer": ({**WINDOW, "softmax_heads": {0: [0, 1]}, "softmax_layers": [1]},
-                                       torch.float32),
+    "window-softmax-heads-and-layer": ({**WINDOW, "softmax_heads": {0: [0, 1]}, "softmax_layers": [1],
+                                        "softmax_log_length_scale": 0.4}, torch.float32),
     "sparse-memory-softmax-heads": ({**WINDOW, "decay": "scalar", "sparse_cache_size": 2, "softmax_heads": {1: [0]}},
                                     torch.float32),
     "delta-window-softmax-heads-bfloat16": (
@@ -86,6 +86,9 @@ def test_the_card_states_the_bytes_the_cache_holds(name, tmp_path):
     cap = model.config.rope_position_cap
     assert ("(`rope_position_cap`)" in card) == bool(cap)
     assert not cap or f"held at position {cap - 1} (`rope_position_cap`)" in card
+    beta, trained = model.config.softmax_log_length_scale, model.config.max_position_embeddings
+    scaled = f"× (1 + {beta} ln((p + 1) / {trained})) from position {trained - 1} on (`softmax_log_length_scale`)"
+    assert (scaled in card) == bool(beta and (heads or softmax_layers))
     assert ("whose key/value cache grows" in card) == has_softmax  # the card's opening says so too
 
 
