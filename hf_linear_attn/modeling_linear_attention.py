@@ -260,7 +260,7 @@ class AttentionProjections(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as the softmax teacher computes them: `project_unrotated`, then RoPE on q and k."""
         q, k, v = self.project_unrotated(x)
-        return *apply_rotary(q, k, *position_embeddings[:2]), v
+        return *apply_rotary(q, k, position_embeddings.cos, position_embeddings.signed_sin), v
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> o_proj of its heads concatenated, [B, T, hidden] (a 2-D product, as in `project`)."""
@@ -418,7 +418,7 @@ class LinearAttention(AttentionProjections):
         q, k, v = self.project_unrotated(hidden_states)
         if self.qkv_conv is not None:
             q, k, v = self.short_conv(q, k, v, new_mask, cache_layer, cu_seqlens)
-        return *apply_rotary(q, k, *position_embeddings[:2]), v
+        return *apply_rotary(q, k, position_embeddings.cos, position_embeddings.signed_sin), v
 
     def attend(
         self,
