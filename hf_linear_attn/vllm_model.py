@@ -205,8 +205,8 @@ class StateSlots(MambaBase):
         transformers layer's ops in its order: per group of requests (`groups`) the projections, short convolution
         and RoPE (`rotated_qkv`) and the kind's attention (`attend`) on the group's cache layer; then, with softmax
         heads, the paged attention of their q (scaled) / k / v over every token replaces those query heads' outputs
-        (as `SoftmaxHeadsMixin.forward`); then o_proj. Tokens past the
-        last request's (vLLM's padding) get 0; so does every token in vLLM's profiling run, which binds no slots."""
+        (as `SoftmaxHeadsMixin.forward`); then o_proj. Tokens past the last request's (vLLM's padding) get 0; so does
+        every token in vLLM's profiling run, which binds no slots."""
         output = torch.zeros_like(hidden_states)
         metadata = get_forward_context().attn_metadata
         metadata = None if metadata is None else metadata.get(self.layer_name)
@@ -368,8 +368,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LinearAttentionRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: Rotation
-                ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Rotation) -> torch.Tensor:
         """hidden_states [N, hidden] -> [N, hidden] (pre-norm residual blocks, as the transformers layer)."""
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
