@@ -43,9 +43,11 @@ from .head_selection import RetrievalPrompt
 from .modeling_linear_attention import (
     LinearAttention,
     LinearAttentionForCausalLM,
+    Rotation,
     SoftmaxAttention,
     attention_class,
     causal_softmax_attention,
+    scaled_queries,
 )
 
 # Positions per slice of the LM head when comparing distributions: bounds the [positions, vocab] temporaries.
@@ -443,7 +445,7 @@ def estimated_restoration_gains(student: LinearAttentionForCausalLM, prompts: Se
 
     def attention_input(index):
         def hook(module, args):
-            captured[index]["input"] = (args[0].detach(), tuple(x.detach() for x in args[1]))
+            captured[index]["input"] = (args[0].detach(), Rotation(*(x if x is None else x.detach() for x in args[1])))
         return hook
 
     def output_before_o_proj(index):
@@ -472,8 +474,9 @@ def estimated_restoration_gains(student: LinearAttentionForCausalLM, prompts: Se
                 for index, output, gradient in zip(layers, outputs, gradients, strict=True):
                     attention = student.model.layers[index].self_attn
                     normed, position_embeddings = captured[index].pop("input")
-                    q, k, v = (x.transpose(1, 2) for x in attention.rotated_qkv(normed, position_embeddings, None,
-                                                                                 None, None))  # [1, ·, T, D]
+                    q, k, v = attention.rotated_qkv(normed, position_embeddings, None, None, None)
+                    q = scaled_queries(q, position_embeddings)  # as a restored head's, past the trained positions
+                    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [1, ·, T, D]
                     exact = causal_softmax_attention(q, k, v).transpose(1, 2)  # [1, T, H, V]
                     change = exact.reshape(output.shape).to(output.dtype) - output.detach()  # [T, H·V]
                     per_head = (gradient * change).float().view(-1, config.num_key_value_heads, groups, exact.shape[-1])
