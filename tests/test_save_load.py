@@ -194,20 +194,23 @@ def test_remote_code_loads_where_the_package_is_not_installed(saved, tmp_path):
     assert "REMOTE-CODE-OK" in result.stdout
 
 
-def test_a_checkpoint_with_a_position_cap_reads_past_it_where_the_package_is_not_installed(tmp_path):
-    """`rope_position_cap` is saved in config.json and honoured by the remote code: past the cap, a process without
-    the package gives this process's logits (and not those of the uncapped model)."""
+def test_a_checkpoint_read_past_its_positions_reads_so_where_the_package_is_not_installed(tmp_path):
+    """`rope_position_cap` and `softmax_log_length_scale` are saved in config.json and honoured by the remote code:
+    past the trained positions, a process without the package gives this process's logits (and not those of the
+    model without either)."""
     from helpers import stranger_logits
 
     model = tiny_model(max_position_embeddings=64, rope_position_cap=16, head_dim=32, window_size=8,
-                       num_sink_tokens=2).eval()
+                       num_sink_tokens=2, softmax_heads={1: [0]}, softmax_log_length_scale=0.5).eval()
     model.save_pretrained(tmp_path / "capped")
-    assert json.loads((tmp_path / "capped" / "config.json").read_text())["rope_position_cap"] == 16
-    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(0))
+    saved = json.loads((tmp_path / "capped" / "config.json").read_text())
+    assert (saved["rope_position_cap"], saved["softmax_log_length_scale"]) == (16, 0.5)
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids).logits
     got = stranger_logits(tmp_path / "stranger", ids, tmp_path / "capped")[str(tmp_path / "capped")]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    uncapped = AutoModelForCausalLM.from_pretrained(tmp_path / "capped", rope_position_cap=None).eval()
-    with torch.no_grad():
-        assert not torch.allclose(uncapped(ids).logits, expected, atol=1e-4)
+    for option in ({"rope_position_cap": None}, {"softmax_log_length_scale": 0.0}):
+        other = AutoModelForCausalLM.from_pretrained(tmp_path / "capped", **option).eval()
+        with torch.no_grad():
+            assert not torch.allclose(other(ids).logits, expected, atol=1e-4), option
