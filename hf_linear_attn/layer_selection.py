@@ -43,7 +43,6 @@ from .head_selection import RetrievalPrompt
 from .modeling_linear_attention import (
     LinearAttention,
     LinearAttentionForCausalLM,
-    Rotation,
     SoftmaxAttention,
     attention_class,
     causal_softmax_attention,
@@ -445,7 +444,7 @@ def estimated_restoration_gains(student: LinearAttentionForCausalLM, prompts: Se
 
     def attention_input(index):
         def hook(module, args):
-            captured[index]["input"] = (args[0].detach(), Rotation(*(x if x is None else x.detach() for x in args[1])))
+            captured[index]["input"] = (args[0].detach(), args[1])  # the Rotation: built without a graph
         return hook
 
     def output_before_o_proj(index):

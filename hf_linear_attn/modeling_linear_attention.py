@@ -891,6 +891,14 @@ class SoftmaxAttention(AttentionProjections):
         super().__init__(config)
         self.layer_idx = layer_idx
 
+    def scaled_qkv(
+        self, x: torch.Tensor, position_embeddings: Rotation
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k, v [B, T, H_kv, D] as this layer attends with them: `project`, the queries scaled past
+        the trained positions (`scaled_queries`)."""
+        q, k, v = self.project(x, position_embeddings)
+        return scaled_queries(q, position_embeddings), k, v
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -901,8 +909,7 @@ class SoftmaxAttention(AttentionProjections):
     ) -> torch.Tensor:
         """hidden_states [B, T, hidden] -> [B, T, hidden]; attention_mask None or bool [B, past + T];
         cu_seqlens None or [N + 1] packed-document boundaries (attention stays within each document)."""
-        q, k, v = self.project(hidden_states, position_embeddings)
-        q, k, v = (x.transpose(1, 2) for x in (scaled_queries(q, position_embeddings), k, v))  # [B, ·, T, D]
+        q, k, v = (x.transpose(1, 2) for x in self.scaled_qkv(hidden_states, position_embeddings))  # [B, ·, T, D]
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)  # [B, H_kv, past + T, D]
         o = causal_softmax_attention(q, k, v, attention_mask, cu_seqlens)

@@ -347,8 +347,7 @@ class PagedSoftmaxAttention(SoftmaxAttention):
     def forward(self, hidden_states: torch.Tensor, position_embeddings: Rotation) -> torch.Tensor:
         """hidden_states [N, hidden], position_embeddings (`Rotation`) of [1, N, ...] -> [N, hidden]."""
         n = hidden_states.shape[0]
-        q, k, v = self.project(hidden_states[None], position_embeddings)
-        q, k, v = (x.reshape(n, -1) for x in (scaled_queries(q, position_embeddings), k, v))
+        q, k, v = (x.reshape(n, -1) for x in self.scaled_qkv(hidden_states[None], position_embeddings))
         return self.project_out(self.attn(q, k, v).view(1, n, -1))[0]
 
 

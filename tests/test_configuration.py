@@ -258,6 +258,19 @@ def test_the_position_cap_holds_only_the_rotations_training_never_saw_complete()
     torch.testing.assert_close(held[:, ~slow], free[:, ~slow], rtol=0, atol=0)
 
 
+@torch.no_grad()
+def stepwise_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """The logits [1, T, V] of ids [1, T] read through the cache: the first `prefill` tokens in one call, then one
+    token a call."""
+    out = model(ids[:, :prefill], use_cache=True)
+    steps, cache = [out.logits], out.past_key_values
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        steps.append(out.logits)
+        cache = out.past_key_values
+    return torch.cat(steps, dim=1)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"window_size": 8, "num_sink_tokens": 2, "decay": "scalar",
                                            "softmax_heads": {1: [0]}}], ids=["linear", "window+heads"])
 def test_a_model_with_a_position_cap_decodes_past_it_as_its_forward_reads(overrides):
@@ -270,13 +283,7 @@ def test_a_model_with_a_position_cap_decodes_past_it_as_its_forward_reads(overri
         torch.testing.assert_close(capped(ids[:, :16]).logits, plain(ids[:, :16]).logits, rtol=0, atol=0)
         full = capped(ids).logits
         assert not torch.allclose(full, plain(ids).logits, atol=1e-4)
-        out = capped(ids[:, :12], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        for t in range(12, 40):
-            out = capped(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.past_key_values
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stepwise_logits(capped, ids, prefill=12), full, rtol=1e-4, atol=1e-4)
 
 
 def test_the_log_length_scale_sharpens_only_softmax_attention_and_only_past_the_trained_positions(monkeypatch):
@@ -310,14 +317,7 @@ def test_the_log_length_scale_sharpens_only_softmax_attention_and_only_past_the_
             factor = (1 + 0.5 * torch.log(torch.clamp(positions.float() + 1, min=32) / 32))[:, None]  # [T, 1]
             assert factor[31] == 1 and factor[63] == pytest.approx(1 + 0.5 * math.log(2))
             torch.testing.assert_close(got, plain_queries * factor, rtol=1e-6, atol=1e-6)
-    with torch.no_grad():
-        out = scaled(ids[:, :20], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        for t in range(20, 80):
-            out = scaled(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.past_key_values
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stepwise_logits(scaled, ids, prefill=20), full, rtol=1e-4, atol=1e-4)
 
 
 DELTA = {"update_rule": "delta", "feature_map": "identity", "normalize": False}
