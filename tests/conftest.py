@@ -67,6 +67,9 @@ TIERS = {
     "test_triton_decode.py::test_window_steps_from_an_empty_cache": ONE,
     # The torch ops: every backend, decay and shape is also in the quick tier's covering cases.
     "test_ops.py::test_backends_match_recurrent": COVER,
+    # torch.export of the no-cache forward (4-10 s a variant): the variant with the most parts (delta rule, decay,
+    # short convolution, output norm and gate, window, sinks) first, the rest in the full tier.
+    "test_modeling.py::test_torch_export_of_the_no_cache_forward_matches_eager": ONE,
     # Compilation: one variant (every variant's decode step is traced by test_decode_step_has_no_graph_breaks).
     "test_compile.py::test_generate_with_a_compiled_forward_gives_the_eager_tokens": ONE,
     "test_compile.py::test_inductor_compiled_decode_gives_the_eager_tokens": FULL,

@@ -152,14 +152,16 @@ def test_a_models_four_recipes_run_end_to_end_on_a_stand_in(model, tmp_path, mon
     """Convert (the teacher's retrieval heads kept) -> stage 1 -> restoration ranking -> stage 2 (KL, LoRA), each run
     by its recipe's name; the checkpoints land where the recipes say, relative to the folder they run in. Given on the
     command line: the model and the dataset (a local folder, streamed as the recipe says), and how much work a step
-    does: 2 steps of one row, one held-out row, 2 ranking prompts, and bf16 only where the machine computes it natively
-    (`auto`: emulated on most CPUs, several times slower). Everything else is the recipe's."""
+    does: 2 steps of one row of 512 tokens, one held-out row, 2 ranking prompts (of 512 tokens too), and bf16 only
+    where the machine computes it natively (`auto`: emulated on most CPUs, several times slower). Everything else is
+    the recipe's (the rows' length is checked against the recipes by the test above)."""
     save_stand_in(model, tmp_path / "teacher")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     write_documents(corpus / "docs.jsonl", count=3000)
     monkeypatch.chdir(tmp_path)
-    data = ["--dataset_name", str(corpus), "--dataset_config_name", "", "--cache_dir", str(dataset_cache)]
+    data = ["--dataset_name", str(corpus), "--dataset_config_name", "", "--cache_dir", str(dataset_cache),
+            "--block_size", "512"]
     ranking = ["--model_name_or_path", str(tmp_path / "teacher"), "--head_ranking_prompts", "2"]
     training = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
                 "--max_eval_samples", "1", "--mixed_precision", "auto"]
