@@ -63,13 +63,24 @@ TIERS = {
     "test_triton_ops.py::test_packed_calls_read_no_values_on_the_host": FULL,
     "test_delta_rule_triton.py::test_matches_recurrent_oracle": COVER,
     "test_delta_rule_triton.py::test_low_precision_matches_float64_oracle": ONE,
+    "test_delta_rule_triton.py::test_packed_sequences_match_recurrent": ONE,
     "test_triton_decode.py::test_window_step_matches_twin": COVER,
     "test_triton_decode.py::test_window_steps_from_an_empty_cache": ONE,
+    # The model's decode steps on the kernels: the window hybrid with decay (the window kernel; the linear step kernel
+    # is checked against its twin in the quick tier's op tests).
+    "test_triton_decode.py::test_generate_with_the_kernels_matches_torch": ONE,
+    # Without triton (a fresh interpreter each, ~9 s): the quick tier imports every Triton module so
+    # (test_triton_ops.py); the decode and delta-rule modules' own messages in the full tier.
+    "test_triton_decode.py::test_module_imports_without_triton": FULL,
+    "test_delta_rule_triton.py::test_without_triton_the_backend_explains_itself": FULL,
     # The torch ops: every backend, decay and shape is also in the quick tier's covering cases.
     "test_ops.py::test_backends_match_recurrent": COVER,
     # torch.export of the no-cache forward (4-10 s a variant): the variant with the most parts (delta rule, decay,
     # short convolution, output norm and gate, window, sinks) first, the rest in the full tier.
     "test_modeling.py::test_torch_export_of_the_no_cache_forward_matches_eager": ONE,
+    # Reading past the trained positions where the package is not installed (a fresh interpreter; the quick tier
+    # keeps test_remote_code_loads_where_the_package_is_not_installed, and the options' own tests).
+    "test_save_load.py::test_a_checkpoint_read_past_its_positions_reads_so_where_the_package_is_not_installed": FULL,
     # Compilation: one variant (every variant's decode step is traced by test_decode_step_has_no_graph_breaks).
     "test_compile.py::test_generate_with_a_compiled_forward_gives_the_eager_tokens": ONE,
     "test_compile.py::test_inductor_compiled_decode_gives_the_eager_tokens": FULL,

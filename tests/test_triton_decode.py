@@ -338,8 +338,8 @@ def test_module_imports_without_triton():
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="forces the CUDA-only selection on CPU tensors (the interpreter)")
-@pytest.mark.parametrize("variant", ["elu", "relu-unnormalized", "t2r-vector-decay", "hedgehog-window-sinks",
-                                     "hedgehog-window-sinks-scalar-decay",
+@pytest.mark.parametrize("variant", ["hedgehog-window-sinks-scalar-decay", "elu", "relu-unnormalized",
+                                     "t2r-vector-decay", "hedgehog-window-sinks",
                                      "hedgehog-window-sinks-scalar-decay-sparse-memory"])
 def test_generate_with_the_kernels_matches_torch(variant, monkeypatch):
     """The model's decode steps on the kernels (forced here with backend "triton", as "auto" picks them on CUDA): a
