@@ -69,11 +69,17 @@ lm-eval-needles: install long-context-data
 # Two tiers, chosen in one place, the TIERS table of tests/conftest.py (it marks `full` the tests, or cases, that only
 # the full tier runs): `make test` is the quick tier (every code path once, ≤ 8 minutes on 2 cores) to run while
 # working; `make test-full` runs every test, as CI does.
+# The tests run on every core at once: one pytest-xdist worker a core (`TEST_WORKERS`, `auto`), whole files to a
+# worker (xdist's `loadfile` distribution, so a module's fixtures are built once), each on one thread (the tests'
+# tensors are small: a second thread per test gained little, a second worker halves the time; docs/design.md, "Test
+# tiers").
+TEST_WORKERS ?= auto
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 test: install transformers-tests
-	$(PY) -m pytest -q --durations=15 -m "not full" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(PYTEST_PARALLEL) -m "not full" tests
 
 test-full: install transformers-tests
-	$(PY) -m pytest -q --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(PYTEST_PARALLEL) tests
 
 # transformers' own common model tests (test_modeling_common.py, test_configuration_common.py) ship in the source
 # distribution of each release on PyPI, not in its wheel: fetched here, at install time, for the installed release
@@ -100,7 +106,7 @@ test-oldest:
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(OLD_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
-	$(OLD_VENV)/bin/python -m pytest -q tests/test_configuration.py tests/test_modeling.py tests/test_cache.py \
+	OMP_NUM_THREADS=1 $(OLD_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) tests/test_configuration.py tests/test_modeling.py tests/test_cache.py \
 		tests/test_save_load.py tests/test_conversion.py tests/test_previous_revision.py
 
 # Benchmarks print tables and write JSON + PNG under outputs/ (see benchmarks/*.py for options).
