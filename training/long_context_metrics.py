@@ -36,6 +36,7 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from hf_linear_attn.configuration_linear_attention import InputError
@@ -265,7 +266,8 @@ def passkey_scores(model, trials: list[PasskeyTrial]) -> dict[str, float]:
     argmax)."""
     if not trials:
         raise InputError("passkey scores need at least one trial")
-    scores = [key_score(model, trial) for trial in trials]
+    scores = [key_score(model, trial) for trial in tqdm(  # at 8K+ tokens a trial is a minute of CPU
+        trials, desc=f"passkey trials of {trials[0].input_ids.shape[1]} tokens", unit="trial", leave=False)]
     log_probs = torch.tensor([s.log_prob for s in scores], dtype=torch.float64)
     tokens = sum(s.tokens for s in scores)
     se = log_probs.std().item() / math.sqrt(len(scores)) if len(scores) > 1 else 0.0
