@@ -75,11 +75,12 @@ lm-eval-needles: install long-context-data
 # tiers").
 TEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+test test-full test-oldest: export OMP_NUM_THREADS := 1
 test: install transformers-tests
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(PYTEST_PARALLEL) -m "not full" tests
+	$(PY) -m pytest -q --durations=15 $(PYTEST_PARALLEL) -m "not full" tests
 
 test-full: install transformers-tests
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(PYTEST_PARALLEL) tests
+	$(PY) -m pytest -q --durations=15 $(PYTEST_PARALLEL) tests
 
 # transformers' own common model tests (test_modeling_common.py, test_configuration_common.py) ship in the source
 # distribution of each release on PyPI, not in its wheel: fetched here, at install time, for the installed release
@@ -106,8 +107,8 @@ test-oldest:
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(OLD_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
-	OMP_NUM_THREADS=1 $(OLD_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) tests/test_configuration.py tests/test_modeling.py tests/test_cache.py \
-		tests/test_save_load.py tests/test_conversion.py tests/test_previous_revision.py
+	$(OLD_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) tests/test_configuration.py tests/test_modeling.py \
+		tests/test_cache.py tests/test_save_load.py tests/test_conversion.py tests/test_previous_revision.py
 
 # Benchmarks print tables and write JSON + PNG under outputs/ (see benchmarks/*.py for options).
 bench: install
